@@ -1,0 +1,408 @@
+"""The M2M100/NLLB translation Transformer for one device, as an ordered list of blocks.
+
+The model is written once, with no knowledge of parallelism. It is a sequence of
+*blocks* that a pipeline can cut anywhere:
+
+    src_embed, encoder.layers.0 .. encoder.layers.{E-1}, encoder.layer_norm,
+    tgt_embed, decoder.layers.0 .. decoder.layers.{D-1}, head
+
+Each block maps a *state* (a dict of tensors crossing block boundaries) to the
+next state, reading the micro-batch's integer inputs (ids, masks) directly:
+
+    src_embed   {}                         -> {hidden}              hidden: (B, S, H)
+    enc layer   {hidden}                   -> {hidden}
+    enc norm    {hidden}                   -> {encoder_out}         encoder_out: (B, S, H)
+    tgt_embed   {encoder_out}              -> {encoder_out, hidden} hidden: (B, T, H)
+    dec layer   {encoder_out, hidden}      -> {encoder_out, hidden}
+    head        {encoder_out?, hidden}     -> {logits}              logits: (B, T, V)
+
+Parameter names equal `transformers.M2M100ForConditionalGeneration`'s without the
+leading `model.` (`shared.weight`, `encoder.layers.3.fc1.weight`, ...), and layers
+live in `nn.ModuleDict`s keyed by their global index, so a pipeline stage that keeps
+only some blocks still names them the same (stable fully-qualified names).
+
+Tensor parallelism is applied from outside by swapping the `nn.Linear` /
+`nn.Embedding` / `LMHead` modules; attention therefore derives its local head count
+from the width of `q_proj`'s output rather than from the config.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from enum import Enum
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.config import ModelConfig
+
+State = dict[str, Tensor]
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Seq2SeqBatch:
+    """A batch of translation pairs, right-padded.
+
+    input_ids:          (B, S) `__src__ tokens </s>` then pad
+    attention_mask:     (B, S) 1 on real source tokens, 0 on padding
+    decoder_input_ids:  (B, T) `</s> __tgt__ tokens` then pad
+    labels:             (B, T) `__tgt__ tokens </s>` then -100
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    decoder_input_ids: Tensor
+    labels: Tensor
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def num_tokens(self) -> int:
+        """Number of target tokens that carry a loss."""
+        return int((self.labels != IGNORE_INDEX).sum().item())
+
+    def to(self, device: torch.device | str) -> Seq2SeqBatch:
+        return Seq2SeqBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+    def select(self, rows: slice | Tensor) -> Seq2SeqBatch:
+        """Rows `rows`, trimmed to the longest source and target among them (no global padding)."""
+        src = self.input_ids[rows]
+        mask = self.attention_mask[rows]
+        dec = self.decoder_input_ids[rows]
+        lab = self.labels[rows]
+        s_len = max(int(mask.sum(dim=1).max().item()), 1) if mask.numel() else 1
+        t_len = max(int((lab != IGNORE_INDEX).sum(dim=1).max().item()), 1) if lab.numel() else 1
+        return Seq2SeqBatch(src[:, :s_len], mask[:, :s_len], dec[:, :t_len], lab[:, :t_len])
+
+    def split(self, n: int) -> list[Seq2SeqBatch]:
+        """Cut into `n` equal micro-batches, each trimmed to its own longest sequence.
+
+        Raises:
+            ValueError: if `n` does not divide the batch size.
+        """
+        if n <= 0 or self.size % n != 0:
+            raise ValueError(f"num_microbatches={n} must divide the batch size {self.size}")
+        step = self.size // n
+        return [self.select(slice(i * step, (i + 1) * step)) for i in range(n)]
+
+
+class BlockKind(str, Enum):
+    SRC_EMBED = "src_embed"
+    ENC_LAYER = "enc_layer"
+    ENC_NORM = "enc_norm"
+    TGT_EMBED = "tgt_embed"
+    DEC_LAYER = "dec_layer"
+    HEAD = "head"
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """One block of the model; `index` is the layer index for encoder/decoder layers."""
+
+    kind: BlockKind
+    index: int = 0
+
+    @property
+    def name(self) -> str:
+        if self.kind is BlockKind.ENC_LAYER:
+            return f"encoder.layers.{self.index}"
+        if self.kind is BlockKind.DEC_LAYER:
+            return f"decoder.layers.{self.index}"
+        if self.kind is BlockKind.ENC_NORM:
+            return "encoder.layer_norm"
+        if self.kind is BlockKind.HEAD:
+            return "decoder.layer_norm+lm_head"
+        return self.kind.value
+
+    @property
+    def uses_shared_embedding(self) -> bool:
+        return self.kind in (BlockKind.SRC_EMBED, BlockKind.TGT_EMBED, BlockKind.HEAD)
+
+
+def block_specs(config: ModelConfig) -> list[BlockSpec]:
+    """The model's blocks in execution order."""
+    return (
+        [BlockSpec(BlockKind.SRC_EMBED)]
+        + [BlockSpec(BlockKind.ENC_LAYER, i) for i in range(config.encoder_layers)]
+        + [BlockSpec(BlockKind.ENC_NORM), BlockSpec(BlockKind.TGT_EMBED)]
+        + [BlockSpec(BlockKind.DEC_LAYER, i) for i in range(config.decoder_layers)]
+        + [BlockSpec(BlockKind.HEAD)]
+    )
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def sinusoidal_table(num_positions: int, dim: int, padding_idx: int) -> Tensor:
+    """fairseq/tensor2tensor sinusoids, as `M2M100SinusoidalPositionalEmbedding.get_embedding`."""
+    half = dim // 2
+    scale = math.log(10000) / (half - 1)
+    freqs = torch.exp(torch.arange(half, dtype=torch.float32) * -scale)
+    angles = torch.arange(num_positions, dtype=torch.float32).unsqueeze(1) * freqs.unsqueeze(0)
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+    if dim % 2 == 1:
+        table = torch.cat([table, torch.zeros(num_positions, 1)], dim=1)
+    table[padding_idx, :] = 0
+    return table
+
+
+class SinusoidalPositions(nn.Module):
+    """Positions count non-pad tokens from `padding_idx + 1`; pads get the zero row."""
+
+    def __init__(self, max_positions: int, dim: int, padding_idx: int) -> None:
+        super().__init__()
+        self.dim, self.padding_idx = dim, padding_idx
+        self.register_buffer("table", sinusoidal_table(max_positions + 2, dim, padding_idx), persistent=False)
+
+    def position_ids(self, ids: Tensor, offset: int = 0) -> Tensor:
+        mask = ids.ne(self.padding_idx).int()
+        return ((torch.cumsum(mask, dim=1) + offset) * mask).long() + self.padding_idx
+
+    def forward(self, ids: Tensor, offset: int = 0) -> Tensor:  # (B, T) -> (B, T, H)
+        pos = self.position_ids(ids, offset)
+        needed = int(pos.max().item()) + 1 if pos.numel() else 0
+        if needed > self.table.shape[0]:
+            self.table = sinusoidal_table(needed + 2, self.dim, self.padding_idx).to(self.table)
+        return self.table.index_select(0, pos.reshape(-1)).view(*ids.shape, self.dim)
+
+
+ACT_FNS = {"relu": F.relu, "gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+           "silu": F.silu, "swish": F.silu}
+
+
+class Attention(nn.Module):
+    """Multi-head attention through `scaled_dot_product_attention`.
+
+    The local head count is `q_proj.out_features // head_dim`, so a tensor-parallel
+    column split of q/k/v (heads split across tp ranks) needs no change here.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.head_dim = d_model // num_heads
+        self.dropout = dropout
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.k_proj = nn.Linear(d_model, d_model)
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def project_kv(self, kv: Tensor) -> tuple[Tensor, Tensor]:  # (B, S, H) -> 2 x (B, h, S, d)
+        b, s, _ = kv.shape
+        k = self.k_proj(kv).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(kv).view(b, s, -1, self.head_dim).transpose(1, 2)
+        return k, v
+
+    def forward(
+        self,
+        x: Tensor,  # (B, T, H)
+        kv: Tensor | None = None,  # (B, S, H) for cross-attention, else x
+        key_mask: Tensor | None = None,  # (B, S) bool, True = attend
+        causal: bool = False,
+        cached_kv: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, h, T, d)
+        k, v = cached_kv if cached_kv is not None else self.project_kv(x if kv is None else kv)
+        mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, S)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+            is_causal=causal and mask is None and t > 1,
+        )
+        return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class EncoderLayer(nn.Module):
+    """Pre-LN: x + Drop(SelfAttn(LN(x))); x + Drop(FFN(LN(x)))."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(c.d_model, c.encoder_attention_heads, c.attention_dropout)
+        self.self_attn_layer_norm = nn.LayerNorm(c.d_model)
+        self.fc1 = nn.Linear(c.d_model, c.encoder_ffn_dim)
+        self.fc2 = nn.Linear(c.encoder_ffn_dim, c.d_model)
+        self.final_layer_norm = nn.LayerNorm(c.d_model)
+        self.act = ACT_FNS[c.activation_function]
+        self.dropout, self.activation_dropout = c.dropout, c.activation_dropout
+
+    def ffn(self, x: Tensor) -> Tensor:
+        return self.fc2(F.dropout(self.act(self.fc1(x)), self.activation_dropout, self.training))
+
+    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
+        h = self.self_attn(self.self_attn_layer_norm(x), key_mask=src_mask)
+        x = x + F.dropout(h, self.dropout, self.training)
+        return x + F.dropout(self.ffn(self.final_layer_norm(x)), self.dropout, self.training)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-LN: causal self-attention, cross-attention on the encoder output, FFN."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(c.d_model, c.decoder_attention_heads, c.attention_dropout)
+        self.self_attn_layer_norm = nn.LayerNorm(c.d_model)
+        self.encoder_attn = Attention(c.d_model, c.decoder_attention_heads, c.attention_dropout)
+        self.encoder_attn_layer_norm = nn.LayerNorm(c.d_model)
+        self.fc1 = nn.Linear(c.d_model, c.decoder_ffn_dim)
+        self.fc2 = nn.Linear(c.decoder_ffn_dim, c.d_model)
+        self.final_layer_norm = nn.LayerNorm(c.d_model)
+        self.act = ACT_FNS[c.activation_function]
+        self.dropout, self.activation_dropout = c.dropout, c.activation_dropout
+
+    def ffn(self, x: Tensor) -> Tensor:
+        return self.fc2(F.dropout(self.act(self.fc1(x)), self.activation_dropout, self.training))
+
+    def forward(
+        self,
+        x: Tensor,
+        encoder_out: Tensor,
+        src_mask: Tensor,
+        self_kv: tuple[Tensor, Tensor] | None = None,
+        cross_kv: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        h = self.self_attn(self.self_attn_layer_norm(x), causal=True, cached_kv=self_kv)
+        x = x + F.dropout(h, self.dropout, self.training)
+        h = self.encoder_attn(self.encoder_attn_layer_norm(x), kv=encoder_out, key_mask=src_mask, cached_kv=cross_kv)
+        x = x + F.dropout(h, self.dropout, self.training)
+        return x + F.dropout(self.ffn(self.final_layer_norm(x)), self.dropout, self.training)
+
+
+class Stack(nn.Module):
+    """Layers keyed by global index (stable names under a pipeline split) and a final norm."""
+
+    def __init__(self, layers: Iterable[nn.Module], d_model: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(layers)})
+        self.layer_norm: nn.Module | None = nn.LayerNorm(d_model)
+
+
+class LMHead(nn.Module):
+    """logits = h E^T with the shared embedding E (no parameters of its own).
+
+    A separate module so tensor parallelism can swap in a vocab-parallel head.
+    """
+
+    def forward(self, h: Tensor, weight: Tensor) -> Tensor:  # (B, T, H) x (V, H) -> (B, T, V)
+        return F.linear(h, weight)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class M2M100Translation(nn.Module):
+    """M2M100/NLLB encoder-decoder with a shared source/target/output embedding."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        c = config
+        self.embed_scale = math.sqrt(c.d_model) if c.scale_embedding else 1.0
+        self.shared: nn.Module | None = nn.Embedding(c.vocab_size, c.d_model, padding_idx=c.pad_token_id)
+        self.positions = SinusoidalPositions(c.max_position_embeddings, c.d_model, c.pad_token_id)
+        self.encoder = Stack((EncoderLayer(c) for _ in range(c.encoder_layers)), c.d_model)
+        self.decoder = Stack((DecoderLayer(c) for _ in range(c.decoder_layers)), c.d_model)
+        self.lm_head: nn.Module | None = LMHead()
+        self.blocks: list[BlockSpec] = block_specs(c)
+        self.reset_parameters()
+
+    # --- construction helpers
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """HF M2M100 init: N(0, init_std) for linears and embeddings, zero bias and pad row."""
+        std = self.config.init_std
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.normal_(0.0, std)
+                if m.bias is not None:
+                    m.bias.zero_()
+            elif isinstance(m, nn.Embedding):
+                m.weight.normal_(0.0, std)
+                if m.padding_idx is not None:
+                    m.weight[m.padding_idx].zero_()
+            elif isinstance(m, nn.LayerNorm):
+                m.weight.fill_(1.0)
+                m.bias.zero_()
+
+    def keep_only(self, keep: Sequence[BlockSpec]) -> M2M100Translation:
+        """Drop every module not needed by the blocks in `keep` (in place; for a pipeline stage)."""
+        keep_set = set(keep)
+        for stack, kind in ((self.encoder, BlockKind.ENC_LAYER), (self.decoder, BlockKind.DEC_LAYER)):
+            for key in list(stack.layers.keys()):
+                if BlockSpec(kind, int(key)) not in keep_set:
+                    del stack.layers[key]
+        if BlockSpec(BlockKind.ENC_NORM) not in keep_set:
+            self.encoder.layer_norm = None
+        if BlockSpec(BlockKind.HEAD) not in keep_set:
+            self.decoder.layer_norm = None
+            self.lm_head = None
+        if not any(b.uses_shared_embedding for b in keep):
+            self.shared = None
+        self.blocks = [b for b in self.blocks if b in keep_set]
+        return self
+
+    # --- blocks
+
+    def embed(self, ids: Tensor, offset: int = 0) -> Tensor:  # (B, T) -> (B, T, H)
+        assert self.shared is not None
+        return self.shared(ids) * self.embed_scale + self.positions(ids, offset)
+
+    def run_block(self, spec: BlockSpec, state: State, batch: Seq2SeqBatch) -> State:
+        """Apply one block: state in, state out (see the module docstring)."""
+        src_mask = batch.attention_mask.bool()
+        drop = self.config.dropout
+        if spec.kind is BlockKind.SRC_EMBED:
+            return {"hidden": F.dropout(self.embed(batch.input_ids), drop, self.training)}
+        if spec.kind is BlockKind.ENC_LAYER:
+            return {"hidden": self.encoder.layers[str(spec.index)](state["hidden"], src_mask)}
+        if spec.kind is BlockKind.ENC_NORM:
+            assert self.encoder.layer_norm is not None
+            return {"encoder_out": self.encoder.layer_norm(state["hidden"])}
+        if spec.kind is BlockKind.TGT_EMBED:
+            hidden = F.dropout(self.embed(batch.decoder_input_ids), drop, self.training)
+            return {"encoder_out": state["encoder_out"], "hidden": hidden}
+        if spec.kind is BlockKind.DEC_LAYER:
+            layer = self.decoder.layers[str(spec.index)]
+            hidden = layer(state["hidden"], state["encoder_out"], src_mask)
+            return {"encoder_out": state["encoder_out"], "hidden": hidden}
+        assert spec.kind is BlockKind.HEAD and self.decoder.layer_norm is not None and self.lm_head is not None
+        assert self.shared is not None
+        return {"logits": self.lm_head(self.decoder.layer_norm(state["hidden"]), self.shared.weight)}
+
+    def run_blocks(self, state: State, batch: Seq2SeqBatch, blocks: Sequence[BlockSpec] | None = None) -> State:
+        for spec in self.blocks if blocks is None else blocks:
+            state = self.run_block(spec, state, batch)
+        return state
+
+    def forward(self, batch: Seq2SeqBatch) -> Tensor:
+        """Logits (B, T, V) of the whole model."""
+        return self.run_blocks({}, batch)["logits"]
+
+    def loss(self, batch: Seq2SeqBatch, label_smoothing: float = 0.0) -> tuple[Tensor, int]:
+        """(sum of token losses, number of target tokens)."""
+        return cross_entropy_sum(self(batch), batch.labels, label_smoothing)
+
+    # --- incremental decoding (generation)
+
+    def encode(self, batch: Seq2SeqBatch) -> Tensor:
+        state = self.run_blocks({}, batch, [b for b in self.blocks if b.kind in
+                                            (BlockKind.SRC_EMBED, BlockKind.ENC_LAYER, BlockKind.ENC_NORM)])
+        return state["encoder_out"]
+
+
+def cross_entropy_sum(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> tuple[Tensor, int]:
+    """Sum of (label-smoothed) token cross-entropies over non-ignored labels, and their count.
+
+    Summing here and dividing by the global batch's token count outside makes the
+    loss independent of how the batch is split (micro-batches, dp replicas).
+    """
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    target = labels.reshape(-1)
+    loss = F.cross_entropy(flat, target, ignore_index=IGNORE_INDEX, reduction="sum",
+                           label_smoothing=label_smoothing)
+    return loss, int((target != IGNORE_INDEX).sum().item())

@@ -1,0 +1,296 @@
+"""Job configuration: typed dataclasses, one per concern, parsed by `HfArgumentParser`.
+
+    python -m trainer.train --config configs/tiny.yaml --max_steps 20 --tensor_parallel_size 2
+
+The file (YAML or JSON) gives defaults, CLI flags override it, unknown keys in
+either are an error naming the key. Field names follow `Seq2SeqTrainingArguments`
+and `run_translation.py` where one exists; model fields follow `M2M100Config`.
+Each component receives only its own section.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from models.config import ModelConfig
+
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+REMAT_CHOICES = ("none", "full", "stage", "selective")
+PARTITION_CHOICES = ("uniform", "parameters", "time", "memory")
+SHARDING_CHOICES = ("none", "zero1")
+REPORT_CHOICES = ("none", "wandb")
+SCHEDULER_CHOICES = ("linear", "cosine", "constant", "constant_with_warmup", "inverse_sqrt", "polynomial")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names it and what is valid."""
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
+
+
+@dataclass
+class ModelArguments:
+    """Architecture (M2M100Config names) or an existing checkpoint to start from."""
+
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Hugging Face M2M100/NLLB directory to load and fine-tune."})
+    tokenizer_name: str | None = field(
+        default=None, metadata={"help": "Existing tokenizer directory; default: train SentencePiece on the data."})
+    vocab_size: int = field(default=8000, metadata={"help": "SentencePiece vocabulary size to train (incl. tags)."})
+    d_model: int = field(default=256, metadata={"help": "Hidden size."})
+    encoder_layers: int = field(default=3, metadata={"help": "Encoder layers."})
+    decoder_layers: int = field(default=3, metadata={"help": "Decoder layers."})
+    encoder_attention_heads: int = field(default=4, metadata={"help": "Encoder attention heads."})
+    decoder_attention_heads: int = field(default=4, metadata={"help": "Decoder attention heads."})
+    encoder_ffn_dim: int = field(default=1024, metadata={"help": "Encoder FFN width."})
+    decoder_ffn_dim: int = field(default=1024, metadata={"help": "Decoder FFN width."})
+    activation_function: str = field(default="relu", metadata={"help": "relu, gelu, gelu_new, silu."})
+    dropout: float = field(default=0.1, metadata={"help": "Residual/embedding dropout."})
+    attention_dropout: float = field(default=0.1, metadata={"help": "Attention-probability dropout."})
+    activation_dropout: float = field(default=0.0, metadata={"help": "Dropout after the FFN activation."})
+    max_position_embeddings: int = field(default=1024, metadata={"help": "Longest sequence."})
+    scale_embedding: bool = field(default=True, metadata={"help": "Multiply embeddings by sqrt(d_model)."})
+    init_std: float = field(default=0.02, metadata={"help": "Std of the normal init."})
+
+    def model_config(self, vocab_size: int, special_ids: dict[str, int]) -> ModelConfig:
+        """The ModelConfig for a tokenizer with `vocab_size` entries and these special ids."""
+        arch = {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("model_name_or_path", "tokenizer_name", "vocab_size")}
+        return ModelConfig(vocab_size=vocab_size, **arch, **special_ids)
+
+
+@dataclass
+class DataArguments:
+    """Where the parallel text comes from and how it is cut into batches."""
+
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "'builtin' for the embedded corpus, or any `datasets` name."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "`datasets` config name."})
+    train_file: str | None = field(
+        default=None,
+        metadata={"help": "JSON lines / JSON / Parquet in HF translation format, or a text path with "
+                          "'{lang}' (e.g. data/train.{lang}.gz) for line-aligned files per language."})
+    validation_file: str | None = field(default=None, metadata={"help": "Same formats as train_file."})
+    source_lang: str | None = field(default=None, metadata={"help": "Source language code (one direction)."})
+    target_lang: str | None = field(default=None, metadata={"help": "Target language code (one direction)."})
+    language_pairs: list[str] = field(
+        default_factory=list, metadata={"help": "Directions for multilingual runs, e.g. en-de de-en en-fr."})
+    builtin_size: int = field(default=4000, metadata={"help": "Builtin corpus: source items per language."})
+    max_source_length: int = field(default=128, metadata={"help": "Longer sources are skipped and counted."})
+    max_target_length: int = field(default=128, metadata={"help": "Longer targets are skipped and counted."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the training set."})
+    max_eval_samples: int | None = field(default=256, metadata={"help": "Truncate each evaluation direction."})
+    max_tokens_per_microbatch: int | None = field(
+        default=None, metadata={"help": "Cap a micro-batch by padded tokens instead of sentence count."})
+    spm_model_type: str = field(default="unigram", metadata={"help": "SentencePiece model type: unigram or bpe."})
+    spm_character_coverage: float = field(default=1.0, metadata={"help": "SentencePiece character coverage."})
+    spm_input_sentence_size: int = field(default=200000, metadata={"help": "Sentences sampled to train SPM."})
+
+    def __post_init__(self) -> None:
+        _check_choice("spm_model_type", self.spm_model_type, ("unigram", "bpe"))
+        if isinstance(self.language_pairs, str):
+            self.language_pairs = [p for p in self.language_pairs.replace(",", " ").split() if p]
+        for pair in self.language_pairs:
+            if pair.count("-") != 1 or not all(pair.split("-")):
+                raise ConfigError(f"language_pairs entry {pair!r} is not of the form src-tgt (e.g. en-de)")
+
+    def directions(self) -> list[tuple[str, str]]:
+        """The translation directions of the run."""
+        if self.language_pairs:
+            return [tuple(p.split("-")) for p in self.language_pairs]  # type: ignore[misc]
+        if self.source_lang and self.target_lang:
+            return [(self.source_lang, self.target_lang)]
+        raise ConfigError("no direction given: set source_lang and target_lang, or language_pairs")
+
+
+@dataclass
+class ParallelArguments:
+    """The (pp, dp, tp) mesh and the pipeline engine's knobs."""
+
+    pipeline_parallel_size: int = field(default=1, metadata={"help": "Pipeline stages (pp axis, outermost)."})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "Tensor-parallel ranks (tp axis, innermost)."})
+    data_parallel_size: int = field(default=-1, metadata={"help": "Data-parallel replicas; -1 = inferred."})
+    num_microbatches: int = field(default=1, metadata={"help": "Micro-batches per pipeline flush."})
+    pipeline_schedule: str = field(default="1f1b", metadata={"help": f"One of {list(SCHEDULE_CHOICES)}."})
+    virtual_pipeline_stages: int = field(default=2, metadata={"help": "Stages per rank for interleaved_1f1b."})
+    activation_checkpointing: str = field(default="none", metadata={"help": f"One of {list(REMAT_CHOICES)}."})
+    partition_method: str = field(
+        default="uniform",
+        metadata={"help": f"One of {list(PARTITION_CHOICES)} or block counts per stage, e.g. '5,4,4,5'."})
+    sequence_parallel: bool = field(default=False, metadata={"help": "Split norms/dropout along the sequence."})
+    data_parallel_sharding: str = field(default="none", metadata={"help": f"One of {list(SHARDING_CHOICES)}."})
+    allow_tp_across_nodes: bool = field(default=False, metadata={"help": "Permit tp > LOCAL_WORLD_SIZE."})
+    dist_timeout_s: int = field(default=600, metadata={"help": "Collective timeout in seconds."})
+
+    def __post_init__(self) -> None:
+        _check_choice("pipeline_schedule", self.pipeline_schedule, SCHEDULE_CHOICES)
+        _check_choice("activation_checkpointing", self.activation_checkpointing, REMAT_CHOICES)
+        _check_choice("data_parallel_sharding", self.data_parallel_sharding, SHARDING_CHOICES)
+        if self.partition_method not in PARTITION_CHOICES:
+            try:
+                self.partition_balance()
+            except ValueError:
+                raise ConfigError(
+                    f"partition_method={self.partition_method!r} is not valid; choose one of "
+                    f"{list(PARTITION_CHOICES)} or a comma list of block counts like '5,4,4,5'") from None
+        for name in ("pipeline_parallel_size", "tensor_parallel_size", "num_microbatches",
+                     "virtual_pipeline_stages"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.data_parallel_size == 0 or self.data_parallel_size < -1:
+            raise ConfigError(f"data_parallel_size={self.data_parallel_size} must be >= 1 or -1 (inferred)")
+
+    def partition_balance(self) -> list[int] | None:
+        """Explicit block counts per stage, or None for a named method."""
+        if self.partition_method in PARTITION_CHOICES:
+            return None
+        return [int(x) for x in str(self.partition_method).replace(" ", "").strip("[]").split(",") if x]
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.virtual_pipeline_stages if self.pipeline_schedule == "interleaved_1f1b" else 1
+
+
+@dataclass
+class TrainingArguments:
+    """The optimisation loop, evaluation, checkpoints and tracking (TrainingArguments names)."""
+
+    output_dir: str = field(default="outputs/run", metadata={"help": "Where everything is written."})
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Reuse a non-empty output_dir."})
+    max_steps: int = field(default=100, metadata={"help": "Optimizer steps."})
+    learning_rate: float = field(default=5e-4, metadata={"help": "Peak learning rate."})
+    warmup_steps: int = field(default=0, metadata={"help": "Linear warmup steps."})
+    lr_scheduler_type: str = field(default="linear", metadata={"help": f"One of {list(SCHEDULER_CHOICES)}."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (not on norms/biases)."})
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
+    adam_beta2: float = field(default=0.98, metadata={"help": "AdamW beta2."})
+    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Global grad-norm clip; 0 disables."})
+    label_smoothing_factor: float = field(default=0.0, metadata={"help": "Label smoothing epsilon."})
+    per_device_train_batch_size: int = field(default=16, metadata={"help": "Sentence pairs per micro-batch."})
+    per_device_eval_batch_size: int = field(default=32, metadata={"help": "Sentence pairs per eval batch."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Pipeline flushes per step."})
+    logging_steps: int = field(default=10, metadata={"help": "Log every N steps."})
+    eval_steps: int = field(default=0, metadata={"help": "Evaluate every N steps (0: only at the end)."})
+    do_eval: bool = field(default=True, metadata={"help": "Evaluate before and after training."})
+    save_steps: int = field(default=0, metadata={"help": "Checkpoint every N steps (0: only at the end)."})
+    save_total_limit: int | None = field(default=None, metadata={"help": "Keep at most N checkpoints."})
+    resume_from_checkpoint: str | None = field(
+        default=None, metadata={"help": "A checkpoint directory, or 'latest' for the newest in output_dir."})
+    seed: int = field(default=42, metadata={"help": "Seed for init, data order and dropout."})
+    bf16: bool = field(default=False, metadata={"help": "bfloat16 autocast for the forward."})
+    generation_num_beams: int = field(default=1, metadata={"help": "Beams for evaluation decoding."})
+    generation_max_length: int = field(default=64, metadata={"help": "Longest generated translation."})
+    report_to: str = field(default="none", metadata={"help": f"One of {list(REPORT_CHOICES)}."})
+    run_name: str | None = field(default=None, metadata={"help": "Run name for tracking."})
+    wandb_project: str = field(default="polyglot3d", metadata={"help": "W&B project."})
+    disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
+
+    def __post_init__(self) -> None:
+        _check_choice("report_to", self.report_to, REPORT_CHOICES)
+        _check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULER_CHOICES)
+        for name in ("max_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
+                     "gradient_accumulation_steps", "logging_steps", "generation_num_beams"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if not 0.0 <= self.label_smoothing_factor < 1.0:
+            raise ConfigError(f"label_smoothing_factor={self.label_smoothing_factor} must be in [0, 1)")
+
+
+@dataclass
+class JobConfig:
+    model: ModelArguments
+    data: DataArguments
+    parallel: ParallelArguments
+    training: TrainingArguments
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for section in (self.model, self.data, self.parallel, self.training):
+            out.update(asdict(section))
+        return out
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+SECTIONS = (ModelArguments, DataArguments, ParallelArguments, TrainingArguments)
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {path!r} does not exist")
+    text = p.read_text()
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        raise ConfigError(f"config file {path!r} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") \
+            from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path!r} must hold a mapping of field: value, got {type(data).__name__}")
+    return data
+
+
+def parse_config(argv: list[str] | None = None) -> JobConfig:
+    """Parse `--config FILE` plus CLI overrides into a validated JobConfig.
+
+    Raises:
+        ConfigError: on an unknown key (file or flag) or an invalid value.
+    """
+    from transformers import HfArgumentParser
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    file_values: dict[str, Any] = {}
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise ConfigError("--config needs a file path")
+        file_values = _read_file(argv[i + 1])
+        del argv[i:i + 2]
+    known = {f.name for cls in SECTIONS for f in fields(cls)}
+    unknown = sorted(set(file_values) - known)
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {unknown}; see `python -m trainer.train --help` for valid keys")
+    parser = HfArgumentParser(SECTIONS)  # type: ignore[arg-type]
+    parser.set_defaults(**{k: _as_default(v) for k, v in file_values.items()})
+    flags = [a.split("=", 1)[0][2:] for a in argv if a.startswith("--")]
+    bad = sorted({f for f in flags if f not in known and f != "help"})
+    if bad:
+        raise ConfigError(f"unknown flag(s) {['--' + b for b in bad]}; see --help for valid flags")
+    try:
+        model, data, parallel, training = parser.parse_args_into_dataclasses(args=argv)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return JobConfig(model, data, parallel, training)
+
+
+def _as_default(value: Any) -> Any:
+    # Explicit partition lists in YAML ([5, 4, 4, 5]) are carried as the string form.
+    if isinstance(value, list) and all(isinstance(x, int) for x in value):
+        return ",".join(str(x) for x in value)
+    return value
+
+
+def load_config_dict(values: dict[str, Any]) -> JobConfig:
+    """Build a JobConfig from a flat dict (tests, programmatic use); unknown keys are an error."""
+    known = {f.name for cls in SECTIONS for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {unknown}")
+    parts = []
+    for cls in SECTIONS:
+        names = {f.name for f in fields(cls)}
+        parts.append(cls(**{k: _as_default(v) for k, v in values.items() if k in names}))
+    return JobConfig(*parts)
