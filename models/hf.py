@@ -1,0 +1,161 @@
+"""Import from and export to Hugging Face `M2M100ForConditionalGeneration` directories.
+
+Our parameter names are HF's without the leading `model.`; the tied copies HF
+keeps (`model.encoder.embed_tokens`, `model.decoder.embed_tokens`, `lm_head`) map
+to our one `shared.weight`. Reading goes through `safetensors.safe_open`, key by
+key, so a pipeline stage can load only the tensors it holds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from models.config import ModelConfig
+
+HF_PREFIX = "model."
+# HF keys that are tied copies of `model.shared.weight` (or positions, which are computed).
+_HF_ALIASES = ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", "lm_head.weight")
+_CONFIG_KEYS = ("vocab_size", "d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads",
+                "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim", "activation_function",
+                "dropout", "attention_dropout", "activation_dropout", "max_position_embeddings",
+                "scale_embedding", "init_std", "pad_token_id", "bos_token_id", "eos_token_id",
+                "decoder_start_token_id")
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint does not fit the model (missing/unexpected keys or shapes)."""
+
+
+def to_hf_config(config: ModelConfig) -> Any:
+    """A `transformers.M2M100Config` equal to `config`."""
+    from transformers import M2M100Config
+
+    kw = {k: getattr(config, k) for k in _CONFIG_KEYS}
+    return M2M100Config(**kw, tie_word_embeddings=True, encoder_layerdrop=0.0, decoder_layerdrop=0.0,
+                        use_cache=True, is_encoder_decoder=True)
+
+
+def from_hf_config(hf_config: dict[str, Any]) -> ModelConfig:
+    """Our ModelConfig from an HF `config.json` dict.
+
+    Raises:
+        CheckpointMismatchError: the directory is not an M2M100/NLLB model.
+    """
+    model_type = hf_config.get("model_type")
+    if model_type not in ("m2m_100", "nllb"):
+        raise CheckpointMismatchError(
+            f"model_type={model_type!r} is not supported; expected 'm2m_100' (M2M100/NLLB checkpoints)")
+    kw = {k: hf_config[k] for k in _CONFIG_KEYS if k in hf_config and hf_config[k] is not None}
+    return ModelConfig(**kw)
+
+
+def hf_key(name: str) -> str:
+    """Our parameter name -> HF's (`shared.weight` -> `model.shared.weight`)."""
+    return HF_PREFIX + name
+
+
+def our_key(hf_name: str) -> str | None:
+    """HF parameter name -> ours, or None for tied aliases and computed buffers."""
+    if hf_name in _HF_ALIASES or "embed_positions" in hf_name:
+        return None
+    if not hf_name.startswith(HF_PREFIX):
+        return None
+    return hf_name[len(HF_PREFIX):]
+
+
+def to_hf_state_dict(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Our full state dict -> HF's (with the tied `lm_head.weight`)."""
+    out = {hf_key(k): v for k, v in state.items()}
+    out["lm_head.weight"] = state["shared.weight"]
+    return out
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / f for f in files]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise CheckpointMismatchError(f"{path} holds no model.safetensors (or index); export with safetensors")
+
+
+def read_hf_config(path: str | Path) -> ModelConfig:
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointMismatchError(f"{path} has no config.json; expected a Hugging Face model directory")
+    return from_hf_config(json.loads(cfg_file.read_text()))
+
+
+def load_hf_weights(path: str | Path, wanted: Iterable[str] | None = None) -> dict[str, Tensor]:
+    """Read our-named tensors from an HF directory; only `wanted` names if given.
+
+    Raises:
+        CheckpointMismatchError: a wanted tensor is absent.
+    """
+    from safetensors import safe_open
+
+    want = None if wanted is None else set(wanted)
+    out: dict[str, Tensor] = {}
+    for f in _weight_files(Path(path)):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():  # noqa: SIM118 - safe_open is not a dict
+                ours = our_key(k)
+                if ours is None and k in _HF_ALIASES and "shared.weight" not in out:
+                    ours = "shared.weight"  # some exports keep only a tied alias
+                if ours is not None and (want is None or ours in want):
+                    out[ours] = sf.get_tensor(k)
+    if want is not None and want - set(out):
+        raise CheckpointMismatchError(f"{path} lacks {sorted(want - set(out))[:5]} (model/checkpoint mismatch)")
+    return out
+
+
+def load_into(model: torch.nn.Module, weights: dict[str, Tensor]) -> None:
+    """Copy `weights` into `model` (names must match exactly, shapes too).
+
+    Raises:
+        CheckpointMismatchError: naming missing/unexpected keys or the first shape mismatch.
+    """
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    if missing or unexpected:
+        raise CheckpointMismatchError(f"checkpoint does not fit the model: missing {missing[:5]}, "
+                                      f"unexpected {unexpected[:5]}")
+    for k, v in weights.items():
+        if own[k].shape != v.shape:
+            raise CheckpointMismatchError(f"{k}: checkpoint shape {tuple(v.shape)} != model {tuple(own[k].shape)}")
+    model.load_state_dict(weights, strict=True)
+
+
+def save_hf_model(state: dict[str, Tensor], config: ModelConfig, out_dir: str | Path,
+                  generation: dict[str, Any] | None = None) -> None:
+    """Write an HF directory (config.json, model.safetensors, generation_config.json).
+
+    Args:
+        state: our full (unsharded, unpadded) state dict.
+        config: the model config.
+        out_dir: destination, created if needed.
+        generation: extra generation-config fields (num_beams, max_length, ...).
+    """
+    from transformers import GenerationConfig, M2M100ForConditionalGeneration
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_cfg = to_hf_config(config)
+    with torch.device("meta"):
+        model = M2M100ForConditionalGeneration(hf_cfg)
+    model.load_state_dict({k: v.detach().cpu().contiguous() for k, v in to_hf_state_dict(state).items()},
+                          strict=False, assign=True)
+    model.tie_weights()
+    gen = GenerationConfig(decoder_start_token_id=config.decoder_start_token_id, bos_token_id=config.bos_token_id,
+                           eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+                           **(generation or {}))
+    model.generation_config = gen
+    model.save_pretrained(str(out), safe_serialization=True)
