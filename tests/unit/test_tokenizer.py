@@ -1,0 +1,128 @@
+"""The shared SentencePiece tokenizer: id layout, control-symbol tags, save/load, HF export."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import pytest
+
+from trainer.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokenizer, TokenizerError, train_tokenizer
+
+DATA = Path("/work/shared/data/multi30k")
+LANGS = ["cs", "de", "en", "fr"]
+
+
+def _lines(split: str, lang: str, n: int) -> list[str]:
+    with gzip.open(DATA / f"{split}.{lang}.gz", "rt", encoding="utf-8") as f:
+        return [line.rstrip("\n") for _, line in zip(range(n), f)]
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    return [t for lang in LANGS for t in _lines("train", lang, 1000)]
+
+
+@pytest.fixture(scope="module", params=["unigram", "bpe"])
+def tok(request: pytest.FixtureRequest, texts: list[str]) -> SentencePieceTokenizer:
+    return train_tokenizer(texts, LANGS, 2000, model_type=request.param, seed=0)
+
+
+@pytest.fixture(scope="module")
+def val_texts() -> list[str]:
+    extra = ["  two  spaces ", "日本語", "Ｆｕｌｌ ＡＢＣ", "tab\there", "ﬁ Ⅻ", "a__x__b"]
+    return [t for lang in LANGS for t in _lines("val", lang, 300)] + extra
+
+
+def test_special_ids_and_tag_layout(tok: SentencePieceTokenizer) -> None:
+    assert (tok.bos_id, tok.pad_id, tok.eos_id, tok.unk_id) == (0, 1, 2, 3)
+    assert [tok.lang_id(lang) for lang in LANGS] == [4, 5, 6, 7]  # sorted, right after the specials
+    assert tok.special_ids() == {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2, "unk_token_id": 3,
+                                 "decoder_start_token_id": 2}  # fmt: skip
+    assert tok.vocab_size == 2000
+
+
+def test_text_cannot_inject_a_tag(tok: SentencePieceTokenizer) -> None:
+    tags = {tok.lang_id(lang) for lang in LANGS}
+    for text in ["__en__", "__fr__ bonjour", "x __de__ y", "<s> </s> <pad>"]:
+        ids = tok.encode(text)
+        assert not tags & set(ids), text
+        assert not {0, 1, 2} & set(ids), text
+
+
+def test_round_trip_and_decode_skips_specials(tok: SentencePieceTokenizer) -> None:
+    text = "A man in a blue shirt is standing on a ladder."
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.decode([tok.lang_id("en"), *ids, tok.eos_id, tok.pad_id, -100]) == text
+
+
+def test_unknown_language_error_names_tags(tok: SentencePieceTokenizer) -> None:
+    with pytest.raises(TokenizerError, match=r"__ja__.*\['__cs__', '__de__', '__en__', '__fr__'\]"):
+        tok.lang_id("ja")
+
+
+def test_deterministic(texts: list[str], tok: SentencePieceTokenizer) -> None:
+    again = train_tokenizer(texts, LANGS, 2000, model_type=_model_type(tok), seed=0)
+    assert again.model_proto == tok.model_proto
+
+
+def _model_type(tok: SentencePieceTokenizer) -> str:
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    proto.ParseFromString(tok.model_proto)
+    return "bpe" if proto.trainer_spec.model_type == 2 else "unigram"
+
+
+def test_tiny_corpus_shrinks_vocab_and_tiny_vocab_fails(texts: list[str]) -> None:
+    small = train_tokenizer(texts[:40], LANGS, 8000)
+    assert 8 < small.vocab_size < 8000
+    with pytest.raises(TokenizerError, match="vocab_size=10 is too small"):
+        train_tokenizer(texts[:40], LANGS, 10)
+    with pytest.raises(TokenizerError, match="empty"):
+        train_tokenizer(["", "  "], LANGS, 100)
+
+
+def test_save_load(tok: SentencePieceTokenizer, tmp_path: Path) -> None:
+    tok.save(tmp_path)
+    loaded = Tokenizer.load(tmp_path, ["en", "de"])
+    assert isinstance(loaded, SentencePieceTokenizer)
+    assert loaded.encode("Two dogs play.") == tok.encode("Two dogs play.")
+    assert loaded.lang_id("fr") == tok.lang_id("fr")
+    with pytest.raises(TokenizerError, match=r"has no tag __ja__; it has \['__cs__'"):
+        Tokenizer.load(tmp_path, ["en", "ja"])
+    with pytest.raises(TokenizerError, match="is not a directory"):
+        Tokenizer.load(tmp_path / "nope", ["en"])
+
+
+def test_hf_autotokenizer_round_trip(
+    tok: SentencePieceTokenizer, val_texts: list[str], tmp_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    tok.save_pretrained(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    ours = tok.encode_batch(val_texts)
+    theirs = hf(val_texts, add_special_tokens=False)["input_ids"]
+    assert ours == theirs
+    for lang in LANGS:
+        assert hf.convert_tokens_to_ids(f"__{lang}__") == tok.lang_id(lang)
+    text = "Ein Hund läuft im Schnee."
+    source = [tok.lang_id("de"), *tok.encode(text), tok.eos_id]
+    assert hf("__de__ " + text)["input_ids"] == source  # how a user builds our source format
+    # HF splits special tokens out of raw text by design; ours never does (control symbols).
+    assert tok.lang_id("en") not in tok.encode("a__en__b")
+    for ids in ours[:200]:
+        assert hf.decode(source[:1] + ids + [tok.eos_id], skip_special_tokens=True) == tok.decode(ids)
+
+
+def test_hf_directory_as_tokenizer_name(tok: SentencePieceTokenizer, tmp_path: Path) -> None:
+    tok.save_pretrained(tmp_path)
+    loaded = Tokenizer.load(tmp_path, ["en", "fr"])
+    assert isinstance(loaded, HFTokenizer)
+    assert loaded.encode("A cat.") == tok.encode("A cat.")
+    assert loaded.special_ids() == tok.special_ids() and loaded.vocab_size == tok.vocab_size
+    assert loaded.lang_id("fr") == tok.lang_id("fr")
+    with pytest.raises(TokenizerError, match=rf"tokenizer at {tmp_path} has no tag __ja__; it has \["):
+        Tokenizer.load(tmp_path, ["ja"])
