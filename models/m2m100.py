@@ -256,6 +256,14 @@ class DecoderLayer(nn.Module):
     def ffn(self, x: Tensor) -> Tensor:
         return self.fc2(F.dropout(self.act(self.fc1(x)), self.activation_dropout, self.training))
 
+    def self_attn_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:  # (B, T, H) -> 2 x (B, h, T, d)
+        """Self-attention keys/values of new tokens `x`, to append to a decoding KV cache.
+
+        `forward(x, ..., self_kv=(cache k ++ these k, cache v ++ these v))` then attends
+        over the whole prefix; with one new token per step no causal mask is needed.
+        """
+        return self.self_attn.project_kv(self.self_attn_layer_norm(x))
+
     def forward(
         self,
         x: Tensor,
