@@ -1,0 +1,259 @@
+"""The pipeline executor: walks one rank's action list, never deciding the order itself.
+
+    for action in schedule[rank]:           (built by parallel.schedule, validated there)
+        F  s.mb   forward stage s on micro-batch mb; the last stage also computes the loss
+        B  s.mb   backward through stage s (input and weight grads)
+        I  s.mb   input grads only; linear weight grads are deferred (zero bubble)
+        W  s.mb   run the deferred weight grads of (s, mb)
+        SF/RF/SB/RB  boundary transfers; each run of consecutive ones is one batch_isend_irecv
+        GR        gradients of this flush are final: reduce (dp, tied embedding) on the last flush
+
+Loss scaling: the last stage backpropagates `loss_sum(mb) * loss_scale`, where the
+trainer passes `loss_scale = 1 / tokens(global batch)`; summed over micro-batches,
+flushes and dp replicas this is exactly the gradient of the mean token loss of the
+unsplit global batch.
+
+Every compute action is timestamped; `FlushResult` carries this rank's busy time,
+wall time and the per-action timeline from which the trainer measures the bubble.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from models.m2m100 import BlockSpec, Seq2SeqBatch, State
+from parallel import p2p
+from parallel.memory import ActivationMeter
+from parallel.schedule import Action, ActionType, stage_to_rank
+from parallel.stage import PipelineStage, boundary_keys, boundary_shapes
+from parallel.zero_bubble import WeightGradStore
+
+LossFn = Callable[[Tensor, Tensor], tuple[Tensor, int]]
+_COMM = (ActionType.SEND_FORWARD, ActionType.RECV_FORWARD, ActionType.SEND_BACKWARD, ActionType.RECV_BACKWARD)
+
+
+@dataclass
+class FlushResult:
+    loss_sum: float = 0.0  # sum of token losses over this rank's micro-batches (last stage only)
+    num_tokens: int = 0
+    busy_s: float = 0.0  # time in compute actions
+    wall_s: float = 0.0  # first action start to last action end
+    timeline: list[tuple[str, float, float]] = field(
+        default_factory=list
+    )  # (action, start, end), flush-relative
+    peak_activation_bytes: int = 0
+
+
+@dataclass
+class PipelineTopology:
+    """Where the stages are: all stages' blocks, p ranks, and this rank's global pp neighbours."""
+
+    stage_blocks: list[list[BlockSpec]]
+    p: int
+    pp_rank: int
+    prev_rank: int | None  # global rank holding stage s-1 for my stages (ring neighbour)
+    next_rank: int | None
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stage_blocks)
+
+
+class PipelineExecutor:
+    """Runs one rank's schedule over a flush of micro-batches.
+
+    Args:
+        stages: this rank's stages keyed by global stage index.
+        actions: this rank's action list (from `parallel.schedule.build_schedule`).
+        topo: stage placement and neighbours.
+        loss_fn: (logits, labels) -> (sum of token losses, token count).
+        on_grad_reduce: called at GR on the last flush of an optimizer step.
+        autocast_dtype: e.g. torch.bfloat16 to run forwards under autocast.
+        wgrad_store: the store deferred linear weight grads go to (zero bubble).
+    """
+
+    def __init__(
+        self,
+        stages: dict[int, PipelineStage],
+        actions: Sequence[Action],
+        topo: PipelineTopology,
+        loss_fn: LossFn,
+        on_grad_reduce: Callable[[], None] | None = None,
+        autocast_dtype: torch.dtype | None = None,
+        wgrad_store: WeightGradStore | None = None,
+    ) -> None:
+        self.stages, self.actions, self.topo = stages, list(actions), topo
+        self.loss_fn, self.on_grad_reduce = loss_fn, on_grad_reduce
+        self.autocast_dtype = autocast_dtype
+        self.wgrad_store = wgrad_store or WeightGradStore()
+        any_stage = next(iter(stages.values()))
+        self.model = any_stage.model
+        param = next(self.model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.d_model = self.model.config.d_model
+        self.meter = ActivationMeter(self.model)
+
+    # ------------------------------------------------------------------ driver
+
+    def run_flush(
+        self, microbatches: Sequence[Seq2SeqBatch], loss_scale: float, last_flush: bool = True
+    ) -> FlushResult:
+        """Execute the whole action list once over `microbatches` (m of them)."""
+        st = _FlushState(microbatches, loss_scale)
+        res = FlushResult()
+        t0 = time.perf_counter()
+        i = 0
+        while i < len(self.actions):
+            a = self.actions[i]
+            if a.type in _COMM:
+                j = i
+                while j < len(self.actions) and self.actions[j].type in _COMM:
+                    j += 1
+                p2p.exchange([self._transfer(x, st) for x in self.actions[i:j]])
+                i = j
+                continue
+            start = time.perf_counter()
+            if a.type is ActionType.GRAD_REDUCE:
+                if last_flush and self.on_grad_reduce is not None:
+                    self.on_grad_reduce()
+            else:
+                self._compute(a, st)
+                res.busy_s += time.perf_counter() - start
+            res.timeline.append((str(a), start - t0, time.perf_counter() - t0))
+            i += 1
+        res.wall_s = time.perf_counter() - t0
+        res.loss_sum, res.num_tokens = st.loss_sum, st.num_tokens
+        res.peak_activation_bytes = self.meter.peak
+        self.meter.reset()
+        if st.inputs or st.outputs or st.pending_grads:
+            raise RuntimeError(
+                f"schedule left state behind: inputs {sorted(st.inputs)}, outputs {sorted(st.outputs)}"
+            )
+        return res
+
+    # ------------------------------------------------------------------ compute
+
+    def _compute(self, a: Action, st: _FlushState) -> None:
+        if a.type is ActionType.FORWARD:
+            self._forward(a.stage, a.microbatch, st)
+        elif a.type in (ActionType.BACKWARD, ActionType.BACKWARD_INPUT):
+            self._backward(a.stage, a.microbatch, st, defer_wgrad=a.type is ActionType.BACKWARD_INPUT)
+        elif a.type is ActionType.BACKWARD_WEIGHT:
+            self.wgrad_store.flush((a.stage, a.microbatch))
+            self.meter.release((a.stage, a.microbatch))
+        else:
+            raise ValueError(f"unexpected action {a}")
+
+    def _forward(self, s: int, mb: int, st: _FlushState) -> None:
+        stage, batch = self.stages[s], st.batches[mb]
+        if s == 0:
+            inputs: State = {}
+        elif (s - 1, mb) in st.local_handoff:  # previous stage on this rank (p == 1)
+            inputs = {
+                k: v.detach().requires_grad_(True) for k, v in st.local_handoff.pop((s - 1, mb)).items()
+            }
+        else:
+            inputs = st.received.pop((s, mb))
+            for t in inputs.values():
+                t.requires_grad_(True)
+        autocast = (
+            torch.autocast(self.device.type, dtype=self.autocast_dtype)
+            if self.autocast_dtype is not None
+            else nullcontext()
+        )
+        with self.meter.record((s, mb), inputs), autocast:
+            out = stage.forward(inputs, batch)
+            if stage.is_last:
+                loss_sum, n = self.loss_fn(out["logits"], batch.labels)
+        st.inputs[(s, mb)] = inputs
+        if stage.is_last:
+            st.loss_sum += float(loss_sum.detach())
+            st.num_tokens += n
+            st.outputs[(s, mb)] = {"loss": loss_sum * st.loss_scale}
+        else:
+            st.outputs[(s, mb)] = out
+            if stage_to_rank(s + 1, self.topo.p) == self.topo.pp_rank:
+                st.local_handoff[(s, mb)] = out
+
+    def _backward(self, s: int, mb: int, st: _FlushState, defer_wgrad: bool) -> None:
+        stage = self.stages[s]
+        outputs = st.outputs.pop((s, mb))
+        if stage.is_last:
+            tensors, grads = [outputs["loss"]], [None]
+        else:
+            keys = boundary_keys(stage.blocks[-1])
+            got = st.pending_grads.pop((s, mb))
+            pairs = [(outputs[k], g) for k, g in zip(keys, got) if outputs[k].requires_grad]
+            tensors, grads = [t for t, _ in pairs], [g for _, g in pairs]
+        ctx = self.wgrad_store.deferring((s, mb)) if defer_wgrad else nullcontext()
+        with ctx:
+            torch.autograd.backward(tensors, grad_tensors=grads)  # type: ignore[arg-type]
+        inputs = st.inputs.pop((s, mb))
+        if not defer_wgrad:
+            self.meter.release((s, mb))
+        if s > 0:
+            prev = self.topo.stage_blocks[s - 1][-1]
+            in_grads = [
+                inputs[k].grad if inputs[k].grad is not None else torch.zeros_like(inputs[k])
+                for k in boundary_keys(prev)
+            ]
+            if stage_to_rank(s - 1, self.topo.p) == self.topo.pp_rank:
+                st.pending_grads[(s - 1, mb)] = in_grads
+            else:
+                st.grads_to_send[(s, mb)] = in_grads
+
+    # ------------------------------------------------------------------ comm
+
+    def _transfer(self, a: Action, st: _FlushState) -> p2p.Transfer:
+        m = len(st.batches)
+        s, mb = a.stage, a.microbatch
+        batch = st.batches[mb]
+        blocks = self.topo.stage_blocks
+        if a.type is ActionType.SEND_FORWARD:
+            out = st.outputs[(s, mb)]
+            tensors = [out[k].detach() for k in boundary_keys(blocks[s][-1])]
+            return p2p.Transfer(
+                True, self._peer(self.topo.next_rank), tensors, p2p.message_tag(0, s + 1, mb, m)
+            )
+        if a.type is ActionType.RECV_FORWARD:
+            prev = blocks[s - 1][-1]
+            bufs = p2p.empty_buffers(boundary_shapes(prev, batch, self.d_model), self.dtype, self.device)
+            st.received[(s, mb)] = dict(zip(boundary_keys(prev), bufs))
+            return p2p.Transfer(False, self._peer(self.topo.prev_rank), bufs, p2p.message_tag(0, s, mb, m))
+        if a.type is ActionType.SEND_BACKWARD:
+            grads = st.grads_to_send.pop((s, mb))
+            return p2p.Transfer(
+                True, self._peer(self.topo.prev_rank), grads, p2p.message_tag(1, s - 1, mb, m)
+            )
+        assert a.type is ActionType.RECV_BACKWARD
+        last = blocks[s][-1]
+        bufs = p2p.empty_buffers(boundary_shapes(last, batch, self.d_model), self.dtype, self.device)
+        st.pending_grads[(s, mb)] = bufs
+        return p2p.Transfer(False, self._peer(self.topo.next_rank), bufs, p2p.message_tag(1, s, mb, m))
+
+    @staticmethod
+    def _peer(rank: int | None) -> int:
+        if rank is None:
+            raise RuntimeError("schedule asks for a transfer to a neighbour this rank does not have")
+        return rank
+
+
+class _FlushState:
+    """Tensors in flight during one flush, keyed by (stage, micro-batch)."""
+
+    def __init__(self, batches: Sequence[Seq2SeqBatch], loss_scale: float) -> None:
+        self.batches, self.loss_scale = list(batches), loss_scale
+        self.inputs: dict[tuple[int, int], State] = {}
+        self.outputs: dict[tuple[int, int], dict[str, Any]] = {}
+        self.received: dict[tuple[int, int], State] = {}
+        self.pending_grads: dict[tuple[int, int], list[Tensor]] = {}
+        self.grads_to_send: dict[tuple[int, int], list[Tensor]] = {}
+        self.local_handoff: dict[tuple[int, int], State] = {}
+        self.loss_sum, self.num_tokens = 0.0, 0

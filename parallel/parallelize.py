@@ -1,0 +1,268 @@
+"""`parallelize()`: from the single-device model to this rank's share of the 3D mesh.
+
+    model (all blocks)                      one M2M100Translation, built identically on every rank
+      -> pipeline split (pp)                keep_only(the blocks of this rank's stages)
+      -> tensor parallel (tp)               swap linears/embedding/head for Megatron-style modules
+      -> rematerialisation                  wrap layers / attention in torch.utils.checkpoint
+      -> zero-bubble weight-grad deferral   (zero_bubble schedule only)
+      -> executor                           walks this rank's schedule; dp + tied-embedding reduce at GR
+
+The resulting `ParallelModel` is what the training loop drives: one call per
+pipeline flush, then `clip_grad_norm_` over the whole mesh, then the optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from models.m2m100 import BlockSpec, M2M100Translation, Seq2SeqBatch, cross_entropy_sum
+from parallel.data_parallel import GradReducer
+from parallel.executor import FlushResult, LossFn, PipelineExecutor, PipelineTopology
+from parallel.mesh import ParallelMesh
+from parallel.remat import apply_remat
+from parallel.schedule import Action, ActionType, build_schedule, rank_stages, stage_to_rank
+from parallel.stage import PipelineStage
+from parallel.zero_bubble import WeightGradStore, enable_deferred_wgrad
+
+
+@dataclass
+class PipelinePlan:
+    """Pure description of the split: blocks per stage (n = p * v stages) and the schedule."""
+
+    stage_blocks: list[list[BlockSpec]]
+    p: int
+    v: int
+    m: int
+    schedule_name: str
+    schedule: list[list[Action]] = field(default_factory=list)
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stage_blocks)
+
+    def rank_blocks(self, pp_rank: int) -> list[BlockSpec]:
+        return [b for s in rank_stages(pp_rank, self.p, self.v) for b in self.stage_blocks[s]]
+
+    def shared_embedding_ranks(self) -> list[int]:
+        """pp ranks whose stages hold a block using the tied embedding (first, tgt_embed, last)."""
+        return sorted(
+            {
+                stage_to_rank(s, self.p)
+                for s, blocks in enumerate(self.stage_blocks)
+                if any(b.uses_shared_embedding for b in blocks)
+            }
+        )
+
+
+def make_plan(
+    blocks: Sequence[BlockSpec], balance: Sequence[int], p: int, v: int, m: int, schedule_name: str
+) -> PipelinePlan:
+    """Cut `blocks` by `balance` (block counts per stage) and build the schedule.
+
+    Raises:
+        ValueError: balance does not fit the blocks / stages, or the schedule arguments are invalid.
+    """
+    from parallel.partition import validate_balance
+
+    validate_balance(list(balance), len(blocks), p * v)
+    cuts: list[list[BlockSpec]] = []
+    start = 0
+    for n in balance:
+        cuts.append(list(blocks[start : start + n]))
+        start += n
+    return PipelinePlan(cuts, p, v, m, schedule_name, build_schedule(schedule_name, p, m, v))
+
+
+class ParallelModel:
+    """This rank's stages, their executor, and the gradient reductions of the mesh."""
+
+    def __init__(
+        self,
+        model: M2M100Translation,
+        plan: PipelinePlan,
+        mesh: ParallelMesh,
+        loss_fn: LossFn,
+        autocast_dtype: torch.dtype | None = None,
+        tp_info: Any = None,
+    ) -> None:
+        self.model, self.plan, self.mesh, self.tp_info = model, plan, mesh, tp_info
+        pp_rank = mesh.pp_rank
+        self.stages = {
+            s: PipelineStage(
+                model,
+                plan.stage_blocks[s],
+                s,
+                plan.n_stages,
+                remat_stage=getattr(model, "_remat_stage", False),
+            )
+            for s in rank_stages(pp_rank, plan.p, plan.v)
+        }
+        p = plan.p
+        topo = PipelineTopology(
+            plan.stage_blocks,
+            p,
+            pp_rank,
+            prev_rank=mesh.pp_peer((pp_rank - 1) % p) if p > 1 else None,
+            next_rank=mesh.pp_peer((pp_rank + 1) % p) if p > 1 else None,
+        )
+        tied_ranks = plan.shared_embedding_ranks()
+        self.tied_group = mesh.pp_subgroup(tied_ranks) if len(tied_ranks) > 1 else None
+        self.tied_ranks = tied_ranks
+        self.reducer = GradReducer(self.params(), mesh.group("dp") if mesh.size("dp") > 1 else None)
+        self.wgrad_store = WeightGradStore()
+        if plan.schedule_name == "zero_bubble":
+            enable_deferred_wgrad(model, self.wgrad_store)
+        self.topo, self.loss_fn, self.autocast_dtype = topo, loss_fn, autocast_dtype
+        self.executor = PipelineExecutor(
+            self.stages,
+            plan.schedule[pp_rank],
+            topo,
+            loss_fn,
+            on_grad_reduce=self.reduce_grads,
+            autocast_dtype=autocast_dtype,
+            wgrad_store=self.wgrad_store,
+        )
+
+    # ------------------------------------------------------------------ training
+
+    def params(self) -> list[nn.Parameter]:
+        return list(self.model.parameters())
+
+    def named_params(self) -> dict[str, nn.Parameter]:
+        return dict(self.model.named_parameters())
+
+    def train_step(self, flushes: Sequence[Sequence[Seq2SeqBatch]], loss_scale: float) -> list[FlushResult]:
+        """Forward+backward over `gradient_accumulation_steps` flushes; grads are final after it."""
+        results = []
+        for i, microbatches in enumerate(flushes):
+            results.append(
+                self.executor.run_flush(microbatches, loss_scale, last_flush=i == len(flushes) - 1)
+            )
+        return results
+
+    def reduce_grads(self) -> None:
+        """At GR of the step's last flush: dp sum, then the tied embedding across its stages."""
+        self.reducer.all_reduce()
+        if self.tied_group is not None and self.model.shared is not None:
+            w = self.model.shared.weight
+            if w.grad is None:
+                w.grad = torch.zeros_like(w)
+            dist.all_reduce(w.grad, group=self.tied_group)
+
+    def grad_norm_sq_local(self) -> Tensor:
+        """This rank's share of the global squared grad norm, each logical parameter counted once.
+
+        tp-sharded parameters count on every tp rank (their shards are disjoint);
+        tp-replicated ones only on tp rank 0; the tied embedding only on the first
+        pp rank holding it; dp replicas are identical after the reduce, so the
+        world sum is divided by dp.
+        """
+        from parallel.tensor_parallel import is_tp_sharded
+
+        total = torch.zeros((), dtype=torch.float64)
+        for name, p in self.named_params().items():
+            if p.grad is None:
+                continue
+            if not is_tp_sharded(p) and self.mesh.tp_rank != 0:
+                continue
+            if name == "shared.weight" and self.mesh.pp_rank != self.tied_ranks[0]:
+                continue
+            total += p.grad.detach().double().pow(2).sum().cpu()
+        return total
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Global grad norm over the whole mesh; scales grads so it is at most `max_norm` (if > 0)."""
+        sq = self.grad_norm_sq_local()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sq)
+            sq = sq / self.mesh.size("dp")
+        norm = math.sqrt(float(sq))
+        if max_norm > 0 and norm > max_norm:
+            coef = max_norm / (norm + 1e-6)
+            for p in self.params():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
+
+    # ------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def eval_loss(self, batches: Sequence[Seq2SeqBatch]) -> tuple[float, int]:
+        """Sum of token losses and token count over `batches` (meaningful on the last stage).
+
+        Runs the forward half of a GPipe (v == 1) or interleaved schedule over the
+        batches: dropping backward actions keeps every rank's messages in the one
+        global order the generator chose, so the result stays deadlock-free.
+        Interleaved needs len(batches) % p == 0 (the caller sizes eval batches so).
+        """
+        if not batches:
+            return 0.0, 0
+        name = "gpipe" if self.plan.v == 1 else "interleaved_1f1b"
+        full = build_schedule(name, self.plan.p, len(batches), self.plan.v)[self.mesh.pp_rank]
+        fwd = [
+            a
+            for a in full
+            if a.type in (ActionType.FORWARD, ActionType.SEND_FORWARD, ActionType.RECV_FORWARD)
+        ]
+        executor = PipelineExecutor(
+            self.stages, fwd, self.topo, self.loss_fn, autocast_dtype=self.autocast_dtype
+        )
+        res = executor.run_flush(batches, 1.0, last_flush=False)
+        return res.loss_sum, res.num_tokens
+
+
+def default_loss_fn(label_smoothing: float) -> LossFn:
+    def loss_fn(logits: Tensor, labels: Tensor) -> tuple[Tensor, int]:
+        return cross_entropy_sum(logits, labels, label_smoothing)
+
+    return loss_fn
+
+
+def build_parallel_model(
+    model: M2M100Translation,
+    mesh: ParallelMesh,
+    balance: Sequence[int],
+    m: int,
+    schedule: str,
+    v: int,
+    remat: str,
+    label_smoothing: float,
+    autocast_dtype: torch.dtype | None = None,
+    sequence_parallel: bool = False,
+    before_tp: Callable[[M2M100Translation], None] | None = None,
+) -> ParallelModel:
+    """Apply pipeline split, tensor parallelism and remat to `model` (in place) for this rank.
+
+    Args:
+        model: the full single-device model (identical on every rank: same seed or same checkpoint).
+        mesh: the (pp, dp, tp) mesh.
+        balance: block counts per stage (p * v stages).
+        m: micro-batches per flush; schedule: schedule name; v: stages per rank.
+        remat: activation_checkpointing policy.
+        label_smoothing: epsilon of the loss.
+    """
+    p = mesh.size("pp")
+    plan = make_plan(model.blocks, balance, p, v, m, schedule)
+    model.keep_only(plan.rank_blocks(mesh.pp_rank))
+    if before_tp is not None:
+        before_tp(model)
+    loss_fn = default_loss_fn(label_smoothing)
+    tp_info = None
+    if mesh.size("tp") > 1:
+        from parallel.tensor_parallel import apply_tensor_parallel
+
+        tp_info = apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=sequence_parallel)
+
+        def loss_fn(logits: Tensor, labels: Tensor) -> tuple[Tensor, int]:
+            return tp_info.loss(logits, labels, label_smoothing)
+
+    apply_remat(model, remat)
+    model._remat_stage = remat == "stage"  # type: ignore[assignment]
+    return ParallelModel(model, plan, mesh, loss_fn, autocast_dtype=autocast_dtype, tp_info=tp_info)
