@@ -1,0 +1,225 @@
+"""Pure pipeline simulator: predicted makespan, bubble and activation memory of a schedule.
+
+This module owns the *prediction* side of pipeline performance. It walks the
+same per-rank action lists the executor runs (``parallel/schedule.py``), with
+per-stage costs (measured or assumed) instead of real work, so a schedule's
+bubble and memory can be compared with the theory and with measured runs.
+Pure Python: no torch.
+
+Timing model:
+- each rank runs its list in order; a compute action takes its stage's cost
+  (BACKWARD = backward_input + backward_weight);
+- a maximal run of consecutive comm actions is one batch, as in the executor;
+  the rank waits until every op of the batch completes;
+- a message's data arrives ``link`` after its send is posted and a recv
+  completes when its data has arrived; sends are buffered and complete when
+  posted (the default). With ``rendezvous=True`` (NCCL/gloo-like for large
+  tensors) a transfer starts only once both sides have posted, and both ops
+  complete ``link`` after that;
+- GRAD_REDUCE takes no time (the data-parallel reduce is outside the pipeline).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from parallel.schedule import (
+    INPUT_GRAD_TYPES,
+    Action,
+    ActionType,
+    ScheduleError,
+    comm_batches,
+    is_send,
+    peer_action,
+)
+
+# p: pipeline ranks, m: micro-batches, v: virtual stages per rank, n: stages (n = p * v)
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per-stage costs of one micro-batch (any time unit; bytes for activations).
+
+    forward[s], backward_input[s], backward_weight[s]: compute time of stage s.
+    link: time of one p2p transfer.
+    activation_bytes[s]: memory a micro-batch's activations hold on stage s from
+        its forward until its input grad; None counts 1 per micro-batch.
+    """
+
+    forward: Sequence[float]
+    backward_input: Sequence[float]
+    backward_weight: Sequence[float]
+    link: float = 0.0
+    activation_bytes: Sequence[float] | None = None
+
+    @staticmethod
+    def uniform(
+        n: int,
+        forward: float = 1.0,
+        backward_input: float = 1.0,
+        backward_weight: float = 1.0,
+        link: float = 0.0,
+    ) -> StageCosts:
+        """The same costs on each of the n stages."""
+        return StageCosts([forward] * n, [backward_input] * n, [backward_weight] * n, link)
+
+    def compute_time(self, action: Action) -> float:
+        s = action.stage
+        if action.type is ActionType.FORWARD:
+            return self.forward[s]
+        if action.type is ActionType.BACKWARD:
+            return self.backward_input[s] + self.backward_weight[s]
+        if action.type is ActionType.BACKWARD_INPUT:
+            return self.backward_input[s]
+        if action.type is ActionType.BACKWARD_WEIGHT:
+            return self.backward_weight[s]
+        return 0.0
+
+
+class TimelineEvent(NamedTuple):
+    """One action as simulated: comm ops span from posting to completion."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Outcome of ``simulate``.
+
+    bubble_fraction = sum(idle) / (p * makespan), where idle[r] = makespan - busy[r]
+    and busy[r] is rank r's compute time (comm waits count as idle).
+    """
+
+    makespan: float
+    busy: list[float]
+    idle: list[float]
+    bubble_fraction: float
+    peak_activation_bytes: list[float]
+    timeline: list[TimelineEvent]
+
+
+def bubble_theory(p: int, m: int, v: int = 1) -> float:
+    """Idle share of a pipeline flush with balanced stages and free comm.
+
+    GPipe and 1F1B: (p - 1) / (m + p - 1): each rank idles (p - 1) stage-times of
+    forward + backward while filling and draining the pipe, out of m + p - 1.
+    Interleaved 1F1B with v chunks per rank shrinks the fill/drain by v
+    (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
+    GPU Clusters Using Megatron-LM", sec 2.2.2: bubble/ideal = (p - 1) / (v m)),
+    so the idle share is (p - 1) / (v m + p - 1). ZB-H1 does better than this bound.
+    """
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"need p >= 1, m >= 1, v >= 1; got p={p}, m={m}, v={v}")
+    return (p - 1) / (v * m + p - 1)
+
+
+def simulate(
+    schedule: Sequence[Sequence[Action]],
+    p: int,
+    m: int,
+    v: int,
+    costs: StageCosts,
+    rendezvous: bool = False,
+) -> SimResult:
+    """Simulate ``schedule`` with ``costs``; see the module docstring for the model.
+
+    Raises:
+        ValueError: cost lists do not have one entry per stage (n = p * v).
+        ScheduleError: the schedule deadlocks.
+    """
+    _check_costs(costs, p * v)
+    if len(schedule) != p:
+        raise ValueError(f"schedule has {len(schedule)} rank lists but p={p}")
+    timeline = _run(schedule, costs, rendezvous)
+    makespan = max((e.end for e in timeline), default=0.0)
+    busy = [0.0] * p
+    for event in timeline:
+        if event.action.type.is_compute:
+            busy[event.rank] += event.end - event.start
+    idle = [makespan - b for b in busy]
+    bubble = sum(idle) / (p * makespan) if makespan > 0 else 0.0
+    peaks = [_peak_activations(actions, costs) for actions in schedule]
+    return SimResult(makespan, busy, idle, bubble, peaks, sorted(timeline, key=lambda e: (e.start, e.rank)))
+
+
+def _check_costs(costs: StageCosts, n: int) -> None:
+    lists = {
+        "forward": costs.forward,
+        "backward_input": costs.backward_input,
+        "backward_weight": costs.backward_weight,
+    }
+    if costs.activation_bytes is not None:
+        lists["activation_bytes"] = costs.activation_bytes
+    for name, values in lists.items():
+        if len(values) != n:
+            raise ValueError(f"StageCosts.{name} has {len(values)} entries but there are n={n} stages")
+
+
+def _run(schedule: Sequence[Sequence[Action]], costs: StageCosts, rendezvous: bool) -> list[TimelineEvent]:
+    """Advance every rank as far as the posted peer ops allow, until all finish."""
+    batch_end = [dict(comm_batches(actions)) for actions in schedule]
+    clock = [0.0] * len(schedule)
+    pc = [0] * len(schedule)
+    posted: dict[Action, float] = {}  # comm op -> time its rank posted it
+    timeline: list[TimelineEvent] = []
+    progress = True
+    while progress:
+        progress = False
+        for rank, actions in enumerate(schedule):
+            while pc[rank] < len(actions):
+                end = batch_end[rank].get(pc[rank])
+                if end is None:
+                    action = actions[pc[rank]]
+                    finish = clock[rank] + costs.compute_time(action)
+                    timeline.append(TimelineEvent(rank, action, clock[rank], finish))
+                    clock[rank], pc[rank] = finish, pc[rank] + 1
+                else:
+                    batch = actions[pc[rank] : end]
+                    for op in batch:
+                        posted.setdefault(op, clock[rank])
+                    done = _batch_done(batch, posted, costs.link, rendezvous)
+                    if done is None:
+                        break
+                    timeline += [TimelineEvent(rank, op, posted[op], done) for op in batch]
+                    clock[rank], pc[rank] = done, end
+                progress = True
+    stuck = [f"rank {r} at {actions[pc[r]]}" for r, actions in enumerate(schedule) if pc[r] < len(actions)]
+    if stuck:
+        raise ScheduleError(f"schedule deadlocks in simulation: {', '.join(stuck)}")
+    return timeline
+
+
+def _batch_done(
+    batch: Sequence[Action], posted: dict[Action, float], link: float, rendezvous: bool
+) -> float | None:
+    """Completion time of a posted batch, or None while a needed peer op is not posted."""
+    done = 0.0
+    for op in batch:
+        peer = peer_action(op)
+        if not rendezvous and is_send(op):
+            done = max(done, posted[op])  # buffered send: done once handed over
+        elif peer not in posted:
+            return None
+        elif rendezvous:
+            done = max(done, max(posted[op], posted[peer]) + link)
+        else:
+            done = max(done, posted[op], posted[peer] + link)  # recv: when the data lands
+    return done
+
+
+def _peak_activations(actions: Sequence[Action], costs: StageCosts) -> float:
+    """Largest activation memory held at once: from F until I (or B) of a micro-batch."""
+    held = peak = 0.0
+    for a in actions:
+        size = 1.0 if costs.activation_bytes is None else costs.activation_bytes[a.stage]
+        if a.type is ActionType.FORWARD:
+            held += size
+            peak = max(peak, held)
+        elif a.type in INPUT_GRAD_TYPES:
+            held -= size
+    return peak
