@@ -1,0 +1,144 @@
+"""Translation-quality evaluation: metrics on known strings, batching, order, per-direction keys.
+
+`WordTokenizer` is a test double of the `TextTokenizer` interface: word `w17` is id 17.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.config import ModelConfig
+from models.generate import generate
+from models.m2m100 import M2M100Translation
+from tests.unit.test_model_parity import CFG
+from trainer.evaluate import (
+    SAMPLES_KEY,
+    DirectionTexts,
+    Sample,
+    bleu_tokenizer,
+    build_batches,
+    compute_metrics,
+    evaluate_directions,
+    strip_output,
+    translate,
+)
+
+VOCAB = 40
+LANGS = {"en": 4, "de": 5, "fr": 6}
+FIRST_WORD = 7
+
+
+class WordTokenizer:
+    """`w<id>` words; ids 0-3 are <s> <pad> </s> <unk>, 4-6 language tags."""
+
+    pad_id, eos_id = 1, 2
+
+    def encode(self, text: str) -> list[int]:
+        return [int(w[1:]) for w in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(f"w{i}" for i in ids if i >= FIRST_WORD)
+
+    def lang_id(self, lang: str) -> int:
+        if lang not in LANGS:
+            raise KeyError(f"no tag __{lang}__")
+        return LANGS[lang]
+
+
+def sentences(n: int, seed: int) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 9, (n,), generator=g).tolist()
+    return [
+        " ".join(f"w{int(i)}" for i in torch.randint(FIRST_WORD, VOCAB, (k,), generator=g)) for k in lengths
+    ]
+
+
+@pytest.fixture(scope="module")
+def model() -> M2M100Translation:
+    torch.manual_seed(0)
+    return M2M100Translation(ModelConfig(**{**CFG, "vocab_size": VOCAB, "init_std": 0.3})).eval()  # type: ignore[arg-type]
+
+
+def test_identical_strings_score_100() -> None:
+    refs = ["the cat sat on the mat", "a quick brown fox jumps"]
+    assert compute_metrics(refs, refs) == {"bleu": pytest.approx(100.0), "chrf": pytest.approx(100.0)}
+    worse = compute_metrics(["the cat sat on a hat", "a slow brown fox jumps"], refs)
+    assert 0.0 < worse["bleu"] < 100.0 and 0.0 < worse["chrf"] < 100.0
+    assert compute_metrics(["zzz qqq", "xxx"], refs)["bleu"] == pytest.approx(0.0)
+
+
+def test_metrics_reject_mismatched_or_empty() -> None:
+    with pytest.raises(ValueError, match="2 hypotheses but 1 references"):
+        compute_metrics(["a", "b"], ["a"])
+    with pytest.raises(ValueError, match="no sentences"):
+        compute_metrics([], [])
+
+
+def test_bleu_tokenizer_per_target_language() -> None:
+    assert bleu_tokenizer("de") == bleu_tokenizer(None) == "13a"
+    assert bleu_tokenizer("zh") == bleu_tokenizer("zho_Hans") == "zh"
+    assert bleu_tokenizer("ja") in ("ja-mecab", "char") and bleu_tokenizer("kor_Hang") in ("ko-mecab", "char")
+    # Without a word segmenter, unsegmented Chinese would be one "word" per sentence under 13a.
+    zh = compute_metrics(["我喜欢猫"], ["我喜欢狗"], "zh")
+    assert 0.0 < zh["bleu"] < 100.0
+
+
+def test_batches_are_length_sorted_and_cover_every_sentence() -> None:
+    tok = WordTokenizer()
+    texts = ["w7", "w8 w9 w10", "", "w11 w12"]
+    batches = build_batches(tok, texts, "en", "de", batch_size=3)
+    assert [b.index for b in batches] == [[1, 3, 0], [2]]
+    first = batches[0]
+    assert first.input_ids.tolist() == [[4, 8, 9, 10, 2], [4, 11, 12, 2, 1], [4, 7, 2, 1, 1]]
+    assert first.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 0, 0]]
+    assert first.forced_bos_token_id.tolist() == [5, 5, 5]
+    assert build_batches(tok, texts, "en", "de", 4, max_source_length=3)[0].input_ids.shape[1] == 3
+
+
+def test_strip_output_keeps_only_the_translation() -> None:
+    assert strip_output([2, 5, 9, 8, 2, 1, 1], eos_id=2, pad_id=1) == [9, 8]
+    assert strip_output([2, 5, 9, 9], eos_id=2, pad_id=1) == [9, 9]  # hit max_length, no EOS
+
+
+def test_translate_restores_input_order(model) -> None:
+    """Length-sorted batches come back in input order: equal to decoding the unsorted batch."""
+    tok = WordTokenizer()
+    texts = sentences(7, seed=1)
+    got = translate(model, tok, texts, "en", "fr", num_beams=2, max_length=10, batch_size=len(texts))
+    batch = build_batches(tok, texts, "en", "fr", batch_size=len(texts))[0]
+    unsorted = torch.empty_like(batch.input_ids)
+    unsorted[torch.tensor(batch.index)] = batch.input_ids  # the same padded width, in input order
+    out = generate(model, unsorted, (unsorted != tok.pad_id).long(), LANGS["fr"], num_beams=2, max_length=10)
+    want = [tok.decode(strip_output(row, tok.eos_id, tok.pad_id)) for row in out.tolist()]
+    assert got == want
+    assert len(translate(model, tok, texts, "en", "fr", num_beams=1, max_length=10, batch_size=3)) == len(
+        texts
+    )
+
+
+def test_evaluate_directions_keys_samples_and_mode(model) -> None:
+    tok = WordTokenizer()
+    sets = [
+        DirectionTexts(("en", "de"), sentences(5, 2), sentences(5, 3)),
+        DirectionTexts(("de", "fr"), sentences(2, 4), sentences(2, 5)),
+        DirectionTexts(("fr", "en"), [], []),  # no data: skipped, not an error
+    ]
+    model.train()
+    result = evaluate_directions(model, sets, tok, num_beams=2, max_length=8, batch_size=2, num_samples=3)
+    assert model.training, "train/eval mode must be restored"
+    model.eval()
+    numeric = {k for k in result if k != SAMPLES_KEY}
+    assert numeric == {"eval_bleu", "eval_chrf", "eval_bleu_en-de", "eval_chrf_en-de", "eval_bleu_de-fr",
+                       "eval_chrf_de-fr"}  # fmt: skip
+    assert result["eval_bleu"] == pytest.approx((result["eval_bleu_en-de"] + result["eval_bleu_de-fr"]) / 2)
+    assert result["eval_chrf"] == pytest.approx((result["eval_chrf_en-de"] + result["eval_chrf_de-fr"]) / 2)
+    samples = result[SAMPLES_KEY]
+    assert [s.direction for s in samples] == ["en-de"] * 3 + ["de-fr"] * 2
+    assert all(isinstance(s, Sample) for s in samples)
+    assert samples[0].source == sets[0].sources[0] and samples[0].reference == sets[0].references[0]
+
+
+def test_missing_language_tag_raises() -> None:
+    with pytest.raises(KeyError, match="__xx__"):
+        build_batches(WordTokenizer(), ["w7"], "en", "xx", batch_size=1)
