@@ -1,0 +1,292 @@
+"""Data loading, filtering and mesh-independent global batches, on real multi30k text."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from models.m2m100 import IGNORE_INDEX
+from trainer.config import DataArguments
+from trainer.data import (
+    BatchLayout,
+    DataError,
+    GlobalBatchSampler,
+    TranslationData,
+    eval_batches,
+    load_raw_datasets,
+    tokenize_datasets,
+    training_texts,
+)
+from trainer.tokenizer import SentencePieceTokenizer, train_tokenizer
+
+DATA = Path("/work/shared/data/multi30k")
+LANGS = ["cs", "de", "en", "fr"]
+N = 1500
+
+
+def _lines(split: str, lang: str, n: int) -> list[str]:
+    with gzip.open(DATA / f"{split}.{lang}.gz", "rt", encoding="utf-8") as f:
+        return [line.rstrip("\n") for _, line in zip(range(n), f)]
+
+
+@pytest.fixture(scope="module")
+def corpus() -> dict[str, dict[str, list[str]]]:
+    return {split: {lang: _lines(split, lang, N if split == "train" else 200) for lang in LANGS}
+            for split in ("train", "val")}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory: pytest.TempPathFactory, corpus: dict[str, dict[str, list[str]]]) -> Path:
+    d = tmp_path_factory.mktemp("text")
+    for split, by_lang in corpus.items():
+        for lang, lines in by_lang.items():
+            with gzip.open(d / f"{split}.{lang}.gz", "wt", encoding="utf-8") as f:
+                f.write("\n".join(lines) + "\n")
+    return d
+
+
+@pytest.fixture(scope="module")
+def tok(corpus: dict[str, dict[str, list[str]]]) -> SentencePieceTokenizer:
+    return train_tokenizer([t for lines in corpus["train"].values() for t in lines], LANGS, 1000, seed=0)
+
+
+def _args(**kw: object) -> DataArguments:
+    return DataArguments(**kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def data(text_dir: Path, tok: SentencePieceTokenizer) -> TranslationData:
+    args = _args(train_file=str(text_dir / "train.{lang}.gz"), validation_file=str(text_dir / "val.{lang}.gz"),
+                 language_pairs=["en-de", "de-en", "en-fr"])  # fmt: skip
+    return tokenize_datasets(load_raw_datasets(args, seed=0), tok, args)
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def _records(corpus: dict[str, dict[str, list[str]]], n: int, langs: list[str]) -> list[dict[str, object]]:
+    return [{"translation": {lang: corpus["train"][lang][i] for lang in langs}} for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------- formats
+
+
+def test_text_files_and_directions(data: TranslationData) -> None:
+    assert len(data.train) == 3 * N
+    assert Counter(zip(data.train["src_lang"], data.train["tgt_lang"])) == {("en", "de"): N, ("de", "en"): N,
+                                                                          ("en", "fr"): N}  # fmt: skip
+    assert sorted(data.validation) == ["de-en", "en-de", "en-fr"]
+    assert all(len(v) == 200 for v in data.validation.values())
+
+
+def test_example_layout(data: TranslationData, tok: SentencePieceTokenizer, corpus: dict) -> None:
+    ex = data.train[0]
+    src, tgt = ex["src_lang"], ex["tgt_lang"]
+    assert ex["input_ids"][0] == tok.lang_id(src) and ex["input_ids"][-1] == tok.eos_id
+    assert ex["labels"][0] == tok.lang_id(tgt) and ex["labels"][-1] == tok.eos_id
+    assert tok.decode(ex["input_ids"]) == corpus["train"][src][0]
+    assert (ex["src_len"], ex["tgt_len"]) == (len(ex["input_ids"]), len(ex["labels"]))
+    sampler = GlobalBatchSampler(data.train, BatchLayout(4), 0, tok.pad_id, tok.eos_id)
+    batch = sampler._fetch(np.array([0, 1]))
+    labels = batch.labels[0][batch.labels[0] != IGNORE_INDEX].tolist()
+    assert labels == ex["labels"]
+    assert batch.decoder_input_ids[0, : len(labels)].tolist() == [tok.eos_id, *labels[:-1]]  # </s> __tgt__ y
+    assert batch.input_ids[0, : ex["src_len"]].tolist() == ex["input_ids"]
+    assert int(batch.attention_mask[0].sum()) == ex["src_len"]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_jsonl_and_parquet(tmp_path: Path, corpus: dict, fmt: str) -> None:
+    import datasets
+
+    rows = _records(corpus, 50, ["en", "fr"])
+    path = _write_jsonl(tmp_path / "train.jsonl", rows)
+    if fmt == "parquet":
+        path = tmp_path / "train.parquet"
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+    raw = load_raw_datasets(_args(train_file=str(path), validation_file=str(path), source_lang="en",
+                                  target_lang="fr"), seed=0)  # fmt: skip
+    assert len(raw.train) == 50 and raw.train[3]["target"] == corpus["train"]["fr"][3]
+    assert len(raw.validation["en-fr"]) == 50
+
+
+def test_dataset_directory_and_builtin(tmp_path: Path, corpus: dict) -> None:
+    _write_jsonl(tmp_path / "train.jsonl", _records(corpus, 40, ["en", "de"]))
+    _write_jsonl(tmp_path / "validation.jsonl", _records(corpus, 10, ["en", "de"]))
+    raw = load_raw_datasets(_args(dataset_name=str(tmp_path), source_lang="de", target_lang="en"), seed=0)
+    assert len(raw.train) == 40 and len(raw.validation["de-en"]) == 10
+    raw = load_raw_datasets(
+        _args(dataset_name="builtin", builtin_size=300, language_pairs=["en-ja", "ru-es"]), 0
+    )
+    assert set(raw.train["src_lang"]) == {"en", "ru"} and len(raw.validation["en-ja"]) > 0
+
+
+# ---------------------------------------------------------------------------------------------- skips
+
+
+def test_bad_records_are_counted(tmp_path: Path, corpus: dict, tok: SentencePieceTokenizer) -> None:
+    rows = _records(corpus, 20, ["en", "de"])
+    rows += [{"translation": {"en": "only english"}}, {"translation": {"en": "  ", "de": "leer"}},
+             {"translation": {"en": "long " * 200, "de": "kurz"}}, {"translation": {"en": "short", "de": "lang " * 200}}]  # fmt: skip
+    args = _args(train_file=str(_write_jsonl(tmp_path / "t.jsonl", rows)), source_lang="en", target_lang="de",
+                 max_source_length=64, max_target_length=64)  # fmt: skip
+    data = tokenize_datasets(load_raw_datasets(args, seed=0), tok, args)
+    assert len(data.train) == 20
+    assert data.skipped["train"] == {
+        "missing_side": 1,
+        "empty_text": 1,
+        "source_too_long": 1,
+        "target_too_long": 1,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def test_errors_name_the_bad_value(
+    tmp_path: Path, text_dir: Path, corpus: dict, tok: SentencePieceTokenizer
+) -> None:
+    def fails(match: str, **kw: object) -> None:
+        with pytest.raises(DataError, match=match):
+            load_raw_datasets(_args(**{"source_lang": "en", "target_lang": "de", **kw}), seed=0)
+
+    fails(r"train_file '/no/such\.jsonl' does not exist", train_file="/no/such.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"translation": {"en": "a", "de": "b"}}\n{not json\n')
+    fails(rf"train_file '{bad}' is not valid json", train_file=str(bad))
+    fails(r"unknown format; use one of", train_file=str(tmp_path / "x.csv"))
+    only_en_fr = _write_jsonl(tmp_path / "enfr.jsonl", _records(corpus, 5, ["en", "fr"]))
+    fails(r"has no 'de' text; languages in the data: \['en', 'fr'\]", train_file=str(only_en_fr))
+    fails(r"no file .*train\.ja\.gz.* for language 'ja'; files there: \[.*'train\.cs\.gz'",
+          train_file=str(text_dir / "train.{lang}.gz"), source_lang="ja")  # fmt: skip
+    short = tmp_path / "short"
+    short.mkdir()
+    (short / "t.en").write_text("a\nb\nc\n")
+    (short / "t.de").write_text("a\nb\n")
+    fails(r"not line-aligned, line counts differ: .*t\.de': 2.*t\.en': 3", train_file=str(short / "t.{lang}"))
+    (short / "e.en").write_text(" \n\n")
+    (short / "e.de").write_text("x\ny\n")
+    fails(r"training corpus is empty after filtering", train_file=str(short / "e.{lang}"))
+    fails(r"dataset_name='/no/such/dir' is a path that does not exist", dataset_name="/no/such/dir")
+    fails(r"no training data", train_file=None)
+    args = _args(train_file=str(short / "t.{lang}"), source_lang="en", target_lang="en", max_source_length=1)
+    with pytest.raises(DataError, match=r"empty after filtering .*max_source_length=1"):
+        tokenize_datasets(load_raw_datasets(args, 0), tok, args)
+
+
+def test_batch_config_errors(data: TranslationData, tok: SentencePieceTokenizer) -> None:
+    with pytest.raises(DataError, match="num_microbatches=0 must be >= 1"):
+        BatchLayout(4, num_microbatches=0)
+    with pytest.raises(DataError, match=r"fewer than one global batch"):
+        GlobalBatchSampler(data.train, BatchLayout(10_000), 0, 1, 2)
+    with pytest.raises(DataError, match=r"max_tokens_per_microbatch=5 is below the longest example"):
+        GlobalBatchSampler(data.train, BatchLayout(1, max_tokens_per_microbatch=5), 0, 1, 2)
+
+
+# ---------------------------------------------------------------------------------------------- batches
+
+MESHES = [(1, 4, 2), (2, 2, 2), (4, 1, 2)]  # (dp, m, gas), K = 8
+
+
+def _steps(data: TranslationData, dp: int, m: int, gas: int, n: int, max_tokens: int | None = None) -> list:
+    layout = BatchLayout(4, m, gas, dp, max_tokens_per_microbatch=max_tokens)
+    sampler = GlobalBatchSampler(data.train, layout, seed=3, pad_id=1, decoder_start_id=2)
+    return [next(sampler) for _ in range(n)]
+
+
+def _rows(batch: object) -> list[tuple[int, ...]]:
+    ids = batch.input_ids.tolist()  # type: ignore[attr-defined]
+    labels = batch.labels.tolist()  # type: ignore[attr-defined]
+    return [tuple(x for x in s if x != 1) + (-1,) + tuple(y for y in t if y != IGNORE_INDEX)
+            for s, t in zip(ids, labels)]  # fmt: skip
+
+
+@pytest.mark.parametrize("max_tokens", [None, 96])
+def test_global_batches_do_not_depend_on_the_mesh(data: TranslationData, max_tokens: int | None) -> None:
+    runs = {mesh: _steps(data, *mesh, n=6, max_tokens=max_tokens) for mesh in MESHES}
+    for k in range(6):
+        reference = runs[MESHES[0]][k]
+        union_reference: Counter = Counter()
+        for flush in reference.shard(0):
+            for mb in flush:
+                union_reference.update(_rows(mb))
+        for (dp, m, gas), steps in runs.items():
+            gb = steps[k]
+            assert gb.example_indices() == reference.example_indices()
+            assert gb.num_tokens == reference.num_tokens == sum(data.train[gb.example_indices()]["tgt_len"])
+            union: Counter = Counter()
+            for rank in range(dp):
+                share = gb.shard(rank)
+                assert len(share) == gas and all(len(flush) == m for flush in share)  # same count everywhere
+                for flush in share:
+                    for mb in flush:
+                        union.update(_rows(mb))
+                        if max_tokens:
+                            assert mb.size * max(mb.input_ids.shape[1], mb.labels.shape[1]) <= max_tokens
+                        else:
+                            assert mb.size == 4
+            assert union == union_reference
+
+
+def test_microbatches_are_length_sorted_and_trimmed(data: TranslationData) -> None:
+    gb = _steps(data, 1, 4, 2, n=1)[0]
+    mbs = [mb for flush in gb.shard(0) for mb in flush]
+    for mb in mbs:
+        assert int(mb.attention_mask.sum(1).max()) == mb.input_ids.shape[1]  # no global padding
+    widths = [mb.input_ids.shape[1] for mb in mbs]
+    assert max(widths) - min(widths) <= max(widths) // 2 + 2  # bucketed: similar lengths in a batch
+
+
+def test_epochs_cover_data_and_differ(data: TranslationData) -> None:
+    sampler = GlobalBatchSampler(data.train, BatchLayout(8, 2, 2, 2), 0, 1, 2)
+    first, second = sampler.epoch_plan(0), sampler.epoch_plan(1)
+    seen = np.concatenate([s for b in first for s in b])
+    assert len(seen) == len(set(seen.tolist())) == len(first) * 64 > len(data.train) - 64
+    assert [b[0].tolist() for b in first] != [b[0].tolist() for b in second]
+
+
+def test_resume_neither_skips_nor_repeats(data: TranslationData) -> None:
+    layout = BatchLayout(32, 2, 2, 2)  # 256 pairs: an epoch of 17 steps, so the run crosses epochs
+    straight = GlobalBatchSampler(data.train, layout, 7, 1, 2)
+    expected = [next(straight).example_indices() for _ in range(25)]
+    first = GlobalBatchSampler(data.train, layout, 7, 1, 2)
+    for _ in range(15):
+        next(first)
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = GlobalBatchSampler(data.train, layout, 7, 1, 2)
+    resumed.load_state_dict(state)
+    got = [next(resumed) for _ in range(10)]
+    assert [b.example_indices() for b in got] == expected[15:]
+    assert got[0].step == 15 and got[-1].epoch == 1
+    other_mesh = GlobalBatchSampler(data.train, BatchLayout(32, 4, 2, 1), 7, 1, 2)
+    other_mesh.load_state_dict(state)  # same global batch size: a checkpoint loads on another mesh
+    assert next(other_mesh).example_indices() == expected[15]
+    with pytest.raises(DataError, match="data state from a different run"):
+        GlobalBatchSampler(data.train, BatchLayout(16, 2, 2, 2), 7, 1, 2).load_state_dict(state)
+
+
+def test_eval_batches_keep_references(
+    data: TranslationData, tok: SentencePieceTokenizer, corpus: dict
+) -> None:
+    batches = eval_batches(data, tok, batch_size=32)
+    en_de = batches["en-de"]
+    assert sum(b.batch.size for b in en_de) == 200
+    refs = {r for b in en_de for r in b.references}
+    assert refs == set(corpus["val"]["de"])
+    b = en_de[0]
+    assert b.forced_bos_token_id == tok.lang_id("de")
+    assert [tok.decode(row.tolist()) for row in b.batch.labels] == b.references
+    assert [tok.decode(row.tolist()) for row in b.batch.input_ids] == b.sources
+
+
+def test_training_texts_are_distinct(data: TranslationData, text_dir: Path) -> None:
+    args = _args(train_file=str(text_dir / "train.{lang}.gz"), language_pairs=["en-de", "de-en"])
+    texts = list(training_texts(load_raw_datasets(args, 0).train))
+    assert len(texts) == len(set(texts)) <= 2 * N

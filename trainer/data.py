@@ -1,0 +1,654 @@
+"""Parallel text in, mesh-independent global batches out.
+
+    load_raw_datasets   files / `datasets` name / builtin corpus -> pairs per direction
+    tokenize_datasets   pairs -> `__src__ x </s>` / `__tgt__ y </s>` ids (datasets.map, batched)
+    GlobalBatchSampler  -> GlobalBatch k (depends on data, seed, global batch size only)
+    GlobalBatch.shard   -> one dp replica's share: gas x m `Seq2SeqBatch`es
+    eval_batches        -> per-direction batches with reference strings for BLEU
+
+Legend: B sentence pairs per micro-batch, m micro-batches per flush (`num_microbatches`),
+g flushes per step (`gradient_accumulation_steps`), dp replicas; K = m * g * dp
+micro-batch *slots* make one global batch of G = B * K pairs.
+
+A global batch is cut into its K slots canonically (sorted by length, B consecutive
+pairs each), so only the *assignment* of slots to (replica, flush, micro-batch) depends
+on the mesh: every mesh with the same G trains on the same examples at step k, and
+every replica gets exactly m * g micro-batches (collectives never wait on a missing one).
+
+With `max_tokens_per_microbatch` (T) a slot is instead filled greedily, in length order,
+while rows x longest <= T; a global batch is K such slots. The sequence then depends on
+(data, seed, T, K): meshes with the same K compare step by step.
+
+Bad records are skipped and counted (`SKIP_REASONS`); bad files / languages / configs
+raise `DataError` with one line naming the value and what is valid.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from models.m2m100 import IGNORE_INDEX, Seq2SeqBatch
+from trainer.config import DataArguments
+from trainer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# Skip codes stored in the `skip` column; 0 keeps the record.
+SKIP_REASONS = ("missing_side", "empty_text", "source_too_long", "target_too_long")
+TABLE_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet")
+CHUNK_GLOBAL_BATCHES = 64  # a length-sorting chunk holds this many global batches
+Direction = tuple[str, str]
+
+
+class DataError(ValueError):
+    """Bad data or data configuration; the message names the bad value and what is valid."""
+
+
+def direction_name(direction: Direction) -> str:
+    """`("en", "de") -> "en-de"`."""
+    return f"{direction[0]}-{direction[1]}"
+
+
+def run_languages(data_args: DataArguments) -> list[str]:
+    """Every language of the run's directions, sorted."""
+    return sorted({lang for d in data_args.directions() for lang in d})
+
+
+# ============================================================================ raw data
+
+
+class RawDatasets(NamedTuple):
+    """Pairs `{src_lang, tgt_lang, source, target}`: training (all directions mixed) and
+    validation per direction name; `skipped[split][reason]` counts dropped pairs."""
+
+    train: Any  # datasets.Dataset
+    validation: dict[str, Any]
+    skipped: dict[str, dict[str, int]]
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _read_table(path: str, what: str) -> Any:
+    """JSON (lines) or Parquet via `datasets.load_dataset`."""
+    import datasets
+
+    if not Path(path).is_file():
+        raise DataError(f"{what} {path!r} does not exist")
+    builder = "parquet" if path.endswith(".parquet") else "json"
+    try:
+        return datasets.load_dataset(builder, data_files=path, split="train")
+    except Exception as e:  # datasets raises many types (DatasetGenerationError, ArrowInvalid, ...)
+        raise DataError(f"{what} {path!r} is not valid {builder}: {_first_line(e)}") from None
+
+
+def _read_lines(path: Path) -> list[str]:
+    opener: Callable[..., Any] = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            return [line.rstrip("\r\n") for line in f]
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        raise DataError(f"cannot read text file {str(path)!r}: {_first_line(e)}") from None
+
+
+def _read_text_files(pattern: str, languages: Sequence[str], what: str) -> Any:
+    """Line-aligned files, one per language: `pattern` holds `{lang}`."""
+    import datasets
+
+    columns: dict[str, list[str]] = {}
+    for lang in languages:
+        path = Path(pattern.format(lang=lang))
+        if not path.is_file():
+            found = sorted(p.name for p in path.parent.glob(Path(pattern).name.replace("{lang}", "*")))
+            raise DataError(f"{what}: no file {str(path)!r} for language {lang!r}; files there: {found}")
+        columns[lang] = _read_lines(path)
+    counts = {pattern.format(lang=lang): len(lines) for lang, lines in columns.items()}
+    if len(set(counts.values())) > 1:
+        raise DataError(f"{what}: text files are not line-aligned, line counts differ: {counts}")
+    return datasets.Dataset.from_dict(columns)
+
+
+def _json_translation(ds: Any, languages: Sequence[str], what: str) -> Any:
+    """Heterogeneous `translation` dicts (datasets infers a `Json` feature): pick the languages."""
+
+    def pick(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        rows = [r if isinstance(r, dict) else {} for r in batch["translation"]]
+        return {lang: [r.get(lang) for r in rows] for lang in languages}
+
+    have = sorted({k for r in ds[: min(len(ds), 1000)]["translation"] if isinstance(r, dict) for k in r})
+    missing = [lang for lang in languages if lang not in have]
+    if missing:
+        raise DataError(f"{what} has no {missing[0]!r} text; languages in the data: {have}")
+    return ds.map(pick, batched=True, remove_columns=ds.column_names, desc="languages")
+
+
+def _flat(ds: Any, languages: Sequence[str], what: str) -> Any:
+    """One string column per language: `translation` structs are flattened."""
+    if "translation" in ds.column_names:
+        flat = ds.flatten()
+        inner = [c for c in flat.column_names if c.startswith("translation.")]
+        if not inner:
+            return _json_translation(ds, languages, what)
+        ds = flat.select_columns(inner).rename_columns({c: c[len("translation.") :] for c in inner})
+    missing = [lang for lang in languages if lang not in ds.column_names]
+    if missing:
+        raise DataError(
+            f"{what} has no {missing[0]!r} text; languages in the data: {sorted(ds.column_names)}"
+        )
+    return ds.select_columns(list(languages))
+
+
+def _read_file(path: str, languages: Sequence[str], what: str) -> Any:
+    if "{lang}" in path:
+        return _read_text_files(path, languages, what)
+    if not path.endswith(TABLE_SUFFIXES):
+        raise DataError(
+            f"{what} {path!r}: unknown format; use one of {list(TABLE_SUFFIXES)} "
+            "or a text path containing '{lang}' (e.g. data/train.{lang}.gz)"
+        )
+    return _flat(_read_table(path, what), languages, what)
+
+
+def _builtin(data_args: DataArguments, languages: Sequence[str], seed: int) -> tuple[Any, Any]:
+    from trainer.corpus import CorpusError, build_builtin_corpus, to_hf_dataset
+
+    try:
+        corpus = build_builtin_corpus(languages, data_args.builtin_size, seed)
+    except CorpusError as e:
+        raise DataError(str(e)) from None
+    train = _flat(to_hf_dataset(corpus["train"]), languages, "builtin corpus")
+    return train, _flat(to_hf_dataset(corpus["validation"]), languages, "builtin corpus")
+
+
+def _hub(data_args: DataArguments, languages: Sequence[str]) -> tuple[Any, Any]:
+    import datasets
+
+    name, config = data_args.dataset_name, data_args.dataset_config_name
+    if name and name.startswith((".", "/", "~")) and not Path(name).expanduser().exists():
+        raise DataError(
+            f"dataset_name={name!r} is a path that does not exist; give a directory or a `datasets` name"
+        )
+    try:
+        splits = datasets.load_dataset(name, config)
+    except Exception as e:  # offline / unknown name / bad config: all end here
+        raise DataError(
+            f"dataset_name={name!r} (config {config!r}) cannot be loaded: {_first_line(e)}"
+        ) from None
+    if "train" not in splits:
+        raise DataError(f"dataset_name={name!r} has no 'train' split; it has {list(splits)}")
+    what = f"dataset {name!r}"
+    val = next((splits[s] for s in ("validation", "dev", "test") if s in splits), None)
+    return _flat(splits["train"], languages, what), None if val is None else _flat(val, languages, what)
+
+
+def _load_flat(data_args: DataArguments, languages: Sequence[str], seed: int) -> tuple[Any, Any]:
+    """Training and validation records (one column per language); validation may be None."""
+    if data_args.dataset_name == "builtin":
+        train, val = _builtin(data_args, languages, seed)
+    elif data_args.dataset_name:
+        train, val = _hub(data_args, languages)
+    elif data_args.train_file:
+        train, val = _read_file(data_args.train_file, languages, "train_file"), None
+    else:
+        raise DataError("no training data: set train_file, or dataset_name (a `datasets` name or 'builtin')")
+    if data_args.validation_file:
+        val = _read_file(data_args.validation_file, languages, "validation_file")
+    return train, val
+
+
+def _pairs_batch(batch: dict[str, list[Any]], directions: Sequence[Direction]) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {"src_lang": [], "tgt_lang": [], "source": [], "target": [], "skip": []}
+    for src, tgt in directions:
+        for s, t in zip(batch[src], batch[tgt]):
+            skip = 1 if s is None or t is None else 2 if not s.strip() or not t.strip() else 0
+            for key, value in zip(out, (src, tgt, s or "", t or "", skip)):
+                out[key].append(value)
+    return out
+
+
+def _count_and_drop(ds: Any, split: str, skipped: dict[str, dict[str, int]]) -> Any:
+    """Count the `skip` codes into `skipped[split]`, then keep rows with code 0."""
+    codes = np.asarray(ds.with_format("numpy")["skip"], dtype=np.int64) if len(ds) else np.zeros(0, np.int64)
+    counts = np.bincount(codes, minlength=len(SKIP_REASONS) + 1)
+    bucket = skipped.setdefault(split, dict.fromkeys(SKIP_REASONS, 0))
+    for i, reason in enumerate(SKIP_REASONS, start=1):
+        bucket[reason] += int(counts[i])
+    if counts[1:].any():
+        logger.info("%s: skipped %s", split, {k: v for k, v in bucket.items() if v})
+    kept = ds.filter(lambda c: c == 0, input_columns="skip", batched=False) if counts[1:].any() else ds
+    return kept.remove_columns("skip")
+
+
+def _to_pairs(
+    flat: Any, directions: Sequence[Direction], split: str, skipped: dict[str, dict[str, int]]
+) -> Any:
+    pairs = flat.map(
+        _pairs_batch,
+        batched=True,
+        remove_columns=flat.column_names,
+        fn_kwargs={"directions": list(directions)},
+        desc=f"pairs ({split})",
+    )
+    return _count_and_drop(pairs, split, skipped)
+
+
+def load_raw_datasets(data_args: DataArguments, seed: int) -> RawDatasets:
+    """Load the run's parallel text as sentence pairs, one row per (record, direction).
+
+    Args:
+        data_args: where the data is (`train_file` / `validation_file` / `dataset_name`)
+            and the run's directions.
+        seed: seed of the builtin corpus.
+
+    Returns:
+        `RawDatasets(train, validation, skipped)`: train mixes all directions; validation
+        maps a direction name ("en-de") to its pairs (empty without validation data);
+        `skipped` counts pairs with a missing side or empty text per split.
+
+    Raises:
+        DataError: a missing / unreadable / malformed file, a language of the run absent
+            from the data, line counts that differ, or no training pair left.
+    """
+    directions = data_args.directions()
+    languages = run_languages(data_args)
+    train_flat, val_flat = _load_flat(data_args, languages, seed)
+    if data_args.max_train_samples is not None:
+        train_flat = train_flat.select(range(min(data_args.max_train_samples, len(train_flat))))
+    skipped: dict[str, dict[str, int]] = {}
+    train = _to_pairs(train_flat, directions, "train", skipped)
+    if len(train) == 0:
+        raise DataError(f"the training corpus is empty after filtering (skipped: {skipped['train']})")
+    validation: dict[str, Any] = {}
+    for d in directions if val_flat is not None else []:
+        name = direction_name(d)
+        pairs = _to_pairs(val_flat, [d], f"validation:{name}", skipped)
+        if data_args.max_eval_samples is not None:
+            pairs = pairs.select(range(min(data_args.max_eval_samples, len(pairs))))
+        validation[name] = pairs
+    logger.info("data: %d training pairs over %d directions; validation %s", len(train), len(directions),
+                {k: len(v) for k, v in validation.items()})  # fmt: skip
+    return RawDatasets(train, validation, skipped)
+
+
+def training_texts(pairs: Any) -> Iterator[str]:
+    """Each distinct source/target text of the training pairs once (to train SentencePiece)."""
+    seen: set[int] = set()
+    for batch in pairs.select_columns(["source", "target"]).iter(batch_size=10_000):
+        for text in batch["source"] + batch["target"]:
+            h = hash(text)
+            if h not in seen:
+                seen.add(h)
+                yield text
+
+
+# ============================================================================ tokenization
+
+
+def _tokenize_batch(
+    batch: dict[str, list[Any]], tokenizer: Tokenizer, max_source_length: int, max_target_length: int
+) -> dict[str, list[Any]]:
+    eos = tokenizer.eos_id
+    src = tokenizer.encode_batch(batch["source"])
+    tgt = tokenizer.encode_batch(batch["target"])
+    input_ids = [[tokenizer.lang_id(lang), *ids, eos] for lang, ids in zip(batch["src_lang"], src)]
+    labels = [[tokenizer.lang_id(lang), *ids, eos] for lang, ids in zip(batch["tgt_lang"], tgt)]
+    skip = [
+        3 if len(s) > max_source_length else 4 if len(t) > max_target_length else 0
+        for s, t in zip(input_ids, labels)
+    ]
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "src_len": [len(s) for s in input_ids],
+        "tgt_len": [len(t) for t in labels],
+        "skip": skip,
+    }
+
+
+def _fingerprint(ds: Any, tokenizer: Tokenizer, max_src: int, max_tgt: int) -> str:
+    """A cache key for the tokenized dataset (the tokenizer object itself does not hash)."""
+    h = hashlib.sha256(f"{ds._fingerprint}|{max_src}|{max_tgt}|{tokenizer.languages}".encode())
+    h.update(getattr(tokenizer, "model_proto", b"") or str(getattr(tokenizer, "hf", "")).encode())
+    return h.hexdigest()[:32]
+
+
+def tokenize_pairs(pairs: Any, tokenizer: Tokenizer, data_args: DataArguments, split: str,
+                   skipped: dict[str, dict[str, int]], keep_text: bool = False) -> Any:  # fmt: skip
+    """Tokenize pairs into model examples; over-long ones are skipped and counted.
+
+    Args:
+        pairs: `{src_lang, tgt_lang, source, target}` rows.
+        tokenizer: the run's tokenizer.
+        data_args: `max_source_length` / `max_target_length` (counting tag and eos).
+        split: name under which skips are counted in `skipped`.
+        skipped: `{split: {reason: count}}`, updated in place.
+        keep_text: keep `source` / `target` strings (for evaluation references).
+
+    Returns:
+        Rows with `input_ids` (`__src__ x </s>`), `labels` (`__tgt__ y </s>`), `src_len`,
+        `tgt_len`, `src_lang`, `tgt_lang` (and the texts when `keep_text`).
+    """
+    max_src, max_tgt = data_args.max_source_length, data_args.max_target_length
+    drop = [] if keep_text else ["source", "target"]
+    out = pairs.map(
+        _tokenize_batch,
+        batched=True,
+        remove_columns=drop,
+        fn_kwargs={"tokenizer": tokenizer, "max_source_length": max_src, "max_target_length": max_tgt},
+        new_fingerprint=_fingerprint(pairs, tokenizer, max_src, max_tgt) + ("t" if keep_text else ""),
+        desc=f"tokenize ({split})",
+    )
+    return _count_and_drop(out, split, skipped)
+
+
+@dataclass
+class TranslationData:
+    """Tokenized training examples, validation per direction, and skip counts."""
+
+    train: Any
+    validation: dict[str, Any]
+    skipped: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+def tokenize_datasets(raw: RawDatasets, tokenizer: Tokenizer, data_args: DataArguments) -> TranslationData:
+    """Tokenize the output of `load_raw_datasets` (see `tokenize_pairs`).
+
+    Raises:
+        DataError: if no training example is left after filtering.
+    """
+    skipped = {k: dict(v) for k, v in raw.skipped.items()}
+    train = tokenize_pairs(raw.train, tokenizer, data_args, "train", skipped)
+    if len(train) == 0:
+        raise DataError(
+            f"the training corpus is empty after filtering (skipped: {skipped['train']}); "
+            f"max_source_length={data_args.max_source_length}, max_target_length={data_args.max_target_length}"
+        )
+    validation = {
+        name: tokenize_pairs(ds, tokenizer, data_args, f"validation:{name}", skipped, keep_text=True)
+        for name, ds in raw.validation.items()
+    }
+    return TranslationData(train, validation, skipped)
+
+
+# ============================================================================ collation
+
+
+def collate(input_ids: Sequence[Sequence[int]], labels: Sequence[Sequence[int]], pad_id: int,
+            decoder_start_id: int) -> Seq2SeqBatch:  # fmt: skip
+    """Right-pad examples into a `Seq2SeqBatch` trimmed to its own longest source / target.
+
+    decoder_input_ids = [decoder_start] + labels[:-1]  (M2M100: `</s> __tgt__ y`).
+    """
+    b = len(input_ids)
+    s_len = max(len(x) for x in input_ids)
+    t_len = max(len(y) for y in labels)
+    src = torch.full((b, s_len), pad_id, dtype=torch.long)  # (B, S)
+    mask = torch.zeros((b, s_len), dtype=torch.long)
+    lab = torch.full((b, t_len), IGNORE_INDEX, dtype=torch.long)  # (B, T)
+    dec = torch.full((b, t_len), pad_id, dtype=torch.long)
+    for i, (x, y) in enumerate(zip(input_ids, labels)):
+        src[i, : len(x)] = torch.tensor(x)
+        mask[i, : len(x)] = 1
+        lab[i, : len(y)] = torch.tensor(y)
+        dec[i, : len(y)] = torch.tensor([decoder_start_id, *y[:-1]])
+    return Seq2SeqBatch(src, mask, dec, lab)
+
+
+# ============================================================================ global batches
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How a global batch is cut: K = m * g * dp slots of B pairs (or <= T padded tokens)."""
+
+    per_device_batch_size: int
+    num_microbatches: int = 1
+    gradient_accumulation_steps: int = 1
+    dp_size: int = 1
+    max_tokens_per_microbatch: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("per_device_batch_size", "num_microbatches", "gradient_accumulation_steps", "dp_size"):
+            if getattr(self, name) < 1:
+                raise DataError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
+            raise DataError(
+                f"max_tokens_per_microbatch={self.max_tokens_per_microbatch} must be >= 1 or unset"
+            )
+
+    @property
+    def num_slots(self) -> int:
+        """K: micro-batches in one global batch, over all replicas and flushes."""
+        return self.num_microbatches * self.gradient_accumulation_steps * self.dp_size
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """G = B * K pairs, or None in token mode (the pair count varies)."""
+        return None if self.max_tokens_per_microbatch else self.per_device_batch_size * self.num_slots
+
+    def signature(self) -> dict[str, int]:
+        """What the global batch sequence depends on (besides data and seed)."""
+        if self.max_tokens_per_microbatch:
+            return {"max_tokens_per_microbatch": self.max_tokens_per_microbatch, "num_slots": self.num_slots}
+        return {"global_batch_size": int(self.per_device_batch_size * self.num_slots)}
+
+    def slot(self, dp_rank: int, flush: int, micro: int) -> int:
+        """The slot of (replica, flush, micro-batch): replicas interleave over the length order,
+        so each gets a similar mix of short and long slots."""
+        return (flush * self.num_microbatches + micro) * self.dp_size + dp_rank
+
+
+@dataclass
+class GlobalBatch:
+    """One optimizer step's examples: K slots of example indices into the training set."""
+
+    step: int
+    epoch: int
+    slots: list[np.ndarray]
+    num_tokens: int  # target tokens with a loss in the whole global batch (the loss normaliser)
+    layout: BatchLayout
+    fetch: Callable[[np.ndarray], Seq2SeqBatch] = field(repr=False)
+
+    @property
+    def num_examples(self) -> int:
+        return int(sum(len(s) for s in self.slots))
+
+    def example_indices(self) -> list[int]:
+        """All example indices of the global batch, sorted."""
+        return sorted(int(i) for s in self.slots for i in s)
+
+    def replica_slots(self, dp_rank: int) -> list[list[np.ndarray]]:
+        """Replica `dp_rank`'s slots as [flush][micro-batch] index arrays."""
+        lay = self.layout
+        if not 0 <= dp_rank < lay.dp_size:
+            raise DataError(f"dp_rank={dp_rank} is outside [0, {lay.dp_size})")
+        return [
+            [self.slots[lay.slot(dp_rank, g, j)] for j in range(lay.num_microbatches)]
+            for g in range(lay.gradient_accumulation_steps)
+        ]
+
+    def shard(self, dp_rank: int) -> list[list[Seq2SeqBatch]]:
+        """Replica `dp_rank`'s share: `gradient_accumulation_steps` lists of
+        `num_microbatches` padded batches, each trimmed to its own longest sequence."""
+        return [[self.fetch(idx) for idx in flush] for flush in self.replica_slots(dp_rank)]
+
+
+def _column(ds: Any, name: str) -> np.ndarray:
+    return np.asarray(ds.with_format("numpy")[name], dtype=np.int64)
+
+
+def _sentence_slots(order: np.ndarray, lengths: np.ndarray, layout: BatchLayout) -> list[list[np.ndarray]]:
+    g, b = layout.per_device_batch_size * layout.num_slots, layout.per_device_batch_size
+    batches = []
+    for start in range(0, len(order) - g + 1, g):
+        members = order[start : start + g]
+        members = members[np.argsort(lengths[members], kind="stable")]
+        batches.append([members[k * b : (k + 1) * b] for k in range(layout.num_slots)])
+    return batches
+
+
+def _token_slots(order: np.ndarray, lengths: np.ndarray, layout: BatchLayout) -> list[list[np.ndarray]]:
+    cap, k = layout.max_tokens_per_microbatch or 0, layout.num_slots
+    batches: list[list[np.ndarray]] = []
+    slots: list[np.ndarray] = []
+    start, longest = 0, 0
+    for pos, length in enumerate(lengths[order].tolist()):
+        if pos > start and (pos - start + 1) * max(longest, length) > cap:
+            slots.append(order[start:pos])
+            start, longest = pos, 0
+            if len(slots) == k:
+                batches.append(slots)
+                slots = []
+        longest = max(longest, length)
+    return batches  # the trailing partial global batch is dropped
+
+
+class GlobalBatchSampler:
+    """Length-bucketed, seeded, resumable sequence of global batches over epochs.
+
+    Per epoch: shuffle all examples (seed, epoch); cut into chunks of
+    `CHUNK_GLOBAL_BATCHES` global batches; sort each chunk by length; cut into global
+    batches (dropping the last partial one); shuffle the order of global batches.
+    `state_dict()` holds (epoch, position): a restored sampler continues exactly.
+    """
+
+    def __init__(
+        self, train: Any, layout: BatchLayout, seed: int, pad_id: int, decoder_start_id: int
+    ) -> None:
+        """
+        Args:
+            train: tokenized training examples (`tokenize_datasets(...).train`).
+            layout: the batch layout of this mesh.
+            seed: data-order seed.
+            pad_id, decoder_start_id: `Tokenizer.pad_id` and `special_ids()["decoder_start_token_id"]`.
+
+        Raises:
+            DataError: fewer examples than one global batch, or an example longer than the token cap.
+        """
+        self.train, self.layout, self.seed = train, layout, seed
+        self.pad_id, self.decoder_start_id = pad_id, decoder_start_id
+        self.tgt_len = _column(train, "tgt_len")
+        self.lengths = np.maximum(_column(train, "src_len"), self.tgt_len)  # padded cost per row
+        self._check_size()
+        self.epoch, self.position, self.step = 0, 0, 0
+        self._plan: list[list[np.ndarray]] | None = None
+
+    def _check_size(self) -> None:
+        n, lay = len(self.lengths), self.layout
+        if lay.max_tokens_per_microbatch and n and int(self.lengths.max()) > lay.max_tokens_per_microbatch:
+            raise DataError(
+                f"max_tokens_per_microbatch={lay.max_tokens_per_microbatch} is below the longest example "
+                f"({int(self.lengths.max())} tokens); raise it or lower max_source_length/max_target_length"
+            )
+        need = lay.global_batch_size or lay.num_slots
+        if n < need:
+            raise DataError(
+                f"the training set has {n} examples, fewer than one global batch ({lay.signature()})"
+            )
+
+    def _chunk_size(self) -> int:
+        g = self.layout.global_batch_size
+        if g is None:  # token mode: about as many examples as fill CHUNK_GLOBAL_BATCHES global batches
+            budget = (self.layout.max_tokens_per_microbatch or 1) * self.layout.num_slots
+            g = max(1, budget // max(1, int(self.lengths.mean())))
+        return g * CHUNK_GLOBAL_BATCHES
+
+    def epoch_plan(self, epoch: int) -> list[list[np.ndarray]]:
+        """The global batches of `epoch`, each as its K slots (pure function of data, seed, layout)."""
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(len(self.lengths))
+        chunk = self._chunk_size()
+        for start in range(0, len(order), chunk):
+            piece = order[start : start + chunk]
+            order[start : start + chunk] = piece[np.argsort(self.lengths[piece], kind="stable")]
+        cut = _token_slots if self.layout.max_tokens_per_microbatch else _sentence_slots
+        batches = cut(order, self.lengths, self.layout)
+        if not batches:
+            raise DataError(f"epoch {epoch} yields no complete global batch ({self.layout.signature()})")
+        return [batches[i] for i in rng.permutation(len(batches))]
+
+    def _fetch(self, indices: np.ndarray) -> Seq2SeqBatch:
+        rows = self.train.select_columns(["input_ids", "labels"])[[int(i) for i in indices]]
+        return collate(rows["input_ids"], rows["labels"], self.pad_id, self.decoder_start_id)
+
+    def __iter__(self) -> Iterator[GlobalBatch]:
+        return self
+
+    def __next__(self) -> GlobalBatch:
+        if self._plan is None:
+            self._plan = self.epoch_plan(self.epoch)
+        if self.position >= len(self._plan):
+            self.epoch, self.position, self._plan = self.epoch + 1, 0, self.epoch_plan(self.epoch + 1)
+        slots = self._plan[self.position]
+        num_tokens = int(sum(int(self.tgt_len[s].sum()) for s in slots))
+        batch = GlobalBatch(self.step, self.epoch, slots, num_tokens, self.layout, self._fetch)
+        self.position += 1
+        self.step += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position to resume from (JSON-serialisable)."""
+        return {"epoch": self.epoch, "position": self.position, "step": self.step, "seed": self.seed,
+                "num_examples": len(self.lengths), **self.layout.signature()}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state`; the global batch sequence must be the same one.
+
+        Raises:
+            DataError: if the data size, seed or global batch differ from the saved state's.
+        """
+        mine = {"seed": self.seed, "num_examples": len(self.lengths), **self.layout.signature()}
+        theirs = {k: state.get(k) for k in mine}
+        if theirs != mine:
+            raise DataError(f"data state from a different run: saved {theirs}, this run {mine}")
+        self.epoch, self.position, self.step = int(state["epoch"]), int(state["position"]), int(state["step"])
+        self._plan = None
+
+
+# ============================================================================ evaluation
+
+
+@dataclass
+class EvalBatch:
+    """One evaluation batch of a direction, with the texts BLEU needs."""
+
+    direction: str
+    batch: Seq2SeqBatch
+    sources: list[str]
+    references: list[str]
+    forced_bos_token_id: int  # the target language tag: decoding starts `</s> __tgt__`
+
+
+def eval_batches(data: TranslationData, tokenizer: Tokenizer, batch_size: int) -> dict[str, list[EvalBatch]]:
+    """Validation batches per direction, sorted by source length (references stay aligned).
+
+    Args:
+        data: the tokenized data.
+        tokenizer: the run's tokenizer (pad / decoder start / tag ids).
+        batch_size: pairs per batch (`per_device_eval_batch_size`).
+
+    Returns:
+        `{direction name: [EvalBatch, ...]}`; a direction without validation pairs maps to [].
+    """
+    out: dict[str, list[EvalBatch]] = {}
+    for name, ds in data.validation.items():
+        tgt = name.split("-", 1)[1]
+        order = np.argsort(_column(ds, "src_len"), kind="stable") if len(ds) else np.zeros(0, np.int64)
+        batches = []
+        for start in range(0, len(order), batch_size):
+            rows = ds[[int(i) for i in order[start : start + batch_size]]]
+            batch = collate(rows["input_ids"], rows["labels"], tokenizer.pad_id, tokenizer.eos_id)
+            batches.append(EvalBatch(name, batch, rows["source"], rows["target"], tokenizer.lang_id(tgt)))
+        out[name] = batches
+    return out
