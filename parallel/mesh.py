@@ -1,0 +1,333 @@
+"""The (pp, dp, tp) device mesh: validated sizes, process groups, rank coordinates.
+
+Owns everything about *which rank talks to which*; nothing here knows the model
+beyond the sizes it must divide. Legend: pp = pipeline stages (outermost axis,
+across nodes), dp = data-parallel replicas, tp = tensor-parallel ranks (innermost
+axis, consecutive ranks on one node), as in Megatron-LM and torchtitan:
+
+    rank = (pp_i * dp + dp_i) * tp + tp_i
+
+    pp=2, dp=2, tp=2:   pp_i=0: dp_i=0 -> ranks 0 1 | dp_i=1 -> ranks 2 3
+                        pp_i=1: dp_i=0 -> ranks 4 5 | dp_i=1 -> ranks 6 7
+
+Usage (one object created once and passed in; a function gets only its axis):
+
+    init_distributed(timeout_s=600)
+    dims = ParallelDims.from_args(parallel_args, world_size=dist.get_world_size())
+    dims.validate(model_config)            # before any collective
+    mesh = build_mesh(dims, "cuda" if torch.cuda.is_available() else "cpu")
+    apply_tensor_parallel(model, mesh.group("tp"))
+
+Single process: `init_distributed` initialises a 1-rank group on an in-memory
+`HashStore` (no port, no env vars), so the mesh, its groups and every collective
+work unchanged with world size 1.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+if TYPE_CHECKING:
+    from models.config import ModelConfig
+    from trainer.config import ParallelArguments
+
+Axis = Literal["pp", "dp", "tp"]
+AXES: tuple[Axis, Axis, Axis] = ("pp", "dp", "tp")
+
+
+# ----------------------------------------------------------------------------- sizes (pure)
+
+
+@dataclass
+class ParallelDims:
+    """Sizes of the mesh axes; `dp=-1` is inferred from the world size by `validate()`.
+
+    Attributes:
+        pp: pipeline-parallel size (stages).
+        dp: data-parallel size, or -1 to take `world_size // (pp * tp)`.
+        tp: tensor-parallel size.
+        world_size: number of ranks (processes).
+        local_world_size: ranks per node (torchrun's LOCAL_WORLD_SIZE); None = unknown.
+        allow_tp_across_nodes: permit `tp > local_world_size` (slow inter-node all-reduces).
+    """
+
+    pp: int
+    dp: int
+    tp: int
+    world_size: int
+    local_world_size: int | None = None
+    allow_tp_across_nodes: bool = False
+
+    @classmethod
+    def from_args(
+        cls, args: ParallelArguments, world_size: int, local_world_size: int | None = None
+    ) -> ParallelDims:
+        """Sizes from the job's `ParallelArguments`.
+
+        Args:
+            args: the parallel section of the job config.
+            world_size: number of ranks.
+            local_world_size: ranks per node; default from the LOCAL_WORLD_SIZE env var.
+
+        Returns:
+            Unvalidated dims (call `validate()`).
+        """
+        if local_world_size is None and "LOCAL_WORLD_SIZE" in os.environ:
+            local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+        return cls(
+            pp=args.pipeline_parallel_size,
+            dp=args.data_parallel_size,
+            tp=args.tensor_parallel_size,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            allow_tp_across_nodes=args.allow_tp_across_nodes,
+        )
+
+    def validate(self, model_config: ModelConfig | None = None) -> ParallelDims:
+        """Check the sizes (and the model's divisibility by tp); infer dp if -1. Pure: no collectives.
+
+        Args:
+            model_config: when given, tp must divide its heads, FFN widths and d_model.
+
+        Returns:
+            self, with `dp` resolved.
+
+        Raises:
+            ValueError: with the offending numbers, e.g. `pp(2) * dp(2) * tp(2) = 8 != WORLD_SIZE(4)`.
+        """
+        for name in ("pp", "tp", "world_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.dp == -1:
+            if self.world_size % (self.pp * self.tp) != 0:
+                raise ValueError(
+                    f"cannot infer dp: WORLD_SIZE({self.world_size}) is not divisible by "
+                    f"pp({self.pp}) * tp({self.tp}) = {self.pp * self.tp}"
+                )
+            self.dp = self.world_size // (self.pp * self.tp)
+        if self.dp < 1:
+            raise ValueError(f"dp={self.dp} must be >= 1 or -1 (inferred)")
+        if self.pp * self.dp * self.tp != self.world_size:
+            raise ValueError(
+                f"pp({self.pp}) * dp({self.dp}) * tp({self.tp}) = {self.pp * self.dp * self.tp} "
+                f"!= WORLD_SIZE({self.world_size})"
+            )
+        lws = self.local_world_size
+        if lws is not None and self.tp > lws and not self.allow_tp_across_nodes:
+            raise ValueError(
+                f"tp({self.tp}) > LOCAL_WORLD_SIZE({lws}): tensor parallelism would cross nodes; "
+                f"use tp <= {lws} or set allow_tp_across_nodes"
+            )
+        if model_config is not None:
+            check_tp_divides_model(model_config, self.tp)
+        return self
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(pp, dp, tp), the mesh shape (dp must be resolved)."""
+        return (self.pp, self.dp, self.tp)
+
+
+def check_tp_divides_model(config: ModelConfig, tp: int) -> None:
+    """Raise if tp does not divide the attention heads, FFN widths or d_model.
+
+    The vocabulary need not be divisible: it is padded to a multiple of tp.
+
+    Raises:
+        ValueError: naming the first size tp does not divide.
+    """
+    for name in (
+        "encoder_attention_heads",
+        "decoder_attention_heads",
+        "encoder_ffn_dim",
+        "decoder_ffn_dim",
+        "d_model",
+    ):
+        value = int(getattr(config, name))
+        if value % tp != 0:
+            valid = [k for k in range(1, value + 1) if value % k == 0]
+            raise ValueError(f"tp({tp}) does not divide {name}({value}); valid tp sizes: {valid}")
+
+
+def rank_to_coords(rank: int, shape: tuple[int, int, int]) -> tuple[int, int, int]:
+    """(pp_i, dp_i, tp_i) of a global rank on a (pp, dp, tp) mesh, tp innermost.
+
+    Raises:
+        ValueError: if the rank is outside the mesh.
+    """
+    pp, dp, tp = shape
+    if not 0 <= rank < pp * dp * tp:
+        raise ValueError(f"rank {rank} is outside a mesh of {pp * dp * tp} ranks {shape}")
+    return rank // (dp * tp), (rank // tp) % dp, rank % tp
+
+
+def coords_to_rank(coords: tuple[int, int, int], shape: tuple[int, int, int]) -> int:
+    """Global rank of (pp_i, dp_i, tp_i): `(pp_i * dp + dp_i) * tp + tp_i`.
+
+    Raises:
+        ValueError: if a coordinate is outside its axis.
+    """
+    for c, n, axis in zip(coords, shape, AXES):
+        if not 0 <= c < n:
+            raise ValueError(f"{axis} coordinate {c} is outside [0, {n})")
+    pp_i, dp_i, tp_i = coords
+    _, dp, tp = shape
+    return (pp_i * dp + dp_i) * tp + tp_i
+
+
+# ----------------------------------------------------------------------------- process groups
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600) -> None:
+    """Initialise the default process group from torchrun's env vars (no-op if already done).
+
+    NCCL on CUDA, gloo on CPU unless `backend` says otherwise. Without WORLD_SIZE
+    (plain `python -m ...`) or with WORLD_SIZE=1, a 1-rank group is created on an
+    in-memory HashStore: no port, no MASTER_ADDR, and the rest of the code runs
+    unchanged.
+
+    Args:
+        backend: "nccl", "gloo" or None (pick by device).
+        timeout_s: collective timeout in seconds.
+    """
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    timeout = timedelta(seconds=timeout_s)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
+
+
+@dataclass
+class ParallelMesh:
+    """The DeviceMesh with named axes, this rank's coordinates, and pp subgroups.
+
+    Build it with `build_mesh` (collective); every method here is local.
+    """
+
+    dims: ParallelDims
+    device_mesh: DeviceMesh
+    coords: tuple[int, int, int]
+    _pp_subgroups: dict[tuple[int, ...], ProcessGroup] = field(default_factory=dict, repr=False)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords[1]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords[2]
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        return coords_to_rank(self.coords, self.dims.shape)
+
+    def __getitem__(self, axis: Axis) -> DeviceMesh:
+        """The 1-D sub-mesh of `axis` that holds this rank (torchtitan's `mesh["tp"]`)."""
+        return self.device_mesh[axis]
+
+    def group(self, axis: Axis) -> ProcessGroup:
+        """The process group of this rank along `axis`."""
+        return self.device_mesh.get_group(axis)
+
+    def size(self, axis: Axis) -> int:
+        return self.dims.shape[AXES.index(axis)]
+
+    def axis_rank(self, axis: Axis) -> int:
+        """This rank's coordinate along `axis`."""
+        return self.coords[AXES.index(axis)]
+
+    def pp_peer(self, stage_rank: int) -> int:
+        """Global rank of pipeline rank `stage_rank` with this rank's (dp, tp) coordinates (for p2p)."""
+        return coords_to_rank((stage_rank, self.dp_rank, self.tp_rank), self.dims.shape)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.dims.pp - 1
+
+    def pp_subgroup(self, pp_ranks: Sequence[int]) -> ProcessGroup | None:
+        """Group of the given pipeline ranks that share this rank's (dp, tp) coordinates.
+
+        Used for the tied embedding's all-reduce between the first and the last
+        stage. The first call for a given `pp_ranks` is **collective**: every rank
+        of the world must make it, in the same order, because `new_group` is
+        (each call creates the groups of all dp x tp columns). `build_mesh`
+        creates the first/last-stage group up front, so `pp_subgroup((0, pp - 1))`
+        is always local.
+
+        Args:
+            pp_ranks: pipeline coordinates, e.g. (0, pp - 1).
+
+        Returns:
+            The group if this rank's pp coordinate is in `pp_ranks`, else None.
+
+        Raises:
+            ValueError: on an out-of-range or repeated pipeline rank.
+        """
+        key = tuple(sorted(set(pp_ranks)))
+        if len(key) != len(pp_ranks) or any(not 0 <= p < self.dims.pp for p in key):
+            raise ValueError(f"pp_ranks {list(pp_ranks)} must be distinct values in [0, {self.dims.pp})")
+        if key not in self._pp_subgroups:
+            _, dp, tp = self.dims.shape
+            for dp_i in range(dp):
+                for tp_i in range(tp):
+                    ranks = [coords_to_rank((p, dp_i, tp_i), self.dims.shape) for p in key]
+                    group = dist.new_group(ranks)  # every rank calls, member or not
+                    if (dp_i, tp_i) == (self.dp_rank, self.tp_rank):
+                        self._pp_subgroups[key] = group
+        return self._pp_subgroups[key] if self.pp_rank in key else None
+
+
+def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> ParallelMesh:
+    """Create the (pp, dp, tp) DeviceMesh and its groups (collective: all ranks call it).
+
+    Args:
+        dims: sizes; validated here again (pure) before any collective.
+        device_type: "cpu" or "cuda".
+
+    Returns:
+        The ParallelMesh of this rank.
+
+    Raises:
+        ValueError: if the sizes do not fit the world (see `ParallelDims.validate`).
+        RuntimeError: if torch.distributed is not initialised (call `init_distributed`).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised; call parallel.mesh.init_distributed() first"
+        )
+    world = dist.get_world_size()
+    if dims.world_size != world:
+        raise ValueError(f"ParallelDims.world_size({dims.world_size}) != WORLD_SIZE({world})")
+    dims.validate()
+    device_mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
+    for axis in AXES:  # create the sub-groups now, collectively, not lazily on first use
+        device_mesh.get_group(axis)
+    coords = rank_to_coords(dist.get_rank(), dims.shape)
+    mesh = ParallelMesh(dims=dims, device_mesh=device_mesh, coords=coords)
+    mesh.pp_subgroup((0, dims.pp - 1) if dims.pp > 1 else (0,))
+    return mesh
