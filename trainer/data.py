@@ -217,6 +217,10 @@ def _pairs_batch(batch: dict[str, list[Any]], directions: Sequence[Direction]) -
     return out
 
 
+def _keep(codes: list[int]) -> list[bool]:
+    return [c == 0 for c in codes]
+
+
 def _count_and_drop(ds: Any, split: str, skipped: dict[str, dict[str, int]]) -> Any:
     """Count the `skip` codes into `skipped[split]`, then keep rows with code 0."""
     codes = np.asarray(ds.with_format("numpy")["skip"], dtype=np.int64) if len(ds) else np.zeros(0, np.int64)
@@ -226,7 +230,7 @@ def _count_and_drop(ds: Any, split: str, skipped: dict[str, dict[str, int]]) -> 
         bucket[reason] += int(counts[i])
     if counts[1:].any():
         logger.info("%s: skipped %s", split, {k: v for k, v in bucket.items() if v})
-    kept = ds.filter(lambda c: c == 0, input_columns="skip", batched=False) if counts[1:].any() else ds
+    kept = ds.filter(_keep, input_columns="skip", batched=True) if counts[1:].any() else ds
     return kept.remove_columns("skip")
 
 
