@@ -99,6 +99,8 @@ class PipelineExecutor:
         self.device, self.dtype = param.device, param.dtype
         self.d_model = self.model.config.d_model
         self.meter = ActivationMeter(self.model)
+        # An action list without backward (evaluation) keeps nothing for autograd.
+        self.forward_only = not any(a.type in (ActionType.BACKWARD, ActionType.BACKWARD_INPUT) for a in self.actions)
 
     # ------------------------------------------------------------------ driver
 
@@ -162,7 +164,7 @@ class PipelineExecutor:
         else:
             inputs = st.received.pop((s, mb))
             for t in inputs.values():
-                t.requires_grad_(True)
+                t.requires_grad_(not self.forward_only)
         autocast = (
             torch.autocast(self.device.type, dtype=self.autocast_dtype)
             if self.autocast_dtype is not None
@@ -172,10 +174,17 @@ class PipelineExecutor:
             out = stage.forward(inputs, batch)
             if stage.is_last:
                 loss_sum, n = self.loss_fn(out["logits"], batch.labels)
-        st.inputs[(s, mb)] = inputs
         if stage.is_last:
             st.loss_sum += float(loss_sum.detach())
             st.num_tokens += n
+        if self.forward_only:
+            if not stage.is_last:  # held only until SF / the next local stage takes it
+                st.outputs[(s, mb)] = out
+                if stage_to_rank(s + 1, self.topo.p) == self.topo.pp_rank:
+                    st.local_handoff[(s, mb)] = st.outputs.pop((s, mb))
+            return
+        st.inputs[(s, mb)] = inputs
+        if stage.is_last:
             st.outputs[(s, mb)] = {"loss": loss_sum * st.loss_scale}
         else:
             st.outputs[(s, mb)] = out
@@ -217,7 +226,7 @@ class PipelineExecutor:
         batch = st.batches[mb]
         blocks = self.topo.stage_blocks
         if a.type is ActionType.SEND_FORWARD:
-            out = st.outputs[(s, mb)]
+            out = st.outputs.pop((s, mb)) if self.forward_only else st.outputs[(s, mb)]
             tensors = [out[k].detach() for k in boundary_keys(blocks[s][-1])]
             return p2p.Transfer(
                 True, self._peer(self.topo.next_rank), tensors, p2p.message_tag(0, s + 1, mb, m)

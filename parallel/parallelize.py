@@ -27,7 +27,7 @@ from parallel.data_parallel import GradReducer
 from parallel.executor import FlushResult, LossFn, PipelineExecutor, PipelineTopology
 from parallel.mesh import ParallelMesh
 from parallel.remat import apply_remat
-from parallel.schedule import Action, ActionType, build_schedule, rank_stages, stage_to_rank
+from parallel.schedule import Action, build_schedule, forward_only, rank_stages, stage_to_rank
 from parallel.stage import PipelineStage
 from parallel.zero_bubble import WeightGradStore, enable_deferred_wgrad
 
@@ -115,6 +115,7 @@ class ParallelModel:
         tied_ranks = plan.shared_embedding_ranks()
         self.tied_group = mesh.pp_subgroup(tied_ranks) if len(tied_ranks) > 1 else None
         self.tied_ranks = tied_ranks
+        self._params_by_name = dict(model.named_parameters())
         self.reducer = GradReducer(self.params(), mesh.group("dp") if mesh.size("dp") > 1 else None)
         self.wgrad_store = WeightGradStore()
         if plan.schedule_name == "zero_bubble":
@@ -191,29 +192,38 @@ class ParallelModel:
                     p.grad.mul_(coef)
         return norm
 
+    def to_logical(self, name: str, tensor: Tensor) -> Tensor:
+        """The tensor (a parameter or its optimizer state) as DCP should see it: single-device
+        shape, tp shards wrapped as `DTensor` on the tp sub-mesh (vocab padding cut off)."""
+        param = self._params_by_name.get(name)
+        if param is None or self.tp_info is None or not getattr(param, "tp_sharded", False):
+            return tensor
+        from torch.distributed.tensor import DTensor, Shard
+
+        dim = int(param.tp_shard_dim)
+        local = tensor
+        logical = list(tensor.shape)
+        logical[dim] = tensor.shape[dim] * self.tp_info.tp_size
+        if name == "shared.weight":  # rows [start, end) of the padded vocabulary; keep the real ones
+            real = max(0, min(self.tp_info.vocab_end, self.tp_info.vocab_size) - self.tp_info.vocab_start)
+            local = tensor.narrow(0, 0, real)
+            logical[0] = self.tp_info.vocab_size
+        stride = torch.empty(logical, device="meta").stride()
+        return DTensor.from_local(local, self.mesh["tp"], [Shard(dim)], run_check=False,
+                                  shape=torch.Size(logical), stride=stride)
+
     # ------------------------------------------------------------------ evaluation
 
     @torch.no_grad()
     def eval_loss(self, batches: Sequence[Seq2SeqBatch]) -> tuple[float, int]:
         """Sum of token losses and token count over `batches` (meaningful on the last stage).
 
-        Runs the forward half of a GPipe (v == 1) or interleaved schedule over the
-        batches: dropping backward actions keeps every rank's messages in the one
-        global order the generator chose, so the result stays deadlock-free.
-        Interleaved needs len(batches) % p == 0 (the caller sizes eval batches so).
+        Runs `parallel.schedule.forward_only` (any number of batches, any v).
         """
         if not batches:
             return 0.0, 0
-        name = "gpipe" if self.plan.v == 1 else "interleaved_1f1b"
-        full = build_schedule(name, self.plan.p, len(batches), self.plan.v)[self.mesh.pp_rank]
-        fwd = [
-            a
-            for a in full
-            if a.type in (ActionType.FORWARD, ActionType.SEND_FORWARD, ActionType.RECV_FORWARD)
-        ]
-        executor = PipelineExecutor(
-            self.stages, fwd, self.topo, self.loss_fn, autocast_dtype=self.autocast_dtype
-        )
+        actions = forward_only(self.plan.p, len(batches), self.plan.v)[self.mesh.pp_rank]
+        executor = PipelineExecutor(self.stages, actions, self.topo, self.loss_fn, autocast_dtype=self.autocast_dtype)
         res = executor.run_flush(batches, 1.0, last_flush=False)
         return res.loss_sum, res.num_tokens
 

@@ -413,6 +413,31 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     return SCHEDULES[name](p, m, v)
 
 
+def forward_only(p: int, m: int, v: int = 1) -> Schedule:
+    """Evaluation: every rank runs, for each micro-batch in turn, the forwards of its stages.
+
+    Rank r's list is ``for mb: for s in rank_stages(r): [RF s.mb] F s.mb [SF s.mb]``.
+    Every rank posts its messages in increasing (micro-batch, receiving stage)
+    order, one global order, so the batched comm cannot deadlock (the argument
+    of `_attach_comm`). Works for any m, also with interleaved placement (v > 1).
+    """
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"forward_only needs p >= 1, m >= 1, v >= 1; got p={p}, m={m}, v={v}")
+    n = p * v
+    schedule: Schedule = []
+    for rank in range(p):
+        out: list[Action] = []
+        for mb in range(m):
+            for s in rank_stages(rank, p, v):
+                if s > 0 and stage_to_rank(s - 1, p) != rank:
+                    out.append(Action(ActionType.RECV_FORWARD, s, mb))
+                out.append(Action(ActionType.FORWARD, s, mb))
+                if s < n - 1 and stage_to_rank(s + 1, p) != rank:
+                    out.append(Action(ActionType.SEND_FORWARD, s, mb))
+        schedule.append(out)
+    return schedule
+
+
 def _check_args(name: str, p: int, m: int, v: int) -> None:
     if p < 1:
         raise ValueError(f"{name}: pipeline_parallel_size p={p} must be >= 1")

@@ -54,7 +54,10 @@ stream without sequence parallelism) then draws identical masks on all tp ranks,
 as it must. Dropout inside the split region (attention probabilities of the local
 heads, FFN activations) draws masks of the same shape from the same state, i.e.
 masks correlated across ranks rather than Megatron's per-rank RNG tracker; this is
-a valid dropout in expectation but not the single-device one. With dropout off,
+a valid dropout in expectation but not the single-device one. The same holds
+under sequence parallelism for dropout on the residual stream: each rank's T/p
+slice draws the same mask pattern (Megatron forks a per-rank RNG there; we do not,
+since `models/` calls `F.dropout` on the global generator). With dropout off,
 parity with the single-device model is exact up to float summation order.
 """
 
@@ -347,13 +350,25 @@ class ColumnParallelLinear(nn.Module):
             None if linear.bias is None else _mark(nn.Parameter(_shard_rows(linear.bias, r, p)), True, 0)
         )
 
-    def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out/p)
+    # forward = output_transform(F.linear(input_transform(x), W_r, b_r)); the split lets
+    # parallel.zero_bubble defer the weight gradient of the local matmul alone.
+    bias_in_matmul = True
+
+    def linear_input_transform(self, x: Tensor) -> Tensor:
+        """f (or the T all-gather under sequence parallelism) before the local matmul."""
         if self.communicate_input and self.sequence_parallel:
-            x = gather_from_sequence_parallel(x, self.group)  # (B, T/p, in) -> (B, T, in)
-        elif self.communicate_input:
-            x = copy_to_tp(x, self.group)
-        y = F.linear(x, self.weight, self.bias)  # Y_r = X A_r + b_r
+            return gather_from_sequence_parallel(x, self.group)  # (B, T/p, in) -> (B, T, in)
+        if self.communicate_input:
+            return copy_to_tp(x, self.group)
+        return x
+
+    def linear_output_transform(self, y: Tensor) -> Tensor:
+        """Optional all-gather of the (..., out/p) output."""
         return gather_from_tp(y, self.group) if self.gather_output else y
+
+    def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out/p)
+        y = F.linear(self.linear_input_transform(x), self.weight, self.bias)  # Y_r = X A_r + b_r
+        return self.linear_output_transform(y)
 
     def extra_repr(self) -> str:
         p = _size(self.group)
@@ -404,15 +419,24 @@ class RowParallelLinear(nn.Module):
             self.bias = _mark(nn.Parameter(linear.bias.detach().clone()), False)
             self.bias.sequence_parallel = sequence_parallel  # type: ignore[attr-defined]
 
-    def forward(self, x: Tensor) -> Tensor:  # (..., in/p) -> (..., out)
-        if not self.input_is_parallel:
-            x = scatter_to_tp(x, self.group)
-        partial = F.linear(x, self.weight)  # X_r A_r
+    # forward = output_transform(F.linear(input_transform(x), W_r)); the bias is not in
+    # the matmul (it is added once, after the reduction).
+    bias_in_matmul = False
+
+    def linear_input_transform(self, x: Tensor) -> Tensor:
+        """Split the input's last dim here unless it arrives split."""
+        return x if self.input_is_parallel else scatter_to_tp(x, self.group)
+
+    def linear_output_transform(self, partial: Tensor) -> Tensor:
+        """g (or the T reduce-scatter under sequence parallelism) of X_r A_r, then + b."""
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel(partial, self.group)  # (B, T/p, out)
         else:
             y = reduce_from_tp(partial, self.group)  # sum_r X_r A_r
         return y if self.bias is None else y + self.bias
+
+    def forward(self, x: Tensor) -> Tensor:  # (..., in/p) -> (..., out)
+        return self.linear_output_transform(F.linear(self.linear_input_transform(x), self.weight))
 
     def extra_repr(self) -> str:
         p = _size(self.group)

@@ -241,6 +241,16 @@ def _check_model(group: Any, sequence_parallel: bool) -> None:
     _close(norm_sq, torch.as_tensor(ref_norm_sq), "grad norm^2 (replicated counted once)")
 
 
+def _check_sequence_parallel_length(group: Any) -> None:
+    """Sequence parallelism splits T: a length tp does not divide is a clear error on every rank."""
+    torch.manual_seed(0)
+    model = M2M100Translation(_tiny_config())
+    apply_tensor_parallel(model, group, sequence_parallel=True)
+    p = dist.get_world_size(group)
+    with pytest.raises(ValueError, match=rf"sequence length \(7\) divisible by tp\({p}\)"):
+        model(_batch(s_len=8, t_len=7))
+
+
 def _check_pruned_stage(group: Any) -> None:
     """A pipeline stage holding only decoder layers and the head (no `shared` lookups)."""
     torch.manual_seed(0)
@@ -258,6 +268,7 @@ CHECKS: dict[str, Callable[[Any], None]] = {
     "cross_entropy": _check_cross_entropy,
     "model": lambda group: _check_model(group, sequence_parallel=False),
     "model_sequence_parallel": lambda group: _check_model(group, sequence_parallel=True),
+    "sequence_parallel_length": _check_sequence_parallel_length,
     "pruned_stage": _check_pruned_stage,
 }
 

@@ -1,15 +1,27 @@
-"""Translation-quality evaluation: metrics on known strings, batching, order, per-direction keys.
+"""Translation-quality evaluation and the `trainer.translate` CLI.
 
-`WordTokenizer` is a test double of the `TextTokenizer` interface: word `w17` is id 17.
+Evaluation: metrics on known strings, batching, order, per-direction keys, with
+`WordTokenizer`, a test double of the `TextTokenizer` interface (word `w17` is id 17).
+
+CLI: a tiny model exported with `save_hf_model` next to a tokenizer directory built
+here from a `tokenizers` word-level model wrapped as a `PreTrainedTokenizerFast` (any
+`AutoTokenizer`-loadable directory must work, not only those our trainer writes),
+with `__en__` / `__fr__` as special tokens; the CLI runs in a subprocess.
 """
 
 from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from models.config import ModelConfig
 from models.generate import generate
+from models.hf import save_hf_model
 from models.m2m100 import M2M100Translation
 from tests.unit.test_model_parity import CFG
 from trainer.evaluate import (
@@ -23,6 +35,7 @@ from trainer.evaluate import (
     strip_output,
     translate,
 )
+from trainer.translate import main
 
 VOCAB = 40
 LANGS = {"en": 4, "de": 5, "fr": 6}
@@ -142,3 +155,72 @@ def test_evaluate_directions_keys_samples_and_mode(model) -> None:
 def test_missing_language_tag_raises() -> None:
     with pytest.raises(KeyError, match="__xx__"):
         build_batches(WordTokenizer(), ["w7"], "en", "xx", batch_size=1)
+
+
+# ----------------------------------------------------------------------------- trainer.translate CLI
+
+ROOT = Path(__file__).resolve().parents[2]
+SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "__en__", "__fr__"]
+WORDS = "hello world the cat sat on mat bonjour monde le chat assis sur tapis".split()
+
+
+def write_tokenizer(out: Path) -> int:
+    """A word-level AutoTokenizer directory; returns its vocabulary size."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+        additional_special_tokens=["__en__", "__fr__"],
+    )  # fmt: skip
+    hf.save_pretrained(str(out))
+    return len(vocab)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("export")
+    vocab_size = write_tokenizer(out)
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=vocab_size, d_model=16, encoder_layers=1, decoder_layers=1,
+                      encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                      decoder_ffn_dim=32, max_position_embeddings=64, init_std=0.3)  # fmt: skip
+    save_hf_model(M2M100Translation(cfg).state_dict(), cfg, out)
+    return out
+
+
+def test_cli_translates_stdin_line_by_line(model_dir: Path) -> None:
+    cmd = [sys.executable, "-m", "trainer.translate", "--model", str(model_dir), "--source_lang", "en",
+           "--target_lang", "fr", "--num_beams", "2", "--max_length", "8"]  # fmt: skip
+    proc = subprocess.run(cmd, input="hello world\nthe cat sat on the mat\n", capture_output=True,
+                          text=True, encoding="utf-8", cwd=ROOT, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.split("\n")
+    assert len(lines) == 3 and lines[2] == "", proc.stdout  # two lines, each newline-terminated
+    assert all(w in WORDS for line in lines for w in line.split()), lines
+
+
+def test_cli_one_output_line_per_input_line(model_dir: Path) -> None:
+    out = io.StringIO()
+    argv = ["--model", str(model_dir), "--source_lang", "fr", "--target_lang", "en", "--num_beams", "1"]
+    assert main(argv, io.StringIO("le chat\n\nbonjour\n"), out) == 0
+    assert len(out.getvalue().split("\n")) == 4  # empty input lines still get an output line
+
+
+def test_cli_missing_dir_is_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", str(tmp_path / "nope"), "--source_lang", "en", "--target_lang", "fr"]
+    assert main(argv, io.StringIO(""), io.StringIO()) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is not a directory" in err and "nope" in err and "\n" not in err
+
+
+def test_cli_missing_language_lists_available_tags(
+    model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--model", str(model_dir), "--source_lang", "en", "--target_lang", "de"]
+    assert main(argv, io.StringIO("hello\n"), io.StringIO()) == 2
+    err = capsys.readouterr().err
+    assert "__de__" in err and "__en__" in err and "__fr__" in err, err
