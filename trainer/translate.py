@@ -33,8 +33,11 @@ from trainer.tokenizer import Tokenizer, TokenizerError
 class TranslateArguments:
     """Command-line arguments of `python -m trainer.translate`."""
 
-    model: str = field(metadata={"help": "Exported Hugging Face directory (config.json, model.safetensors, "
-                                         "tokenizer files)."})  # fmt: skip
+    model: str = field(
+        metadata={
+            "help": "Exported Hugging Face directory (config.json, model.safetensors, tokenizer files)."
+        }
+    )
     source_lang: str = field(
         metadata={"help": "Source language code; the tokenizer must have its tag `__xx__`."}
     )
