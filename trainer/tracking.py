@@ -22,6 +22,7 @@ class Tracker:
                  project: str = "polyglot3d", config: dict[str, Any] | None = None, max_steps: int = 0,
                  disable_tqdm: bool = False, initial_step: int = 0) -> None:
         self.enabled = enabled
+        self.history: list[dict[str, Any]] = []
         self.path = Path(output_dir) / "metrics.jsonl"
         self.wandb: Any = None
         self.bar: Any = None
@@ -36,9 +37,9 @@ class Tracker:
         """Append one row (must contain `step`)."""
         if not self.enabled:
             return
-        clean = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()}
+        self.history.append(dict(row))
         with self.path.open("a") as f:
-            f.write(json.dumps(clean) + "\n")
+            f.write(json.dumps(row) + "\n")
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
         if self.bar is not None and "loss" in row:

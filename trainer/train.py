@@ -118,9 +118,22 @@ def build_model(cfg: JobConfig, mc: ModelConfig, mesh: ParallelMesh, balance: li
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Parse the config, initialise the process group, train, tear down."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = parse_config(argv)
     init_distributed(timeout_s=cfg.parallel.dist_timeout_s)
+    try:
+        return run(cfg)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(cfg: JobConfig) -> dict[str, Any]:
+    """Train with an initialised default process group (collective); returns the run summary.
+
+    On the logging rank the summary also holds `history`, every row written to metrics.jsonl.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = ParallelDims.from_args(cfg.parallel, world).validate()
     if rank != 0:
@@ -227,9 +240,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if is_logger:
         (out / "run_summary.json").write_text(json.dumps(summary, indent=1, default=str))
         _print_summary(summary)
+    summary["history"] = tracker.history
     tracker.close()
     dist.barrier()
-    dist.destroy_process_group()
     return summary
 
 
@@ -269,9 +282,8 @@ def _print_summary(s: dict[str, Any]) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except ConfigError as e:  # a clear one-line message, not a traceback
-        print(f"error: {e}", file=sys.stderr)
+    except (ConfigError, ValueError, FileNotFoundError) as e:  # bad input: one clear line, not a traceback
+        if os.environ.get("TRAINER_TRACEBACK"):
+            raise
+        print(f"error: {type(e).__name__}: {e} (TRAINER_TRACEBACK=1 for the traceback)", file=sys.stderr)
         sys.exit(2)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
