@@ -79,6 +79,15 @@ class Seq2SeqBatch:
         t_len = max(int((lab != IGNORE_INDEX).sum(dim=1).max().item()), 1) if lab.numel() else 1
         return Seq2SeqBatch(src[:, :s_len], mask[:, :s_len], dec[:, :t_len], lab[:, :t_len])
 
+    def pad_to_multiple(self, k: int, pad_id: int) -> Seq2SeqBatch:
+        """Right-pad S and T up to multiples of `k` (pads are masked keys and ignored labels)."""
+        def pad(t: Tensor, value: int) -> Tensor:
+            extra = -t.shape[1] % k
+            return F.pad(t, (0, extra), value=value) if extra else t
+
+        return Seq2SeqBatch(pad(self.input_ids, pad_id), pad(self.attention_mask, 0),
+                            pad(self.decoder_input_ids, pad_id), pad(self.labels, IGNORE_INDEX))
+
     def split(self, n: int) -> list[Seq2SeqBatch]:
         """Cut into `n` equal micro-batches, each trimmed to its own longest sequence.
 

@@ -116,6 +116,7 @@ class ParallelModel:
         self.tied_group = mesh.pp_subgroup(tied_ranks) if len(tied_ranks) > 1 else None
         self.tied_ranks = tied_ranks
         self._params_by_name = dict(model.named_parameters())
+        self.device = next(model.parameters()).device
         self.reducer = GradReducer(self.params(), mesh.group("dp") if mesh.size("dp") > 1 else None)
         self.wgrad_store = WeightGradStore()
         if plan.schedule_name == "zero_bubble":
@@ -143,13 +144,26 @@ class ParallelModel:
         """Forward+backward over `gradient_accumulation_steps` flushes; grads are final after it."""
         results = []
         for i, microbatches in enumerate(flushes):
+            microbatches = self._prepare(microbatches)
             results.append(
                 self.executor.run_flush(microbatches, loss_scale, last_flush=i == len(flushes) - 1)
             )
         return results
 
+    def _prepare(self, batches: Sequence[Seq2SeqBatch]) -> list[Seq2SeqBatch]:
+        """To the model's device; sequence parallelism also needs S and T divisible by tp."""
+        out = [b.to(self.device) for b in batches]
+        if self.tp_info is not None and self.tp_info.sequence_parallel:
+            out = [b.pad_to_multiple(self.tp_info.tp_size, self.model.config.pad_token_id) for b in out]
+        return out
+
     def reduce_grads(self) -> None:
-        """At GR of the step's last flush: dp sum, then the tied embedding across its stages."""
+        """At GR of the step's last flush: sequence-parallel norms over tp, dp sum, then the tied
+        embedding across its stages."""
+        if self.tp_info is not None and self.tp_info.sequence_parallel:
+            from parallel.tensor_parallel import sync_sequence_parallel_grads
+
+            sync_sequence_parallel_grads(self.model, self.mesh.group("tp"))
         self.reducer.all_reduce()
         if self.tied_group is not None and self.model.shared is not None:
             w = self.model.shared.weight
@@ -222,6 +236,7 @@ class ParallelModel:
         """
         if not batches:
             return 0.0, 0
+        batches = self._prepare(batches)
         actions = forward_only(self.plan.p, len(batches), self.plan.v)[self.mesh.pp_rank]
         executor = PipelineExecutor(self.stages, actions, self.topo, self.loss_fn, autocast_dtype=self.autocast_dtype)
         res = executor.run_flush(batches, 1.0, last_flush=False)

@@ -173,6 +173,9 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         state = ckpt.load_checkpoint(resume, [pm.model], optimizer, to_logical=pm.to_logical,
                                      restore_rng=state_mesh_matches(resume, dims))
         scheduler.load_state_dict(state["scheduler"])
+        # The optimizer's param groups carry the lr of the *next* step; DCP restored only tensors.
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
         sampler.load_state_dict(state["data"])
         step = int(state["step"])
         logger.info("resumed from %s at step %d", resume, step)
