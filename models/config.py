@@ -41,9 +41,17 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the bad value and what would be valid."""
-        for name in ("vocab_size", "d_model", "encoder_layers", "decoder_layers", "encoder_ffn_dim",
-                     "decoder_ffn_dim", "encoder_attention_heads", "decoder_attention_heads",
-                     "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "encoder_layers",
+            "decoder_layers",
+            "encoder_ffn_dim",
+            "decoder_ffn_dim",
+            "encoder_attention_heads",
+            "decoder_attention_heads",
+            "max_position_embeddings",
+        ):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be a positive integer")
         for heads_name in ("encoder_attention_heads", "decoder_attention_heads"):
@@ -61,7 +69,13 @@ class ModelConfig:
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"{name}={p} must be in [0, 1)")
-        for name in ("pad_token_id", "bos_token_id", "eos_token_id", "unk_token_id", "decoder_start_token_id"):
+        for name in (
+            "pad_token_id",
+            "bos_token_id",
+            "eos_token_id",
+            "unk_token_id",
+            "decoder_start_token_id",
+        ):
             tid = getattr(self, name)
             if not 0 <= tid < self.vocab_size:
                 raise ValueError(f"{name}={tid} is outside the vocabulary [0, {self.vocab_size})")
@@ -79,10 +93,12 @@ class ModelConfig:
         d, v = self.d_model, self.vocab_size
         attn = 4 * (d * d + d)
         ln = 2 * d
-        enc = self.encoder_layers * (attn + 2 * ln + d * self.encoder_ffn_dim + self.encoder_ffn_dim
-                                     + self.encoder_ffn_dim * d + d)
-        dec = self.decoder_layers * (2 * attn + 3 * ln + d * self.decoder_ffn_dim + self.decoder_ffn_dim
-                                     + self.decoder_ffn_dim * d + d)
+        enc = self.encoder_layers * (
+            attn + 2 * ln + d * self.encoder_ffn_dim + self.encoder_ffn_dim + self.encoder_ffn_dim * d + d
+        )
+        dec = self.decoder_layers * (
+            2 * attn + 3 * ln + d * self.decoder_ffn_dim + self.decoder_ffn_dim + self.decoder_ffn_dim * d + d
+        )
         return v * d + enc + dec + 2 * ln
 
 

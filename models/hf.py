@@ -21,11 +21,27 @@ from models.config import ModelConfig
 HF_PREFIX = "model."
 # HF keys that are tied copies of `model.shared.weight` (or positions, which are computed).
 _HF_ALIASES = ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", "lm_head.weight")
-_CONFIG_KEYS = ("vocab_size", "d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads",
-                "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim", "activation_function",
-                "dropout", "attention_dropout", "activation_dropout", "max_position_embeddings",
-                "scale_embedding", "init_std", "pad_token_id", "bos_token_id", "eos_token_id",
-                "decoder_start_token_id")
+_CONFIG_KEYS = (
+    "vocab_size",
+    "d_model",
+    "encoder_layers",
+    "decoder_layers",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+    "encoder_ffn_dim",
+    "decoder_ffn_dim",
+    "activation_function",
+    "dropout",
+    "attention_dropout",
+    "activation_dropout",
+    "max_position_embeddings",
+    "scale_embedding",
+    "init_std",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "decoder_start_token_id",
+)
 
 
 class CheckpointMismatchError(ValueError):
@@ -37,8 +53,14 @@ def to_hf_config(config: ModelConfig) -> Any:
     from transformers import M2M100Config
 
     kw = {k: getattr(config, k) for k in _CONFIG_KEYS}
-    return M2M100Config(**kw, tie_word_embeddings=True, encoder_layerdrop=0.0, decoder_layerdrop=0.0,
-                        use_cache=True, is_encoder_decoder=True)
+    return M2M100Config(
+        **kw,
+        tie_word_embeddings=True,
+        encoder_layerdrop=0.0,
+        decoder_layerdrop=0.0,
+        use_cache=True,
+        is_encoder_decoder=True,
+    )
 
 
 def from_hf_config(hf_config: dict[str, Any]) -> ModelConfig:
@@ -50,7 +72,8 @@ def from_hf_config(hf_config: dict[str, Any]) -> ModelConfig:
     model_type = hf_config.get("model_type")
     if model_type not in ("m2m_100", "nllb"):
         raise CheckpointMismatchError(
-            f"model_type={model_type!r} is not supported; expected 'm2m_100' (M2M100/NLLB checkpoints)")
+            f"model_type={model_type!r} is not supported; expected 'm2m_100' (M2M100/NLLB checkpoints)"
+        )
     kw = {k: hf_config[k] for k in _CONFIG_KEYS if k in hf_config and hf_config[k] is not None}
     return ModelConfig(**kw)
 
@@ -66,7 +89,7 @@ def our_key(hf_name: str) -> str | None:
         return None
     if not hf_name.startswith(HF_PREFIX):
         return None
-    return hf_name[len(HF_PREFIX):]
+    return hf_name[len(HF_PREFIX) :]
 
 
 def to_hf_state_dict(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -113,7 +136,9 @@ def load_hf_weights(path: str | Path, wanted: Iterable[str] | None = None) -> di
                 if ours is not None and (want is None or ours in want):
                     out[ours] = sf.get_tensor(k)
     if want is not None and want - set(out):
-        raise CheckpointMismatchError(f"{path} lacks {sorted(want - set(out))[:5]} (model/checkpoint mismatch)")
+        raise CheckpointMismatchError(
+            f"{path} lacks {sorted(want - set(out))[:5]} (model/checkpoint mismatch)"
+        )
     return out
 
 
@@ -126,16 +151,23 @@ def load_into(model: torch.nn.Module, weights: dict[str, Tensor]) -> None:
     own = model.state_dict()
     missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
     if missing or unexpected:
-        raise CheckpointMismatchError(f"checkpoint does not fit the model: missing {missing[:5]}, "
-                                      f"unexpected {unexpected[:5]}")
+        raise CheckpointMismatchError(
+            f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     for k, v in weights.items():
         if own[k].shape != v.shape:
-            raise CheckpointMismatchError(f"{k}: checkpoint shape {tuple(v.shape)} != model {tuple(own[k].shape)}")
+            raise CheckpointMismatchError(
+                f"{k}: checkpoint shape {tuple(v.shape)} != model {tuple(own[k].shape)}"
+            )
     model.load_state_dict(weights, strict=True)
 
 
-def save_hf_model(state: dict[str, Tensor], config: ModelConfig, out_dir: str | Path,
-                  generation: dict[str, Any] | None = None) -> None:
+def save_hf_model(
+    state: dict[str, Tensor],
+    config: ModelConfig,
+    out_dir: str | Path,
+    generation: dict[str, Any] | None = None,
+) -> None:
     """Write an HF directory (config.json, model.safetensors, generation_config.json).
 
     Args:
@@ -151,11 +183,18 @@ def save_hf_model(state: dict[str, Tensor], config: ModelConfig, out_dir: str | 
     hf_cfg = to_hf_config(config)
     with torch.device("meta"):
         model = M2M100ForConditionalGeneration(hf_cfg)
-    model.load_state_dict({k: v.detach().cpu().contiguous() for k, v in to_hf_state_dict(state).items()},
-                          strict=False, assign=True)
+    model.load_state_dict(
+        {k: v.detach().cpu().contiguous() for k, v in to_hf_state_dict(state).items()},
+        strict=False,
+        assign=True,
+    )
     model.tie_weights()
-    gen = GenerationConfig(decoder_start_token_id=config.decoder_start_token_id, bos_token_id=config.bos_token_id,
-                           eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
-                           **(generation or {}))
+    gen = GenerationConfig(
+        decoder_start_token_id=config.decoder_start_token_id,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        **(generation or {}),
+    )
     model.generation_config = gen
     model.save_pretrained(str(out), safe_serialization=True)

@@ -29,7 +29,7 @@ from the width of `q_proj`'s output rather than from the config.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from enum import Enum
 
@@ -81,12 +81,17 @@ class Seq2SeqBatch:
 
     def pad_to_multiple(self, k: int, pad_id: int) -> Seq2SeqBatch:
         """Right-pad S and T up to multiples of `k` (pads are masked keys and ignored labels)."""
+
         def pad(t: Tensor, value: int) -> Tensor:
             extra = -t.shape[1] % k
             return F.pad(t, (0, extra), value=value) if extra else t
 
-        return Seq2SeqBatch(pad(self.input_ids, pad_id), pad(self.attention_mask, 0),
-                            pad(self.decoder_input_ids, pad_id), pad(self.labels, IGNORE_INDEX))
+        return Seq2SeqBatch(
+            pad(self.input_ids, pad_id),
+            pad(self.attention_mask, 0),
+            pad(self.decoder_input_ids, pad_id),
+            pad(self.labels, IGNORE_INDEX),
+        )
 
     def split(self, n: int) -> list[Seq2SeqBatch]:
         """Cut into `n` equal micro-batches, each trimmed to its own longest sequence.
@@ -166,6 +171,7 @@ class SinusoidalPositions(nn.Module):
     def __init__(self, max_positions: int, dim: int, padding_idx: int) -> None:
         super().__init__()
         self.dim, self.padding_idx = dim, padding_idx
+        self.table: Tensor
         self.register_buffer("table", sinusoidal_table(max_positions + 2, dim, padding_idx), persistent=False)
 
     def position_ids(self, ids: Tensor, offset: int = 0) -> Tensor:
@@ -180,8 +186,13 @@ class SinusoidalPositions(nn.Module):
         return self.table.index_select(0, pos.reshape(-1)).view(*ids.shape, self.dim)
 
 
-ACT_FNS = {"relu": F.relu, "gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-           "silu": F.silu, "swish": F.silu}
+ACT_FNS: dict[str, Callable[[Tensor], Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+    "swish": F.silu,
+}
 
 
 class Attention(nn.Module):
@@ -219,7 +230,11 @@ class Attention(nn.Module):
         k, v = cached_kv if cached_kv is not None else self.project_kv(x if kv is None else kv)
         mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, S)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
             is_causal=causal and mask is None and t > 1,
         )
         return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))
@@ -283,7 +298,9 @@ class DecoderLayer(nn.Module):
     ) -> Tensor:
         h = self.self_attn(self.self_attn_layer_norm(x), causal=True, cached_kv=self_kv)
         x = x + F.dropout(h, self.dropout, self.training)
-        h = self.encoder_attn(self.encoder_attn_layer_norm(x), kv=encoder_out, key_mask=src_mask, cached_kv=cross_kv)
+        h = self.encoder_attn(
+            self.encoder_attn_layer_norm(x), kv=encoder_out, key_mask=src_mask, cached_kv=cross_kv
+        )
         x = x + F.dropout(h, self.dropout, self.training)
         return x + F.dropout(self.ffn(self.final_layer_norm(x)), self.dropout, self.training)
 
@@ -387,11 +404,15 @@ class M2M100Translation(nn.Module):
             layer = self.decoder.layers[str(spec.index)]
             hidden = layer(state["hidden"], state["encoder_out"], src_mask)
             return {"encoder_out": state["encoder_out"], "hidden": hidden}
-        assert spec.kind is BlockKind.HEAD and self.decoder.layer_norm is not None and self.lm_head is not None
+        assert (
+            spec.kind is BlockKind.HEAD and self.decoder.layer_norm is not None and self.lm_head is not None
+        )
         assert self.shared is not None
         return {"logits": self.lm_head(self.decoder.layer_norm(state["hidden"]), self.shared.weight)}
 
-    def run_blocks(self, state: State, batch: Seq2SeqBatch, blocks: Sequence[BlockSpec] | None = None) -> State:
+    def run_blocks(
+        self, state: State, batch: Seq2SeqBatch, blocks: Sequence[BlockSpec] | None = None
+    ) -> State:
         for spec in self.blocks if blocks is None else blocks:
             state = self.run_block(spec, state, batch)
         return state
@@ -407,8 +428,15 @@ class M2M100Translation(nn.Module):
     # --- incremental decoding (generation)
 
     def encode(self, batch: Seq2SeqBatch) -> Tensor:
-        state = self.run_blocks({}, batch, [b for b in self.blocks if b.kind in
-                                            (BlockKind.SRC_EMBED, BlockKind.ENC_LAYER, BlockKind.ENC_NORM)])
+        state = self.run_blocks(
+            {},
+            batch,
+            [
+                b
+                for b in self.blocks
+                if b.kind in (BlockKind.SRC_EMBED, BlockKind.ENC_LAYER, BlockKind.ENC_NORM)
+            ],
+        )
         return state["encoder_out"]
 
 
@@ -420,6 +448,7 @@ def cross_entropy_sum(logits: Tensor, labels: Tensor, label_smoothing: float = 0
     """
     flat = logits.reshape(-1, logits.shape[-1]).float()
     target = labels.reshape(-1)
-    loss = F.cross_entropy(flat, target, ignore_index=IGNORE_INDEX, reduction="sum",
-                           label_smoothing=label_smoothing)
+    loss = F.cross_entropy(
+        flat, target, ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=label_smoothing
+    )
     return loss, int((target != IGNORE_INDEX).sum().item())

@@ -100,7 +100,9 @@ class PipelineExecutor:
         self.d_model = self.model.config.d_model
         self.meter = ActivationMeter(self.model)
         # An action list without backward (evaluation) keeps nothing for autograd.
-        self.forward_only = not any(a.type in (ActionType.BACKWARD, ActionType.BACKWARD_INPUT) for a in self.actions)
+        self.forward_only = not any(
+            a.type in (ActionType.BACKWARD, ActionType.BACKWARD_INPUT) for a in self.actions
+        )
 
     # ------------------------------------------------------------------ driver
 
@@ -195,12 +197,13 @@ class PipelineExecutor:
         stage = self.stages[s]
         outputs = st.outputs.pop((s, mb))
         if stage.is_last:
-            tensors, grads = [outputs["loss"]], [None]
+            tensors: list[Tensor] = [outputs["loss"]]
+            grads: list[Tensor | None] = [None]
         else:
             keys = boundary_keys(stage.blocks[-1])
             got = st.pending_grads.pop((s, mb))
             pairs = [(outputs[k], g) for k, g in zip(keys, got) if outputs[k].requires_grad]
-            tensors, grads = [t for t, _ in pairs], [g for _, g in pairs]
+            tensors, grads = [t for t, _ in pairs], [g for _, g in pairs]  # type: ignore[misc]
         ctx = self.wgrad_store.deferring((s, mb)) if defer_wgrad else nullcontext()
         with ctx:
             torch.autograd.backward(tensors, grad_tensors=grads)  # type: ignore[arg-type]
@@ -209,10 +212,7 @@ class PipelineExecutor:
             self.meter.release((s, mb))
         if s > 0:
             prev = self.topo.stage_blocks[s - 1][-1]
-            in_grads = [
-                inputs[k].grad if inputs[k].grad is not None else torch.zeros_like(inputs[k])
-                for k in boundary_keys(prev)
-            ]
+            in_grads: list[Tensor] = [_grad_or_zeros(inputs[k]) for k in boundary_keys(prev)]
             if stage_to_rank(s - 1, self.topo.p) == self.topo.pp_rank:
                 st.pending_grads[(s - 1, mb)] = in_grads
             else:
@@ -252,6 +252,10 @@ class PipelineExecutor:
         if rank is None:
             raise RuntimeError("schedule asks for a transfer to a neighbour this rank does not have")
         return rank
+
+
+def _grad_or_zeros(t: Tensor) -> Tensor:
+    return t.grad if t.grad is not None else torch.zeros_like(t)
 
 
 class _FlushState:

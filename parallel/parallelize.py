@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from models.m2m100 import BlockSpec, M2M100Translation, Seq2SeqBatch, cross_entropy_sum
-from parallel.data_parallel import GradReducer
+from parallel.data_parallel import GradReducer, ZeroOneSharding
 from parallel.executor import FlushResult, LossFn, PipelineExecutor, PipelineTopology
 from parallel.mesh import ParallelMesh
 from parallel.remat import apply_remat
@@ -91,6 +91,7 @@ class ParallelModel:
         loss_fn: LossFn,
         autocast_dtype: torch.dtype | None = None,
         tp_info: Any = None,
+        dp_sharding: str = "none",
     ) -> None:
         self.model, self.plan, self.mesh, self.tp_info = model, plan, mesh, tp_info
         pp_rank = mesh.pp_rank
@@ -117,6 +118,9 @@ class ParallelModel:
         self.tied_ranks = tied_ranks
         self._params_by_name = dict(model.named_parameters())
         self.device = next(model.parameters()).device
+        self.zero: ZeroOneSharding | None = None
+        if dp_sharding == "zero1" and mesh.size("dp") > 1:
+            self.zero = ZeroOneSharding(list(model.named_parameters()), mesh.group("dp"))
         self.reducer = GradReducer(self.params(), mesh.group("dp") if mesh.size("dp") > 1 else None)
         self.wgrad_store = WeightGradStore()
         if plan.schedule_name == "zero_bubble":
@@ -136,6 +140,15 @@ class ParallelModel:
 
     def params(self) -> list[nn.Parameter]:
         return list(self.model.parameters())
+
+    def optimizer_params(self) -> list[nn.Parameter]:
+        """What this rank's optimizer updates: all parameters, or its ZeRO-1 share."""
+        return self.zero.owned() if self.zero is not None else self.params()
+
+    def after_optimizer_step(self) -> None:
+        """ZeRO-1: owners broadcast the parameters they updated."""
+        if self.zero is not None:
+            self.zero.broadcast_updated()
 
     def named_params(self) -> dict[str, nn.Parameter]:
         return dict(self.model.named_parameters())
@@ -214,7 +227,7 @@ class ParallelModel:
             return tensor
         from torch.distributed.tensor import DTensor, Shard
 
-        dim = int(param.tp_shard_dim)
+        dim = int(param.tp_shard_dim)  # type: ignore[attr-defined]
         local = tensor
         logical = list(tensor.shape)
         logical[dim] = tensor.shape[dim] * self.tp_info.tp_size
@@ -223,8 +236,9 @@ class ParallelModel:
             local = tensor.narrow(0, 0, real)
             logical[0] = self.tp_info.vocab_size
         stride = torch.empty(logical, device="meta").stride()
-        return DTensor.from_local(local, self.mesh["tp"], [Shard(dim)], run_check=False,
-                                  shape=torch.Size(logical), stride=stride)
+        return DTensor.from_local(
+            local, self.mesh["tp"], [Shard(dim)], run_check=False, shape=torch.Size(logical), stride=stride
+        )
 
     # ------------------------------------------------------------------ evaluation
 
@@ -238,7 +252,9 @@ class ParallelModel:
             return 0.0, 0
         batches = self._prepare(batches)
         actions = forward_only(self.plan.p, len(batches), self.plan.v)[self.mesh.pp_rank]
-        executor = PipelineExecutor(self.stages, actions, self.topo, self.loss_fn, autocast_dtype=self.autocast_dtype)
+        executor = PipelineExecutor(
+            self.stages, actions, self.topo, self.loss_fn, autocast_dtype=self.autocast_dtype
+        )
         res = executor.run_flush(batches, 1.0, last_flush=False)
         return res.loss_sum, res.num_tokens
 
@@ -262,6 +278,7 @@ def build_parallel_model(
     autocast_dtype: torch.dtype | None = None,
     sequence_parallel: bool = False,
     before_tp: Callable[[M2M100Translation], None] | None = None,
+    dp_sharding: str = "none",
 ) -> ParallelModel:
     """Apply pipeline split, tensor parallelism and remat to `model` (in place) for this rank.
 
@@ -272,6 +289,7 @@ def build_parallel_model(
         m: micro-batches per flush; schedule: schedule name; v: stages per rank.
         remat: activation_checkpointing policy.
         label_smoothing: epsilon of the loss.
+        dp_sharding: "none" or "zero1" (optimizer state sharded over dp).
     """
     p = mesh.size("pp")
     plan = make_plan(model.blocks, balance, p, v, m, schedule)
@@ -290,4 +308,6 @@ def build_parallel_model(
 
     apply_remat(model, remat)
     model._remat_stage = remat == "stage"  # type: ignore[assignment]
-    return ParallelModel(model, plan, mesh, loss_fn, autocast_dtype=autocast_dtype, tp_info=tp_info)
+    return ParallelModel(
+        model, plan, mesh, loss_fn, autocast_dtype=autocast_dtype, tp_info=tp_info, dp_sharding=dp_sharding
+    )

@@ -12,6 +12,7 @@ fewer decoder layers.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -38,8 +39,9 @@ def _saved_bytes(fn) -> tuple[object, int]:  # type: ignore[no-untyped-def]
     return out, total
 
 
-def profile_blocks(model: M2M100Translation, batch: Seq2SeqBatch, repeats: int = 3
-                   ) -> tuple[list[float], list[float], list[int]]:
+def profile_blocks(
+    model: M2M100Translation, batch: Seq2SeqBatch, repeats: int = 3
+) -> tuple[list[float], list[float], list[int]]:
     """(seconds fwd+bwd, bytes params+activations, parameter count) per block of `model.blocks`."""
     times, mems, counts = [], [], []
     state: State = {}
@@ -53,7 +55,7 @@ def profile_blocks(model: M2M100Translation, batch: Seq2SeqBatch, repeats: int =
         for i in range(repeats + 1):
             model.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
-            out, act = _saved_bytes(lambda: model.run_block(spec, dict(inputs), batch))  # type: ignore[assignment]
+            out, act = _saved_bytes(functools.partial(model.run_block, spec, dict(inputs), batch))  # type: ignore[assignment]
             if spec.kind is BlockKind.HEAD:
                 loss = cross_entropy_sum(out["logits"], batch.labels)[0]
                 loss.backward()
@@ -80,6 +82,8 @@ def _block_params(model: M2M100Translation, spec) -> list[torch.nn.Parameter]:  
         return list(model.encoder.layer_norm.parameters()) if model.encoder.layer_norm else []
     if spec.kind is BlockKind.HEAD:
         norm = list(model.decoder.layer_norm.parameters()) if model.decoder.layer_norm else []
-        return norm + ([model.shared.weight] if model.shared is not None else [])
+        return norm + ([model.shared.weight] if model.shared is not None else [])  # type: ignore[list-item]
     # Embeddings: the table is shared; count it where it is first used (source embedding).
-    return [model.shared.weight] if spec.kind is BlockKind.SRC_EMBED and model.shared is not None else []
+    if spec.kind is BlockKind.SRC_EMBED and model.shared is not None:
+        return [model.shared.weight]  # type: ignore[list-item]
+    return []

@@ -110,7 +110,7 @@ def enable_deferred_wgrad(model: nn.Module, store: WeightGradStore) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, nn.Linear):
-            module.forward = _patched_linear(module, store)  # type: ignore[method-assign]
+            module.forward = _patched_linear(module, store)  # type: ignore[method-assign,assignment]
             count += 1
         elif hasattr(module, "linear_input_transform") and hasattr(module, "linear_output_transform"):
             module.forward = _patched_parallel_linear(module, store)  # type: ignore[method-assign]

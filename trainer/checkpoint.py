@@ -63,17 +63,31 @@ def model_state(parts: list[nn.Module], to_logical: ToLogical = _identity) -> di
     return {k: to_logical(k, p.detach()) for k, p in named_trainable(parts).items()}
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter],
-                    to_logical: ToLogical = _identity, template: bool = False) -> dict[str, dict[str, Tensor]]:
-    """Per-parameter AdamW state keyed by fqn; with `template`, zeros where state is missing."""
+def optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    params: dict[str, nn.Parameter],
+    to_logical: ToLogical = _identity,
+    template: bool = False,
+) -> dict[str, dict[str, Tensor]]:
+    """Per-parameter AdamW state keyed by fqn; with `template`, zeros where state is missing.
+
+    Only parameters this optimizer updates are included (a ZeRO-1 rank's share), so
+    dp replicas together save, and load, each parameter's state once.
+    """
+    mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
     out: dict[str, dict[str, Tensor]] = {}
     for name, p in params.items():
+        if id(p) not in mine:
+            continue
         st = optimizer.state.get(p)
         if not st:
             if not template:
                 continue
-            st = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p),
-                  "step": torch.zeros((), dtype=torch.float32)}
+            st = {
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p),
+                "step": torch.zeros((), dtype=torch.float32),
+            }
             optimizer.state[p] = st
         out[name] = {k: (to_logical(name, v) if v.dim() > 0 else v) for k, v in st.items()}
     return out
@@ -111,14 +125,21 @@ def resolve_resume(spec: str | None, output_dir: str | Path) -> Path | None:
     if not path.is_dir():
         raise FileNotFoundError(f"resume_from_checkpoint={spec!r} is not a directory")
     if not is_complete(path):
-        raise FileNotFoundError(f"resume_from_checkpoint={spec!r} has no {COMMIT_MARKER} marker: the save "
-                                f"did not finish; valid: {[str(p) for p in list_checkpoints(path.parent)]}")
+        raise FileNotFoundError(
+            f"resume_from_checkpoint={spec!r} has no {COMMIT_MARKER} marker: the save "
+            f"did not finish; valid: {[str(p) for p in list_checkpoints(path.parent)]}"
+        )
     return path
 
 
-def save_checkpoint(path: Path, parts: list[nn.Module], optimizer: torch.optim.Optimizer,
-                    trainer_state: dict[str, Any], to_logical: ToLogical = _identity,
-                    save_total_limit: int | None = None) -> None:
+def save_checkpoint(
+    path: Path,
+    parts: list[nn.Module],
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    to_logical: ToLogical = _identity,
+    save_total_limit: int | None = None,
+) -> None:
     """Collective: every rank calls it. The marker is written last, so a crash leaves no complete-looking dir."""
     rank = _rank()
     if rank == 0 and path.exists():
@@ -141,8 +162,13 @@ def save_checkpoint(path: Path, parts: list[nn.Module], optimizer: torch.optim.O
     _barrier()
 
 
-def load_checkpoint(path: Path, parts: list[nn.Module], optimizer: torch.optim.Optimizer | None,
-                    to_logical: ToLogical = _identity, restore_rng: bool = True) -> dict[str, Any]:
+def load_checkpoint(
+    path: Path,
+    parts: list[nn.Module],
+    optimizer: torch.optim.Optimizer | None,
+    to_logical: ToLogical = _identity,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
     """Load weights (and optimizer state) into this rank's parts, resharding as needed; returns trainer_state.
 
     Raises:
@@ -170,7 +196,11 @@ def _rng_state() -> dict[str, Any]:
 
     import numpy as np
 
-    st: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    st: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
     if torch.cuda.is_available():
         st["cuda"] = torch.cuda.get_rng_state()
     return st

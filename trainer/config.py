@@ -42,10 +42,15 @@ class ModelArguments:
     """Architecture (M2M100Config names) or an existing checkpoint to start from."""
 
     model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Hugging Face M2M100/NLLB directory to load and fine-tune."})
+        default=None, metadata={"help": "Hugging Face M2M100/NLLB directory to load and fine-tune."}
+    )
     tokenizer_name: str | None = field(
-        default=None, metadata={"help": "Existing tokenizer directory; default: train SentencePiece on the data."})
-    vocab_size: int = field(default=8000, metadata={"help": "SentencePiece vocabulary size to train (incl. tags)."})
+        default=None,
+        metadata={"help": "Existing tokenizer directory; default: train SentencePiece on the data."},
+    )
+    vocab_size: int = field(
+        default=8000, metadata={"help": "SentencePiece vocabulary size to train (incl. tags)."}
+    )
     d_model: int = field(default=256, metadata={"help": "Hidden size."})
     encoder_layers: int = field(default=3, metadata={"help": "Encoder layers."})
     decoder_layers: int = field(default=3, metadata={"help": "Decoder layers."})
@@ -63,9 +68,12 @@ class ModelArguments:
 
     def model_config(self, vocab_size: int, special_ids: dict[str, int]) -> ModelConfig:
         """The ModelConfig for a tokenizer with `vocab_size` entries and these special ids."""
-        arch = {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in ("model_name_or_path", "tokenizer_name", "vocab_size")}
-        return ModelConfig(vocab_size=vocab_size, **arch, **special_ids)
+        arch = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in ("model_name_or_path", "tokenizer_name", "vocab_size")
+        }
+        return ModelConfig(vocab_size=vocab_size, **arch, **special_ids)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -73,25 +81,35 @@ class DataArguments:
     """Where the parallel text comes from and how it is cut into batches."""
 
     dataset_name: str | None = field(
-        default=None, metadata={"help": "'builtin' for the embedded corpus, or any `datasets` name."})
+        default=None, metadata={"help": "'builtin' for the embedded corpus, or any `datasets` name."}
+    )
     dataset_config_name: str | None = field(default=None, metadata={"help": "`datasets` config name."})
     train_file: str | None = field(
         default=None,
-        metadata={"help": "JSON lines / JSON / Parquet in HF translation format, or a text path with "
-                          "'{lang}' (e.g. data/train.{lang}.gz) for line-aligned files per language."})
+        metadata={
+            "help": "JSON lines / JSON / Parquet in HF translation format, or a text path with "
+            "'{lang}' (e.g. data/train.{lang}.gz) for line-aligned files per language."
+        },
+    )
     validation_file: str | None = field(default=None, metadata={"help": "Same formats as train_file."})
     source_lang: str | None = field(default=None, metadata={"help": "Source language code (one direction)."})
     target_lang: str | None = field(default=None, metadata={"help": "Target language code (one direction)."})
     language_pairs: list[str] = field(
-        default_factory=list, metadata={"help": "Directions for multilingual runs, e.g. en-de de-en en-fr."})
+        default_factory=list, metadata={"help": "Directions for multilingual runs, e.g. en-de de-en en-fr."}
+    )
     builtin_size: int = field(default=4000, metadata={"help": "Builtin corpus: source items per language."})
     max_source_length: int = field(default=128, metadata={"help": "Longer sources are skipped and counted."})
     max_target_length: int = field(default=128, metadata={"help": "Longer targets are skipped and counted."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the training set."})
-    max_eval_samples: int | None = field(default=256, metadata={"help": "Truncate each evaluation direction."})
+    max_eval_samples: int | None = field(
+        default=256, metadata={"help": "Truncate each evaluation direction."}
+    )
     max_tokens_per_microbatch: int | None = field(
-        default=None, metadata={"help": "Cap a micro-batch by padded tokens instead of sentence count."})
-    spm_model_type: str = field(default="unigram", metadata={"help": "SentencePiece model type: unigram or bpe."})
+        default=None, metadata={"help": "Cap a micro-batch by padded tokens instead of sentence count."}
+    )
+    spm_model_type: str = field(
+        default="unigram", metadata={"help": "SentencePiece model type: unigram or bpe."}
+    )
     spm_character_coverage: float = field(default=1.0, metadata={"help": "SentencePiece character coverage."})
     spm_input_sentence_size: int = field(default=200000, metadata={"help": "Sentences sampled to train SPM."})
 
@@ -117,17 +135,26 @@ class ParallelArguments:
     """The (pp, dp, tp) mesh and the pipeline engine's knobs."""
 
     pipeline_parallel_size: int = field(default=1, metadata={"help": "Pipeline stages (pp axis, outermost)."})
-    tensor_parallel_size: int = field(default=1, metadata={"help": "Tensor-parallel ranks (tp axis, innermost)."})
+    tensor_parallel_size: int = field(
+        default=1, metadata={"help": "Tensor-parallel ranks (tp axis, innermost)."}
+    )
     data_parallel_size: int = field(default=-1, metadata={"help": "Data-parallel replicas; -1 = inferred."})
     num_microbatches: int = field(default=1, metadata={"help": "Micro-batches per pipeline flush."})
     pipeline_schedule: str = field(default="1f1b", metadata={"help": f"One of {list(SCHEDULE_CHOICES)}."})
-    virtual_pipeline_stages: int = field(default=2, metadata={"help": "Stages per rank for interleaved_1f1b."})
+    virtual_pipeline_stages: int = field(
+        default=2, metadata={"help": "Stages per rank for interleaved_1f1b."}
+    )
     activation_checkpointing: str = field(default="none", metadata={"help": f"One of {list(REMAT_CHOICES)}."})
     partition_method: str = field(
         default="uniform",
-        metadata={"help": f"One of {list(PARTITION_CHOICES)} or block counts per stage, e.g. '5,4,4,5'."})
-    sequence_parallel: bool = field(default=False, metadata={"help": "Split norms/dropout along the sequence."})
-    data_parallel_sharding: str = field(default="none", metadata={"help": f"One of {list(SHARDING_CHOICES)}."})
+        metadata={"help": f"One of {list(PARTITION_CHOICES)} or block counts per stage, e.g. '5,4,4,5'."},
+    )
+    sequence_parallel: bool = field(
+        default=False, metadata={"help": "Split norms/dropout along the sequence."}
+    )
+    data_parallel_sharding: str = field(
+        default="none", metadata={"help": f"One of {list(SHARDING_CHOICES)}."}
+    )
     allow_tp_across_nodes: bool = field(default=False, metadata={"help": "Permit tp > LOCAL_WORLD_SIZE."})
     dist_timeout_s: int = field(default=600, metadata={"help": "Collective timeout in seconds."})
 
@@ -141,9 +168,14 @@ class ParallelArguments:
             except ValueError:
                 raise ConfigError(
                     f"partition_method={self.partition_method!r} is not valid; choose one of "
-                    f"{list(PARTITION_CHOICES)} or a comma list of block counts like '5,4,4,5'") from None
-        for name in ("pipeline_parallel_size", "tensor_parallel_size", "num_microbatches",
-                     "virtual_pipeline_stages"):
+                    f"{list(PARTITION_CHOICES)} or a comma list of block counts like '5,4,4,5'"
+                ) from None
+        for name in (
+            "pipeline_parallel_size",
+            "tensor_parallel_size",
+            "num_microbatches",
+            "virtual_pipeline_stages",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.data_parallel_size == 0 or self.data_parallel_size < -1:
@@ -185,7 +217,8 @@ class TrainingArguments:
     save_steps: int = field(default=0, metadata={"help": "Checkpoint every N steps (0: only at the end)."})
     save_total_limit: int | None = field(default=None, metadata={"help": "Keep at most N checkpoints."})
     resume_from_checkpoint: str | None = field(
-        default=None, metadata={"help": "A checkpoint directory, or 'latest' for the newest in output_dir."})
+        default=None, metadata={"help": "A checkpoint directory, or 'latest' for the newest in output_dir."}
+    )
     seed: int = field(default=42, metadata={"help": "Seed for init, data order and dropout."})
     bf16: bool = field(default=False, metadata={"help": "bfloat16 autocast for the forward."})
     generation_num_beams: int = field(default=1, metadata={"help": "Beams for evaluation decoding."})
@@ -198,8 +231,14 @@ class TrainingArguments:
     def __post_init__(self) -> None:
         _check_choice("report_to", self.report_to, REPORT_CHOICES)
         _check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULER_CHOICES)
-        for name in ("max_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
-                     "gradient_accumulation_steps", "logging_steps", "generation_num_beams"):
+        for name in (
+            "max_steps",
+            "per_device_train_batch_size",
+            "per_device_eval_batch_size",
+            "gradient_accumulation_steps",
+            "logging_steps",
+            "generation_num_beams",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if not 0.0 <= self.label_smoothing_factor < 1.0:
@@ -234,12 +273,15 @@ def _read_file(path: str) -> dict[str, Any]:
     try:
         data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError) as e:
-        raise ConfigError(f"config file {path!r} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") \
-            from None
+        raise ConfigError(
+            f"config file {path!r} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}"
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path!r} must hold a mapping of field: value, got {type(data).__name__}")
+        raise ConfigError(
+            f"config file {path!r} must hold a mapping of field: value, got {type(data).__name__}"
+        )
     return data
 
 
@@ -258,11 +300,13 @@ def parse_config(argv: list[str] | None = None) -> JobConfig:
         if i + 1 >= len(argv):
             raise ConfigError("--config needs a file path")
         file_values = _read_file(argv[i + 1])
-        del argv[i:i + 2]
+        del argv[i : i + 2]
     known = {f.name for cls in SECTIONS for f in fields(cls)}
     unknown = sorted(set(file_values) - known)
     if unknown:
-        raise ConfigError(f"unknown config key(s) {unknown}; see `python -m trainer.train --help` for valid keys")
+        raise ConfigError(
+            f"unknown config key(s) {unknown}; see `python -m trainer.train --help` for valid keys"
+        )
     parser = HfArgumentParser(SECTIONS)  # type: ignore[arg-type]
     parser.set_defaults(**{k: _as_default(v) for k, v in file_values.items()})
     flags = [a.split("=", 1)[0][2:] for a in argv if a.startswith("--")]
@@ -289,7 +333,7 @@ def load_config_dict(values: dict[str, Any]) -> JobConfig:
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown config key(s) {unknown}")
-    parts = []
+    parts: list[Any] = []
     for cls in SECTIONS:
         names = {f.name for f in fields(cls)}
         parts.append(cls(**{k: _as_default(v) for k, v in values.items() if k in names}))

@@ -50,14 +50,28 @@ def gather_full_state(pm: ParallelModel, mesh: ParallelMesh, dst: int) -> dict[s
 class Evaluator:
     """Runs evaluation at a step; the returned metrics are meaningful on the logging rank."""
 
-    def __init__(self, pm: ParallelModel, mesh: ParallelMesh, tokenizer: Tokenizer,
-                 batches: dict[str, list[EvalBatch]], args: TrainingArguments, log_rank: int,
-                 model_config: ModelConfig) -> None:
+    def __init__(
+        self,
+        pm: ParallelModel,
+        mesh: ParallelMesh,
+        tokenizer: Tokenizer,
+        batches: dict[str, list[EvalBatch]],
+        args: TrainingArguments,
+        log_rank: int,
+        model_config: ModelConfig,
+    ) -> None:
         self.pm, self.mesh, self.tok, self.batches = pm, mesh, tokenizer, batches
         self.args, self.log_rank, self.model_config = args, log_rank, model_config
         self.device = next(pm.model.parameters()).device
-        self.texts = [DirectionTexts(tuple(d.split("-", 1)), [s for b in bs for s in b.sources],  # type: ignore[arg-type]
-                                     [r for b in bs for r in b.references]) for d, bs in batches.items() if bs]
+        self.texts = [
+            DirectionTexts(
+                (d.split("-", 1)[0], d.split("-", 1)[1]),
+                [s for b in bs for s in b.sources],  # type: ignore[arg-type]
+                [r for b in bs for r in b.references],
+            )
+            for d, bs in batches.items()
+            if bs
+        ]
 
     def losses(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -80,9 +94,14 @@ class Evaluator:
         if dist.get_rank() == self.log_rank and state is not None and self.texts:
             model = M2M100Translation(self.model_config).to(self.device)
             model.load_state_dict(state)
-            result = evaluate_directions(model, self.texts, self.tok, num_beams=self.args.generation_num_beams,
-                                         max_length=self.args.generation_max_length,
-                                         batch_size=self.args.per_device_eval_batch_size)
+            result = evaluate_directions(
+                model,
+                self.texts,
+                self.tok,
+                num_beams=self.args.generation_num_beams,
+                max_length=self.args.generation_max_length,
+                batch_size=self.args.per_device_eval_batch_size,
+            )
             samples = result.pop(SAMPLES_KEY, [])
             metrics.update(result)
             if tracker is not None:

@@ -28,23 +28,36 @@ from parallel.parallelize import ParallelModel
 from trainer.config import TrainingArguments
 
 
-def build_optimizer(model: nn.Module, args: TrainingArguments) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not on biases, layer norms)."""
-    decay, no_decay = [], []
+def build_optimizer(
+    model: nn.Module, args: TrainingArguments, only: list[nn.Parameter] | None = None
+) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not on biases, layer norms); `only`: ZeRO-1 share."""
+    keep = None if only is None else {id(p) for p in only}
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, p in model.named_parameters():
-        if not p.requires_grad:
+        if not p.requires_grad or (keep is not None and id(p) not in keep):
             continue
         (no_decay if p.dim() < 2 or "layer_norm" in name else decay).append(p)
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                             eps=args.adam_epsilon, foreach=False)
+    return torch.optim.AdamW(
+        groups,
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        foreach=False,
+    )
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments) -> Any:
     from transformers import get_scheduler
 
-    return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
-                         num_training_steps=args.max_steps)
+    return get_scheduler(
+        args.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=args.warmup_steps,
+        num_training_steps=args.max_steps,
+    )
 
 
 @dataclass
@@ -59,8 +72,16 @@ class StepStats:
     flushes: list[FlushResult] = field(default_factory=list)
 
 
-def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: Any, global_batch: Any,
-               dp_rank: int, max_grad_norm: float, step: int, sync_for_timing: bool = False) -> StepStats:
+def train_step(
+    pm: ParallelModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    global_batch: Any,
+    dp_rank: int,
+    max_grad_norm: float,
+    step: int,
+    sync_for_timing: bool = False,
+) -> StepStats:
     """One optimizer step on `global_batch` (collective over the whole mesh)."""
     flushes = global_batch.shard(dp_rank)
     src_tokens = sum(int(mb.attention_mask.sum()) for f in flushes for mb in f)
@@ -70,13 +91,22 @@ def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: A
     results = pm.train_step(flushes, loss_scale=1.0 / global_batch.num_tokens)
     grad_norm = pm.clip_grad_norm_(max_grad_norm)
     optimizer.step()
+    pm.after_optimizer_step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     step_time = time.perf_counter() - t0
     loss_sum = sum(r.loss_sum for r in results)
     loss_sum, src_tokens = _sum_over_dp(pm, loss_sum, src_tokens)
-    return StepStats(step, loss_sum / global_batch.num_tokens, grad_norm, scheduler.get_last_lr()[0],
-                     global_batch.num_tokens, src_tokens, step_time, results)
+    return StepStats(
+        step,
+        loss_sum / global_batch.num_tokens,
+        grad_norm,
+        scheduler.get_last_lr()[0],
+        global_batch.num_tokens,
+        src_tokens,
+        step_time,
+        results,
+    )
 
 
 def _sum_over_dp(pm: ParallelModel, loss_sum: float, src_tokens: int) -> tuple[float, int]:
@@ -97,13 +127,16 @@ def bubble_stats(pm: ParallelModel, flushes: list[FlushResult]) -> dict[str, flo
     wall = sum(f.wall_s for f in flushes)
     peak = max((f.peak_activation_bytes for f in flushes), default=0)
     if p == 1:
-        return {"bubble_fraction": max(0.0, 1 - busy / wall) if wall else 0.0,
-                "stage_compute_s_0": busy, "peak_activation_bytes_stage_0": float(peak)}
+        return {
+            "bubble_fraction": max(0.0, 1 - busy / wall) if wall else 0.0,
+            "stage_compute_s_0": busy,
+            "peak_activation_bytes_stage_0": float(peak),
+        }
     row = torch.zeros(3 * p, dtype=torch.float64)
     r = pm.mesh.pp_rank
     row[r], row[p + r], row[2 * p + r] = busy, wall, float(peak)
     dist.all_reduce(row, group=pm.mesh.group("pp"))
-    busy_all, wall_all, peak_all = row[:p].tolist(), row[p:2 * p].tolist(), row[2 * p:].tolist()
+    busy_all, wall_all, peak_all = row[:p].tolist(), row[p : 2 * p].tolist(), row[2 * p :].tolist()
     makespan = max(wall_all)
     out = {"bubble_fraction": 1 - sum(busy_all) / (p * makespan) if makespan > 0 else 0.0}
     for i in range(p):

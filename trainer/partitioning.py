@@ -20,8 +20,9 @@ from parallel.profile import profile_blocks
 from trainer.config import JobConfig
 
 
-def choose_balance(cfg: JobConfig, mc: ModelConfig, mesh: ParallelMesh, sampler, device: torch.device
-                   ) -> tuple[list[int], str]:  # type: ignore[no-untyped-def]
+def choose_balance(
+    cfg: JobConfig, mc: ModelConfig, mesh: ParallelMesh, sampler, device: torch.device
+) -> tuple[list[int], str]:  # type: ignore[no-untyped-def]
     """Block counts per stage (p * v stages) and a printable table of the split."""
     n_stages = mesh.size("pp") * cfg.parallel.virtual_stages
     torch.manual_seed(cfg.training.seed)
@@ -37,9 +38,10 @@ def choose_balance(cfg: JobConfig, mc: ModelConfig, mesh: ParallelMesh, sampler,
             sample = copy.deepcopy(sampler)
             batch = next(sample).shard(0)[0][0].to(device)
             times, mems, counts = profile_blocks(model, batch)
-        balance = resolve_partition(method, names, n_stages, param_counts=counts, time_costs=times,
-                                    mem_costs=mems)
+        balance = resolve_partition(
+            method, names, n_stages, param_counts=counts, time_costs=times, mem_costs=mems
+        )
         payload = [(balance, format_partition(balance, names, times, mems))]
     dist.broadcast_object_list(payload, src=0)
-    balance, text = payload[0]  # type: ignore[misc]
-    return list(balance), text
+    chosen: tuple[list[int], str] = payload[0]  # type: ignore[assignment]
+    return list(chosen[0]), str(chosen[1])

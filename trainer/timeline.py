@@ -36,8 +36,7 @@ def gather_rows(pm: ParallelModel, flushes: list[FlushResult], dst: int) -> list
     rows: list[Row] = [[] for _ in range(pm.mesh.size("pp"))]
     for item in got:
         if item is not None:
-            rank, row = item  # type: ignore[misc]
-            rows[rank] = row
+            rows[int(item[0])] = list(item[1])  # type: ignore[index]
     return rows
 
 
@@ -51,33 +50,64 @@ def render_png(rows: list[Row], path: Path, title: str) -> None:
     for rank, row in enumerate(rows):
         for name, start, end in row:
             kind = "GR" if name == "GR" else name[0]
-            ax.broken_barh([(start * 1e3, max(end - start, 1e-6) * 1e3)], (rank - 0.4, 0.8),
-                           facecolors=COLORS.get(kind, "#999999"), edgecolor="white", linewidth=0.3)
+            ax.broken_barh(
+                [(start * 1e3, max(end - start, 1e-6) * 1e3)],
+                (rank - 0.4, 0.8),
+                facecolors=COLORS.get(kind, "#999999"),
+                edgecolor="white",
+                linewidth=0.3,
+            )
             if kind in "FBIW" and (end - start) * 1e3 > 0.02 * max(r[-1][2] for r in rows if r) * 1e3:
-                ax.text((start + end) / 2 * 1e3, rank, name[1:].split(".")[-1], ha="center", va="center",
-                        fontsize=6, color="white")
+                ax.text(
+                    (start + end) / 2 * 1e3,
+                    rank,
+                    name[1:].split(".")[-1],
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                    color="white",
+                )
     ax.set_yticks(range(len(rows)), [f"stage rank {r}" for r in range(len(rows))])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     ax.set_title(title)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-    ax.legend(handles, ["forward", "backward", "input grad", "weight grad", "grad reduce"],
-              loc="upper right", fontsize=7, ncol=5)
+    ax.legend(
+        handles,
+        ["forward", "backward", "input grad", "weight grad", "grad reduce"],
+        loc="upper right",
+        fontsize=7,
+        ncol=5,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def chrome_trace(rows: list[Row]) -> dict[str, object]:
-    events = [{"name": name, "ph": "X", "pid": 0, "tid": rank, "ts": start * 1e6, "dur": (end - start) * 1e6,
-               "cat": name[0]} for rank, row in enumerate(rows) for name, start, end in row]
-    meta = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"pp rank {r}"}}
-            for r in range(len(rows))]
+    events = [
+        {
+            "name": name,
+            "ph": "X",
+            "pid": 0,
+            "tid": rank,
+            "ts": start * 1e6,
+            "dur": (end - start) * 1e6,
+            "cat": name[0],
+        }
+        for rank, row in enumerate(rows)
+        for name, start, end in row
+    ]
+    meta = [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"pp rank {r}"}}
+        for r in range(len(rows))
+    ]
     return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
 
 
-def write_timeline(pm: ParallelModel, flushes: list[FlushResult], out: Path, is_logger: bool,
-                   step: int) -> str | None:
+def write_timeline(
+    pm: ParallelModel, flushes: list[FlushResult], out: Path, is_logger: bool, step: int
+) -> str | None:
     """Collective. Writes timeline.png and timeline_trace.json on the logging rank; returns the PNG path there."""
     dst = _logger_rank(pm)
     rows = gather_rows(pm, flushes, dst)

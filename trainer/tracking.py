@@ -18,9 +18,18 @@ from tqdm.auto import tqdm
 class Tracker:
     """Writes metric rows to `metrics.jsonl` and, with `report_to: wandb`, to W&B."""
 
-    def __init__(self, output_dir: str, enabled: bool, report_to: str = "none", run_name: str | None = None,
-                 project: str = "polyglot3d", config: dict[str, Any] | None = None, max_steps: int = 0,
-                 disable_tqdm: bool = False, initial_step: int = 0) -> None:
+    def __init__(
+        self,
+        output_dir: str,
+        enabled: bool,
+        report_to: str = "none",
+        run_name: str | None = None,
+        project: str = "polyglot3d",
+        config: dict[str, Any] | None = None,
+        max_steps: int = 0,
+        disable_tqdm: bool = False,
+        initial_step: int = 0,
+    ) -> None:
         self.enabled = enabled
         self.history: list[dict[str, Any]] = []
         self.path = Path(output_dir) / "metrics.jsonl"
@@ -55,7 +64,9 @@ class Tracker:
             return
         import wandb
 
-        table = wandb.Table(columns=["direction", "source", "reference", "hypothesis"], data=[list(s) for s in samples])
+        table = wandb.Table(
+            columns=["direction", "source", "reference", "hypothesis"], data=[list(s) for s in samples]
+        )
         self.wandb.log({"samples": table}, step=step)
 
     def log_image(self, step: int, key: str, path: str) -> None:
@@ -80,13 +91,16 @@ def _init_wandb(output_dir: str, run_name: str | None, project: str, config: dic
     try:
         import wandb
     except ImportError as e:
-        raise RuntimeError("report_to='wandb' needs the wandb package: pip install wandb "
-                           "(or set report_to: none)") from e
+        raise RuntimeError(
+            "report_to='wandb' needs the wandb package: pip install wandb (or set report_to: none)"
+        ) from e
     mode = os.environ.get("WANDB_MODE")
     if mode is None and not (os.environ.get("WANDB_API_KEY") or _has_netrc_key()):
         mode = "offline"
-        print(f"[tracking] no WANDB_API_KEY: W&B runs offline; sync later with `wandb sync {output_dir}/wandb`")
-    return wandb.init(project=project, name=run_name, dir=output_dir, config=config, mode=mode)
+        print(
+            f"[tracking] no WANDB_API_KEY: W&B runs offline; sync later with `wandb sync {output_dir}/wandb`"
+        )
+    return wandb.init(project=project, name=run_name, dir=output_dir, config=config, mode=mode)  # type: ignore[arg-type]
 
 
 def _has_netrc_key() -> bool:

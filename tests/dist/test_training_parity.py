@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from tests.dist.harness import run_distributed
-from tests.dist.train_workers import base_config, mesh_overrides as mesh, train_cases
+from tests.dist.train_workers import base_config, train_cases
+from tests.dist.train_workers import mesh_overrides as mesh
 
 TOL = 1e-5
 pytestmark = pytest.mark.dist
@@ -31,6 +32,7 @@ WORLD4 = {
     "pp4-1f1b-m4-selective": mesh(pp=4, m=4, activation_checkpointing="selective"),
     "pp2-dp2-interleaved-m2": mesh(pp=2, dp=2, m=2, pipeline_schedule="interleaved_1f1b"),
     "tp2-sequence-parallel": mesh(tp=2, dp=2, sequence_parallel=True),
+    "dp4-zero1": mesh(dp=4, data_parallel_sharding="zero1"),
 }
 WORLD8 = {
     "tp4-dp2": mesh(tp=4, dp=2),
@@ -38,8 +40,10 @@ WORLD8 = {
     "3d-2x1x4": mesh(pp=2, dp=1, tp=4, m=4),
     "3d-4x2x1": mesh(pp=4, dp=2, tp=1, m=2),
     "3d-2x2x2-interleaved": mesh(pp=2, dp=2, tp=2, m=2, pipeline_schedule="interleaved_1f1b"),
-    "3d-2x2x2-zero_bubble-stage-remat": mesh(pp=2, dp=2, tp=2, m=4, pipeline_schedule="zero_bubble",
-                                             activation_checkpointing="stage"),
+    "3d-2x2x2-zero_bubble-stage-remat": mesh(
+        pp=2, dp=2, tp=2, m=4, pipeline_schedule="zero_bubble", activation_checkpointing="stage"
+    ),
+    "tp4-dp2-zero1": mesh(tp=4, dp=2, data_parallel_sharding="zero1"),
 }
 
 
@@ -53,8 +57,13 @@ def reference(tmp_path_factory) -> tuple[list, dict, str]:
 
 
 def _run(world: int, cases: dict, tmp: str, tokenizer: str) -> dict[str, list]:
-    results = run_distributed(train_cases, world, args=(base_config(tmp, tokenizer), list(cases.values())),
-                              timeout=900, collective_timeout=300)
+    results = run_distributed(
+        train_cases,
+        world,
+        args=(base_config(tmp, tokenizer), list(cases.values())),
+        timeout=900,
+        collective_timeout=300,
+    )
     by_case = [next(r[i] for r in results if r[i] is not None) for i in range(len(cases))]
     return dict(zip(cases, by_case))
 
@@ -92,6 +101,9 @@ def test_resume_same_and_other_meshes(reference, tmp_path) -> None:
         "resume-2x2x2": mesh(pp=2, dp=2, tp=2, m=2, resume_from_checkpoint=ckpt),
         "resume-1x2x4": mesh(pp=1, dp=2, tp=4, resume_from_checkpoint=ckpt),
         "resume-4x1x2": mesh(pp=4, dp=1, tp=2, m=2, resume_from_checkpoint=ckpt),
+        "resume-1x4x2-zero1": mesh(
+            pp=1, dp=4, tp=2, data_parallel_sharding="zero1", resume_from_checkpoint=ckpt
+        ),
     }
     cases = {**first, **resumed}
     got = _run(8, cases, tmp, tokenizer)
@@ -101,7 +113,10 @@ def test_resume_same_and_other_meshes(reference, tmp_path) -> None:
     for name in resumed:
         hist = got[name]
         assert [s for s, _, _ in hist] == [3, 4, 5], (name, hist)
-        err = max(max(abs(a[1] - b[1]) / abs(b[1]), abs(a[2] - b[2]) / abs(b[2])) for a, b in zip(hist, straight[2:]))
+        err = max(
+            max(abs(a[1] - b[1]) / abs(b[1]), abs(a[2] - b[2]) / abs(b[2]))
+            for a, b in zip(hist, straight[2:])
+        )
         print(f"{name:<20} steps 3-5 vs uninterrupted: max relative error {err:.2e}")
         if err > TOL:
             bad.append((name, err))

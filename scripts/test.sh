@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv if missing, install with test extras, then lint, type-check and run every test.
+#   scripts/test.sh                 # everything (CPU; gloo multi-process tests included)
+#   scripts/test.sh -m "not dist"   # extra args go to pytest
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+bash scripts/_setup_env.sh test
+# shellcheck disable=SC1091
+. .venv/bin/activate
+export HF_DATASETS_DISABLE_PROGRESS_BARS=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1 WANDB_MODE=disabled
+echo "== ruff"; ruff check . && ruff format --check .
+echo "== mypy"; mypy
+echo "== pytest"; python -m pytest -q -p no:cacheprovider "$@"
