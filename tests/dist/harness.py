@@ -29,21 +29,35 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...],
-           env: dict[str, str], queue: Any, collective_timeout: float) -> None:
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    queue: Any,
+    collective_timeout: float,
+) -> None:
     import torch
     import torch.distributed as dist
 
     os.environ.update(env)
-    os.environ.update({
-        "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": env.get("LOCAL_WORLD_SIZE", str(world_size)),
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-    })
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": env.get("LOCAL_WORLD_SIZE", str(world_size)),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=collective_timeout))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout)
+        )
         out = fn(rank, world_size, *args)
         queue.put((rank, "ok", out))
     except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -53,8 +67,14 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (), timeout: float = 240,
-                    env: dict[str, str] | None = None, collective_timeout: float = 90) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...] = (),
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+    collective_timeout: float = 90,
+) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank.
 
     Raises:
@@ -64,8 +84,14 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple[Any, ..
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, env or {}, queue, collective_timeout),
-                         daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(fn, r, world_size, port, args, env or {}, queue, collective_timeout),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -74,15 +100,21 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple[Any, ..
         while len(results) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"distributed test did not finish in {timeout}s; ranks done: {sorted(results)}")
+                raise TimeoutError(
+                    f"distributed test did not finish in {timeout}s; ranks done: {sorted(results)}"
+                )
             try:
                 rank, status, payload = queue.get(timeout=min(remaining, 1.0))
             except Exception:  # queue.Empty
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results
-                        and p.exitcode not in (0, None)]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if not p.is_alive() and r not in results and p.exitcode not in (0, None)
+                ]
                 if dead:
-                    raise RuntimeError(f"rank(s) {dead} died with exit codes "
-                                       f"{[procs[r].exitcode for r in dead]}") from None
+                    raise RuntimeError(
+                        f"rank(s) {dead} died with exit codes {[procs[r].exitcode for r in dead]}"
+                    ) from None
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")

@@ -12,9 +12,20 @@ from parallel.mesh import ParallelDims, build_mesh
 from parallel.parallelize import build_parallel_model
 from parallel.partition import uniform_partition
 
-TINY = dict(vocab_size=61, d_model=16, encoder_layers=3, decoder_layers=3, encoder_attention_heads=2,
-            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, dropout=0.0,
-            attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=64)
+TINY = dict(
+    vocab_size=61,
+    d_model=16,
+    encoder_layers=3,
+    decoder_layers=3,
+    encoder_attention_heads=2,
+    decoder_attention_heads=2,
+    encoder_ffn_dim=32,
+    decoder_ffn_dim=32,
+    dropout=0.0,
+    attention_dropout=0.0,
+    activation_dropout=0.0,
+    max_position_embeddings=64,
+)
 
 
 def random_batch(cfg: ModelConfig, n: int, seed: int) -> Seq2SeqBatch:

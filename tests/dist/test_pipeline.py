@@ -21,11 +21,17 @@ TOL = 1e-5
 @pytest.mark.dist
 @pytest.mark.parametrize("p", [2, 4])
 def test_pipeline_gradients_equal_unsplit_batch(p: int) -> None:
-    cases = [(m, s, r) for m in (1, 4, 8) for s in SCHEDULES for r in REMATS
-             if not (s == "interleaved_1f1b" and m % p)]
+    cases = [
+        (m, s, r)
+        for m in (1, 4, 8)
+        for s in SCHEDULES
+        for r in REMATS
+        if not (s == "interleaved_1f1b" and m % p)
+    ]
     results = run_distributed(pipeline_grad_parity, p, args=(cases, {"interleaved_1f1b": 2}), timeout=240)
     for rank, rows in enumerate(results):
         assert len(rows) == len(cases)
         for m, schedule, remat, rel_norm, worst_param in rows:
             assert rel_norm <= TOL and worst_param <= TOL, (
-                f"rank {rank} m={m} {schedule}/{remat}: ||dg||/||g||={rel_norm:.2e}, worst param {worst_param:.2e}")
+                f"rank {rank} m={m} {schedule}/{remat}: ||dg||/||g||={rel_norm:.2e}, worst param {worst_param:.2e}"
+            )

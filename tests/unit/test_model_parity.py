@@ -11,12 +11,30 @@ import torch
 from transformers import M2M100ForConditionalGeneration
 
 from models.config import ModelConfig
-from models.hf import load_hf_weights, load_into, read_hf_config, save_hf_model, to_hf_config, to_hf_state_dict
+from models.hf import (
+    load_hf_weights,
+    load_into,
+    read_hf_config,
+    save_hf_model,
+    to_hf_config,
+    to_hf_state_dict,
+)
 from models.m2m100 import IGNORE_INDEX, M2M100Translation, Seq2SeqBatch
 
-CFG = dict(vocab_size=97, d_model=32, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
-           decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=48, dropout=0.0,
-           attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=64)
+CFG = dict(
+    vocab_size=97,
+    d_model=32,
+    encoder_layers=2,
+    decoder_layers=3,
+    encoder_attention_heads=4,
+    decoder_attention_heads=2,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=48,
+    dropout=0.0,
+    attention_dropout=0.0,
+    activation_dropout=0.0,
+    max_position_embeddings=64,
+)
 
 
 def make_batch(cfg: ModelConfig, seed: int = 0) -> Seq2SeqBatch:
@@ -52,8 +70,12 @@ def test_logits_and_loss_match_transformers(pair) -> None:
     batch = make_batch(ours.config)
     with torch.no_grad():
         logits = ours(batch)
-        ref = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                 decoder_input_ids=batch.decoder_input_ids, labels=batch.labels)
+        ref = hf(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            decoder_input_ids=batch.decoder_input_ids,
+            labels=batch.labels,
+        )
     err = (logits - ref.logits).abs().max().item()
     assert err <= 1e-5, f"max abs logit error {err}"
     loss_sum, n = ours.loss(batch)
@@ -67,8 +89,12 @@ def test_gradients_match_transformers(pair) -> None:
     hf.zero_grad()
     loss_sum, n = ours.loss(batch)
     (loss_sum / n).backward()
-    hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-       decoder_input_ids=batch.decoder_input_ids, labels=batch.labels).loss.backward()
+    hf(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        decoder_input_ids=batch.decoder_input_ids,
+        labels=batch.labels,
+    ).loss.backward()
     hf_params = dict(hf.named_parameters())
     for name, p in ours.named_parameters():
         ref = hf_params["model." + name].grad
@@ -87,8 +113,19 @@ def test_export_import_roundtrip(tmp_path, pair) -> None:
     stock = M2M100ForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
     batch = make_batch(cfg, seed=2)
     with torch.no_grad():
-        err = (stock(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                     decoder_input_ids=batch.decoder_input_ids).logits - ours(batch)).abs().max().item()
+        err = (
+            (
+                stock(
+                    input_ids=batch.input_ids,
+                    attention_mask=batch.attention_mask,
+                    decoder_input_ids=batch.decoder_input_ids,
+                ).logits
+                - ours(batch)
+            )
+            .abs()
+            .max()
+            .item()
+        )
     assert err <= 1e-5
 
 
