@@ -92,7 +92,9 @@ class PipelineExecutor:
         self.stages, self.actions, self.topo = stages, list(actions), topo
         self.loss_fn, self.on_grad_reduce = loss_fn, on_grad_reduce
         self.autocast_dtype = autocast_dtype
-        self.wgrad_store = wgrad_store or WeightGradStore()
+        self.wgrad_store = (
+            wgrad_store if wgrad_store is not None else WeightGradStore()
+        )  # an empty store is falsy
         any_stage = next(iter(stages.values()))
         self.model = any_stage.model
         param = next(self.model.parameters())

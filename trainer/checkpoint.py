@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 COMMIT_MARKER = "COMMITTED"
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -181,8 +182,10 @@ def load_checkpoint(
         state["optim"] = optimizer_state(optimizer, params, to_logical, template=True)
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:  # DCP raises CheckpointException with per-rank details
-        raise ValueError(f"checkpoint {path} does not fit this model: {str(e).splitlines()[0][:300]}") from e
+    except (CheckpointException, Exception) as e:  # CheckpointException derives from BaseException
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        cause = lines[-1] if lines else type(e).__name__
+        raise ValueError(f"checkpoint {path} does not fit this model: {cause[:300]}") from e
     # DCP loads in place into local tensors / DTensor local shards, which alias our params and state.
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     rng_file = path / "rng" / f"rank-{_rank()}.pt"

@@ -69,6 +69,10 @@ class Item:
 # ----------------------------------------------------------------------------- cached CLDR data
 
 
+class Unrenderable(LookupError):
+    """A package cannot render this item in this language (the item is skipped)."""
+
+
 @functools.cache
 def _locale(lang: str) -> babel.Locale:
     return babel.Locale.parse(lang)
@@ -96,7 +100,7 @@ def _common_units(languages: tuple[str, ...]) -> tuple[str, ...]:
         try:
             for lang in languages:
                 _render_unit(2, unit, lang)
-        except (NotImplementedError, KeyError, ValueError):
+        except (Unrenderable, NotImplementedError, KeyError, ValueError):
             continue
         units.append(unit)
     return tuple(units) or ("length-kilometer",)
@@ -112,14 +116,14 @@ def _name(kind: str, code: str, lang: str) -> str:
 def _words(n: int, lang: str, to: str = "cardinal") -> str:
     text = num2words(n, lang=lang, to=to)
     if not isinstance(text, str):  # some languages return the number itself when unsupported
-        raise NotImplementedError(f"num2words to={to} for {lang}")
+        raise Unrenderable(f"num2words to={to} for {lang}")
     return text
 
 
 def _render_unit(value: int, unit: str, lang: str) -> str:
     text = str(babel.units.format_unit(value, unit, length="long", locale=lang))
     if unit in text:  # CLDR lacks this unit in `lang`: babel falls back to the unit id
-        raise NotImplementedError(f"unit {unit} in {lang}")
+        raise Unrenderable(f"unit {unit} in {lang}")
     return text
 
 
@@ -163,7 +167,8 @@ def render(item: Item, languages: Sequence[str]) -> Record:
         `{lang: text}` for every language.
 
     Raises:
-        NotImplementedError, KeyError, ValueError, AttributeError: a package cannot render it.
+        Unrenderable, NotImplementedError (num2words), KeyError, ValueError, AttributeError: a package
+            cannot render it.
     """
     return {lang: RENDERERS[item.kind](lang, *item.args).strip() for lang in languages}
 
@@ -210,7 +215,7 @@ def supported_kinds(languages: tuple[str, ...]) -> tuple[str, ...]:
         try:
             for _ in range(3):
                 render(draw_item(kind, rng, languages), languages)
-        except (NotImplementedError, KeyError, ValueError, AttributeError, TypeError):
+        except (Unrenderable, NotImplementedError, KeyError, ValueError, AttributeError, TypeError):
             continue
         kinds.append(kind)
     return tuple(kinds)
@@ -268,7 +273,7 @@ def build_builtin_corpus(languages: Sequence[str], size: int, seed: int) -> dict
             continue
         try:
             record = render(item, langs)
-        except (NotImplementedError, KeyError, ValueError, AttributeError, TypeError):
+        except (Unrenderable, NotImplementedError, KeyError, ValueError, AttributeError, TypeError):
             continue
         texts = tuple(record[lang] for lang in langs)
         if texts in seen_texts or not all(texts):

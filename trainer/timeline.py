@@ -75,9 +75,11 @@ def render_png(rows: list[Row], path: Path, title: str) -> None:
     ax.legend(
         handles,
         ["forward", "backward", "input grad", "weight grad", "grad reduce"],
-        loc="upper right",
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.35),
         fontsize=7,
         ncol=5,
+        frameon=False,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -31,6 +31,7 @@ import json
 import logging
 import re
 import types
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ def lang_tag(lang: str) -> str:
     return f"__{lang}__"
 
 
-class Tokenizer:
+class Tokenizer(ABC):
     """Text <-> ids for one run: ordinary pieces, specials and one tag per language.
 
     Subclasses provide `_encode_batch`, `_decode` and `_piece_to_id`; this class owns
@@ -66,18 +67,25 @@ class Tokenizer:
         self.pad_id, self.bos_id, self.eos_id, self.unk_id = pad, bos, eos, unk
 
     # -- to implement
+    @abstractmethod
     def _encode_batch(self, texts: list[str]) -> list[list[int]]:
-        raise NotImplementedError
+        """Ids of each text, without specials or tags."""
 
+    @abstractmethod
     def _decode(self, ids: list[int]) -> str:
-        raise NotImplementedError
+        """Text of ordinary piece ids."""
 
+    @abstractmethod
     def _piece_to_id(self, piece: str) -> int | None:
-        raise NotImplementedError
+        """Id of a piece, or None if it is not in the vocabulary."""
 
+    @abstractmethod
     def save(self, directory: str | Path) -> None:
         """Write the tokenizer so that `Tokenizer.load(directory)` restores it."""
-        raise NotImplementedError
+
+    @abstractmethod
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write files that stock `transformers.AutoTokenizer.from_pretrained(directory)` loads."""
 
     # -- shared
     def encode(self, text: str) -> list[int]:
@@ -146,9 +154,9 @@ class Tokenizer:
             _check_tags(tok, languages, str(directory))
         return tok
 
+    @abstractmethod
     def available_tags(self) -> list[str]:
         """Every `__xx__` language tag in the vocabulary."""
-        raise NotImplementedError
 
 
 def _check_tags(tok: Tokenizer, languages: Sequence[str], where: str) -> None:

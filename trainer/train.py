@@ -151,6 +151,40 @@ def build_model(
     )
 
 
+def validate_early(cfg: JobConfig, world: int) -> ParallelDims:
+    """Every check that needs no data, before anything is written or any collective runs.
+
+    Mesh vs world size and node size, tp vs heads/FFN/d_model, blocks vs stages,
+    an explicit partition's length and sum, and the schedule's (p, m, v) constraints.
+    Raises ValueError (ConfigError, PartitionError, ...) naming the bad value.
+    """
+    from parallel.partition import validate_balance
+    from parallel.schedule import build_schedule
+
+    dims = ParallelDims.from_args(cfg.parallel, world)
+    arch = None
+    if cfg.model.model_name_or_path:
+        from models.hf import read_hf_config
+
+        arch = read_hf_config(cfg.model.model_name_or_path)
+    else:
+        arch = cfg.model.model_config(cfg.model.vocab_size, {})
+    dims.validate(arch)
+    p, v = dims.pp, cfg.parallel.virtual_stages
+    n_blocks = arch.encoder_layers + arch.decoder_layers + 4
+    if p * v > n_blocks:
+        raise ConfigError(
+            f"pipeline_parallel_size({p}) x virtual stages({v}) = {p * v} stages but the model "
+            f"has only {n_blocks} blocks ({arch.encoder_layers} encoder + {arch.decoder_layers} "
+            f"decoder layers + 4); use fewer stages or more layers"
+        )
+    balance = cfg.parallel.partition_balance()
+    if balance is not None:
+        validate_balance(balance, n_blocks, p * v)
+    build_schedule(cfg.parallel.pipeline_schedule, p, cfg.parallel.num_microbatches, v)
+    return dims
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Parse the config, initialise the process group, train, tear down."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -169,7 +203,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     On the logging rank the summary also holds `history`, every row written to metrics.jsonl.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    dims = ParallelDims.from_args(cfg.parallel, world).validate()
+    dims = validate_early(cfg, world)
     if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
     out = prepare_output_dir(cfg, rank)

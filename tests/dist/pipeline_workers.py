@@ -89,3 +89,38 @@ def grad_errors(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> t
         if rn > 1e-4 * norm:
             worst = max(worst, float((got[k] - ref[k]).double().norm()) / rn)
     return diff / norm, worst
+
+
+def zero_bubble_defers_weight_grads(rank: int, world: int) -> tuple[int, int, bool]:
+    """Regression: an empty WeightGradStore is falsy (it has __len__), and the executor once
+    replaced the model's store with a new one, so W did nothing and zero_bubble ran as 1F1B.
+
+    Returns (closures queued during the flush, closures still pending after it, same store).
+    """
+    cfg = ModelConfig(**TINY)
+    torch.manual_seed(0)
+    model = M2M100Translation(cfg)
+    mesh = build_mesh(ParallelDims(pp=world, dp=1, tp=1, world_size=world))
+    pm = build_parallel_model(
+        model,
+        mesh,
+        uniform_partition(len(model.blocks), world),
+        4,
+        "zero_bubble",
+        1,
+        "none",
+        label_smoothing=0.0,
+    )
+    store = pm.wgrad_store
+    queued = 0
+    put = store.put
+
+    def counting_put(fn):  # type: ignore[no-untyped-def]
+        nonlocal queued
+        queued += 1
+        put(fn)
+
+    store.put = counting_put  # type: ignore[method-assign]
+    batch = random_batch(cfg, 8, seed=2)
+    pm.train_step([batch.split(4)], loss_scale=1.0 / batch.num_tokens())
+    return queued, len(store), pm.executor.wgrad_store is store

@@ -35,3 +35,15 @@ def test_pipeline_gradients_equal_unsplit_batch(p: int) -> None:
             assert rel_norm <= TOL and worst_param <= TOL, (
                 f"rank {rank} m={m} {schedule}/{remat}: ||dg||/||g||={rel_norm:.2e}, worst param {worst_param:.2e}"
             )
+
+
+@pytest.mark.dist
+def test_zero_bubble_really_defers_weight_grads() -> None:
+    from tests.dist.pipeline_workers import zero_bubble_defers_weight_grads
+
+    for rank, (queued, pending, same) in enumerate(
+        run_distributed(zero_bubble_defers_weight_grads, 2, timeout=120)
+    ):
+        assert same, f"rank {rank}: executor uses another WeightGradStore than the model's linears"
+        assert queued > 0, f"rank {rank}: no weight-gradient closure was deferred to W"
+        assert pending == 0, f"rank {rank}: {pending} deferred weight grads never ran"

@@ -1,0 +1,76 @@
+"""Bad input: one clear line naming the bad value and what is valid, exit code 2,
+raised before any collective could hang and before anything is written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CASES = {
+    "unknown-flag": (["--foo", "1"], "unknown flag(s) ['--foo']"),
+    "bad-schedule": (["--pipeline_schedule", "bogus"], "pipeline_schedule='bogus' is not valid"),
+    "bad-remat": (["--activation_checkpointing", "some"], "activation_checkpointing='some' is not valid"),
+    "mesh-vs-world": (["--tensor_parallel_size", "2"], "WORLD_SIZE(1) is not divisible by pp(1) * tp(2)"),
+    "mesh-product": (
+        ["--tensor_parallel_size", "2", "--data_parallel_size", "2"],
+        "pp(1) * dp(2) * tp(2) = 4 != WORLD_SIZE(1)",
+    ),
+    "heads": (["--encoder_attention_heads", "3"], "d_model=64 is not divisible by encoder_attention_heads=3"),
+    "balance": (["--partition_method", "3,3"], "balance [3, 3]"),
+    "missing-file": (
+        ["--dataset_name", "", "--train_file", "/nonexistent/train.jsonl"],
+        "/nonexistent/train.jsonl",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
+    env = {**os.environ, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("WORLD_SIZE", None)
+    procs = {}
+    for name, (args, _) in CASES.items():
+        out = tmp_path_factory.mktemp(name) / "out"
+        cmd = [
+            sys.executable,
+            "-m",
+            "trainer.train",
+            "--config",
+            "configs/tiny.yaml",
+            "--output_dir",
+            str(out),
+            *args,
+        ]
+        procs[name] = (
+            subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            ),
+            out,
+        )
+    results = {}
+    for name, (proc, out) in procs.items():
+        try:
+            _, err = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        results[name] = (proc.returncode, err, out)
+    return results
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_one_clear_line(outcomes, name: str) -> None:
+    code, err, out = outcomes[name]
+    expected = CASES[name][1]
+    last = [ln for ln in err.strip().splitlines() if ln.strip()][-1]
+    assert code == 2, err[-2000:]
+    assert last.startswith("error: ") and expected in last, last
+    assert "Traceback" not in err
+    if name != "missing-file":  # found before the data is read: nothing written at all
+        assert not out.exists() or not any(out.iterdir())
