@@ -382,6 +382,26 @@ class M2M100Translation(nn.Module):
 
     # --- blocks
 
+    def block_parameters(self, blocks: Sequence[BlockSpec]) -> list[nn.Parameter]:
+        """Parameters the given blocks use, each once, in block order (the tied embedding included)."""
+        mods: list[nn.Module | None] = []
+        for spec in blocks:
+            if spec.kind is BlockKind.ENC_LAYER:
+                mods.append(self.encoder.layers[str(spec.index)])
+            elif spec.kind is BlockKind.DEC_LAYER:
+                mods.append(self.decoder.layers[str(spec.index)])
+            elif spec.kind is BlockKind.ENC_NORM:
+                mods.append(self.encoder.layer_norm)
+            elif spec.kind is BlockKind.HEAD:
+                mods += [self.decoder.layer_norm, self.shared]
+            else:
+                mods.append(self.shared)
+        out: dict[int, nn.Parameter] = {}
+        for mod in mods:
+            for p in mod.parameters() if mod is not None else ():
+                out.setdefault(id(p), p)
+        return list(out.values())
+
     def embed(self, ids: Tensor, offset: int = 0) -> Tensor:  # (B, T) -> (B, T, H)
         assert self.shared is not None
         return self.shared(ids) * self.embed_scale + self.positions(ids, offset)

@@ -5,8 +5,9 @@ of the global batch, so the dp *sum* of gradients is the gradient of the mean
 token loss of the whole batch: no division by dp, and the result does not depend
 on how the batch is split. The reduction runs once, at the schedule's GR action
 of the step's last flush (never inside gradient accumulation), over buckets of
-flattened gradients (fewer, larger collectives: DDP's bucketing), each launched
-asynchronously before any is waited on.
+flattened gradients (fewer, larger collectives: DDP's bucketing). Buckets whose
+gradients are final are launched during the last micro-batch's backward, so the
+communication overlaps the rest of that backward.
 """
 
 from __future__ import annotations
@@ -39,34 +40,106 @@ def make_buckets(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list
 
 
 class GradReducer:
-    """Sums `.grad` of `params` over the dp group (no-op when `group` is None)."""
+    """Sums `.grad` over the dp group (no-op when `group` is None), optionally overlapped.
+
+    Overlap (DDP-style): during the last backward of a stage in the step's last
+    flush (`arm(stage)`), a post-accumulate-grad hook marks each parameter done;
+    a bucket whose parameters are all done is flattened and its all-reduce
+    launched asynchronously while the backward continues. Buckets launch in one
+    fixed order on every replica (a ready bucket waits for the ones before it),
+    since collectives on a group match by order. `all_reduce()` at GR launches
+    what is left (e.g. parameters that got no gradient) and waits for everything.
+    Parameters in `exclude` (the tied embedding, written by several blocks) are
+    always reduced at GR.
+    """
 
     def __init__(
         self,
-        params: Sequence[nn.Parameter],
+        params_by_stage: Sequence[Sequence[nn.Parameter]],
         group: dist.ProcessGroup | None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        overlap: bool = True,
+        exclude: Sequence[nn.Parameter] = (),
     ) -> None:
         self.group = group
-        self.buckets = make_buckets([p for p in params if p.requires_grad], bucket_bytes)
+        skip = {id(p) for p in exclude}
+        self.buckets: list[list[nn.Parameter]] = []
+        self.stage_of_bucket: list[int] = []
+        seen: set[int] = set()
+        for stage, params in enumerate(params_by_stage):
+            mine = [p for p in params if p.requires_grad and id(p) not in seen and id(p) not in skip]
+            seen.update(id(p) for p in mine)
+            for bucket in make_buckets(mine, bucket_bytes):
+                self.buckets.append(bucket)
+                self.stage_of_bucket.append(stage)
+        rest = [p for params in params_by_stage for p in params if p.requires_grad and id(p) in skip]
+        rest = list({id(p): p for p in rest}.values())
+        if rest:
+            self.buckets.append(rest)
+            self.stage_of_bucket.append(-1)
+        self.overlap = overlap and group is not None
+        self._bucket_of = {
+            id(p): i for i, b in enumerate(self.buckets) for p in b if self.stage_of_bucket[i] >= 0
+        }
+        self._armed: set[int] = set()
+        self._done: list[set[int]] = [set() for _ in self.buckets]
+        self._ready: set[int] = set()
+        self._next = 0
+        self._pending: list[tuple[int, Tensor, dist.Work]] = []
+        self.launched_during_backward = 0
+        if self.overlap:
+            for p in self._all_params():
+                if id(p) in self._bucket_of:
+                    p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _all_params(self) -> list[nn.Parameter]:
+        return [p for b in self.buckets for p in b]
+
+    def arm(self, stage: int) -> None:
+        """The next backward is `stage`'s last of the step: launch its buckets as they fill."""
+        if self.overlap:
+            self._armed.add(stage)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        i = self._bucket_of.get(id(p))
+        if i is None or self.stage_of_bucket[i] not in self._armed:
+            return
+        self._done[i].add(id(p))
+        if len(self._done[i]) == len(self.buckets[i]):
+            self._ready.add(i)
+            while self._next in self._ready:
+                self._launch(self._next)
+                self.launched_during_backward += 1
+
+    def _launch(self, i: int) -> None:
+        assert self.group is not None
+        bucket = self.buckets[i]
+        for p in bucket:
+            if p.grad is None:  # a parameter this step did not touch still takes part
+                p.grad = torch.zeros_like(p)
+        flat = _flatten_dense_tensors([p.grad for p in bucket])
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        assert work is not None
+        self._pending.append((i, flat, work))
+        self._ready.discard(i)
+        self._next = i + 1
 
     def all_reduce(self) -> None:
+        """Launch the buckets not launched yet, in order, and wait for all of them."""
         if self.group is None:
             return
-        pending: list[tuple[list[nn.Parameter], Tensor, dist.Work]] = []
-        for bucket in self.buckets:
-            for p in bucket:
-                if p.grad is None:  # a parameter this step did not touch still takes part
-                    p.grad = torch.zeros_like(p)
-            flat = _flatten_dense_tensors([p.grad for p in bucket])
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
-            assert work is not None
-            pending.append((bucket, flat, work))
-        for bucket, flat, work in pending:
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+        for i, flat, work in self._pending:
             work.wait()
-            grads = [p.grad for p in bucket if p.grad is not None]
+            grads = [p.grad for p in self.buckets[i] if p.grad is not None]
             for grad, g in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 grad.copy_(g)
+        self._pending.clear()
+        self._armed.clear()
+        self._done = [set() for _ in self.buckets]
+        self._ready.clear()
+        self._next = 0
 
 
 def assign_owners(named: Sequence[tuple[str, nn.Parameter]], dp: int) -> dict[str, int]:

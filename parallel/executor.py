@@ -105,6 +105,12 @@ class PipelineExecutor:
         self.forward_only = not any(
             a.type in (ActionType.BACKWARD, ActionType.BACKWARD_INPUT) for a in self.actions
         )
+        # Index of each stage's last full backward: on the step's last flush the dp reduce
+        # of that stage's gradients may start during it (see parallel.data_parallel).
+        self.final_backward = {
+            a.stage: i for i, a in enumerate(self.actions) if a.type is ActionType.BACKWARD
+        }
+        self.on_final_backward: Callable[[int], None] | None = None
 
     # ------------------------------------------------------------------ driver
 
@@ -130,6 +136,8 @@ class PipelineExecutor:
                 if last_flush and self.on_grad_reduce is not None:
                     self.on_grad_reduce()
             else:
+                if last_flush and self.on_final_backward and self.final_backward.get(a.stage) == i:
+                    self.on_final_backward(a.stage)
                 self._compute(a, st)
                 res.busy_s += time.perf_counter() - start
             res.timeline.append((str(a), start - t0, time.perf_counter() - t0))

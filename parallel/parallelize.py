@@ -121,7 +121,13 @@ class ParallelModel:
         self.zero: ZeroOneSharding | None = None
         if dp_sharding == "zero1" and mesh.size("dp") > 1:
             self.zero = ZeroOneSharding(list(model.named_parameters()), mesh.group("dp"))
-        self.reducer = GradReducer(self.params(), mesh.group("dp") if mesh.size("dp") > 1 else None)
+        stage_params = [model.block_parameters(self.stages[s].blocks) for s in sorted(self.stages)]
+        self.reducer = GradReducer(
+            stage_params,
+            mesh.group("dp") if mesh.size("dp") > 1 else None,
+            overlap=plan.schedule_name != "zero_bubble",  # deferred W writes grads without hooks
+            exclude=[p for p in model.shared.parameters()] if model.shared is not None else [],
+        )
         self.wgrad_store = WeightGradStore()
         if plan.schedule_name == "zero_bubble":
             enable_deferred_wgrad(model, self.wgrad_store)
@@ -135,6 +141,8 @@ class ParallelModel:
             autocast_dtype=autocast_dtype,
             wgrad_store=self.wgrad_store,
         )
+        stage_order = sorted(self.stages)
+        self.executor.on_final_backward = lambda s: self.reducer.arm(stage_order.index(s))
 
     # ------------------------------------------------------------------ training
 
@@ -171,13 +179,15 @@ class ParallelModel:
         return out
 
     def reduce_grads(self) -> None:
-        """At GR of the step's last flush: sequence-parallel norms over tp, dp sum, then the tied
-        embedding across its stages."""
+        """At GR of the step's last flush: the dp sum (some buckets already launched during the
+        last backward), then sequence-parallel norms over tp, then the tied embedding across its
+        stages. Sums over different axes commute, so the tp sum may follow the dp sum; it must,
+        because overlapped dp buckets are copied back when they finish."""
+        self.reducer.all_reduce()
         if self.tp_info is not None and self.tp_info.sequence_parallel:
             from parallel.tensor_parallel import sync_sequence_parallel_grads
 
             sync_sequence_parallel_grads(self.model, self.mesh.group("tp"))
-        self.reducer.all_reduce()
         if self.tied_group is not None and self.model.shared is not None:
             w = self.model.shared.weight
             if w.grad is None:

@@ -124,3 +124,22 @@ def zero_bubble_defers_weight_grads(rank: int, world: int) -> tuple[int, int, bo
     batch = random_batch(cfg, 8, seed=2)
     pm.train_step([batch.split(4)], loss_scale=1.0 / batch.num_tokens())
     return queued, len(store), pm.executor.wgrad_store is store
+
+
+def dp_overlap(rank: int, world: int, pp: int, schedule: str) -> tuple[int, float]:
+    """dp=2 (x pp): (buckets launched during the last backward, grad error vs the unsplit batch)."""
+    cfg = ModelConfig(**TINY)
+    torch.manual_seed(0)
+    base = M2M100Translation(cfg)
+    batch = random_batch(cfg, 8, seed=3)
+    ref = reference_grads(copy.deepcopy(base), batch)
+    dp = world // pp
+    mesh = build_mesh(ParallelDims(pp=pp, dp=dp, tp=1, world_size=world))
+    model = copy.deepcopy(base)
+    pm = build_parallel_model(
+        model, mesh, uniform_partition(len(model.blocks), pp), 2, schedule, 1, "none", label_smoothing=0.0
+    )
+    share = batch.select(slice(mesh.dp_rank * 8 // dp, (mesh.dp_rank + 1) * 8 // dp))
+    pm.train_step([share.split(2)], loss_scale=1.0 / batch.num_tokens())
+    got = {k: p.grad for k, p in pm.named_params().items()}
+    return pm.reducer.launched_during_backward, grad_errors(got, ref)[0]

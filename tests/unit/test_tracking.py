@@ -1,0 +1,40 @@
+"""Tracking: metrics.jsonl rows from the logging rank only; W&B offline without an API key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainer.tracking import Tracker
+
+
+def test_disabled_tracker_writes_nothing(tmp_path) -> None:
+    t = Tracker(str(tmp_path), enabled=False, report_to="wandb")
+    t.log({"step": 1, "loss": 1.0})
+    t.close()
+    assert not (tmp_path / "metrics.jsonl").exists() and t.wandb is None
+
+
+def test_metrics_jsonl_rows(tmp_path) -> None:
+    t = Tracker(str(tmp_path), enabled=True, report_to="none", disable_tqdm=True)
+    t.log({"step": 1, "loss": 2.5, "lr": 1e-3})
+    t.log({"step": 2, "eval_loss": 2.0, "eval_bleu": 3.0})
+    t.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 1, "loss": 2.5, "lr": 1e-3}, {"step": 2, "eval_loss": 2.0, "eval_bleu": 3.0}]
+
+
+def test_wandb_runs_offline_without_key(tmp_path, monkeypatch, capsys) -> None:
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc key
+    t = Tracker(
+        str(tmp_path), enabled=True, report_to="wandb", run_name="t", config={"d_model": 8}, disable_tqdm=True
+    )
+    assert "runs offline" in capsys.readouterr().out
+    t.log({"step": 1, "loss": 1.5})
+    t.log_samples(1, [("en-de", "one", "eins", "eins")])
+    t.close()
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline W&B run directory"
