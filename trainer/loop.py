@@ -93,7 +93,7 @@ def train_step(
     optimizer.step()
     pm.after_optimizer_step()
     scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    pm.model.zero_grad(set_to_none=True)  # all grads: a ZeRO-1 optimizer holds only its share
     step_time = time.perf_counter() - t0
     loss_sum = sum(r.loss_sum for r in results)
     loss_sum, src_tokens = _sum_over_dp(pm, loss_sum, src_tokens)

@@ -16,7 +16,7 @@ from tests.dist.train_workers import base_config, train_cases
 from tests.dist.train_workers import mesh_overrides as mesh
 
 TOL = 1e-5
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(1500)]
 
 WORLD2 = {
     "tp2": mesh(tp=2),
