@@ -354,7 +354,7 @@ Mechanisms:
   touching the model (RowwiseParallel(input_layouts=Replicate()) on `shared`, a
   PrepareModuleInput on `lm_head`), and the unchanged `model.loss` works under
   loss_parallel(). Limits seen in torch's own docs/code: loss_parallel does not support
-  label_smoothing (our training default uses it), backward must run inside the context,
+  label_smoothing (configs/demo.yaml and the 1.2B config use 0.1), backward runs inside it,
   and with DTensor parameters/grads each of those trainer components would have to be ported.
   The plan does no sequence parallelism (SequenceParallel + PrepareModuleInput would add more).
   Same collectives in both: q, k and v each all-reduce their input gradient separately.
