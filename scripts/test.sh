@@ -9,6 +9,6 @@ bash scripts/_setup_env.sh test
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export HF_DATASETS_DISABLE_PROGRESS_BARS=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1 WANDB_MODE=disabled
-echo "== ruff"; ruff check . && ruff format --check .
+echo "== ruff"; ruff check . && ruff format --check models parallel trainer tests scripts
 echo "== mypy"; mypy
 echo "== pytest"; python -m pytest -q -p no:cacheprovider "$@"
