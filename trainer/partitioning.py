@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from models.config import ModelConfig
-from models.m2m100 import M2M100Translation
+from models.m2m100 import M2M100Translation, block_specs
 from parallel.mesh import ParallelMesh
 from parallel.partition import format_partition, resolve_partition
 from parallel.profile import profile_blocks
@@ -25,19 +25,19 @@ def choose_balance(
 ) -> tuple[list[int], str]:  # type: ignore[no-untyped-def]
     """Block counts per stage (p * v stages) and a printable table of the split."""
     n_stages = mesh.size("pp") * cfg.parallel.virtual_stages
-    torch.manual_seed(cfg.training.seed)
-    model = M2M100Translation(mc).to(device)
-    names = [b.name for b in model.blocks]
+    names = [b.name for b in block_specs(mc)]
     method = cfg.parallel.partition_balance() or cfg.parallel.partition_method
     payload: list[object] = [None]
     if dist.get_rank() == 0:
         times = mems = None
         counts = None
-        if method in ("time", "memory") or n_stages > 1:
+        if method in ("time", "memory", "parameters") or n_stages > 1:
             # A sample micro-batch from a copy of the sampler (the real one's position is untouched).
+            # Profiling builds the whole model on rank 0: it must fit one device.
             sample = copy.deepcopy(sampler)
             batch = next(sample).shard(0)[0][0].to(device)
-            times, mems, counts = profile_blocks(model, batch)
+            torch.manual_seed(cfg.training.seed)
+            times, mems, counts = profile_blocks(M2M100Translation(mc).to(device), batch)
         balance = resolve_partition(
             method, names, n_stages, param_counts=counts, time_costs=times, mem_costs=mems
         )

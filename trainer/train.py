@@ -162,7 +162,6 @@ def validate_early(cfg: JobConfig, world: int) -> ParallelDims:
     from parallel.schedule import build_schedule
 
     dims = ParallelDims.from_args(cfg.parallel, world)
-    arch = None
     if cfg.model.model_name_or_path:
         from models.hf import read_hf_config
 
