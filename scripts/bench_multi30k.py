@@ -80,7 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--probe", action="store_true", help="only the alternating same-batch step timing")
     p.add_argument("--micro_rounds", type=int, default=3)
-    p.add_argument("--micro_steps", type=int, default=8)
+    p.add_argument("--micro_steps", type=int, default=10)
+    p.add_argument("--note", default="", help="a line added to the report (e.g. which commit ran)")
     return p.parse_args(argv)
 
 
@@ -252,6 +253,8 @@ def run_ours(args: argparse.Namespace, work: Path, shared: dict[str, Any]) -> di
         "loop_wall_s": marks[-1][1] - marks[0][0],
         "step_time_sum_s": sum(step_times),
         "s_per_step": sum(step_times) / len(step_times),
+        "median_s_per_step": statistics.median(step_times),
+        "step_times": step_times,
         "tokens": tokens,
         "tokens_per_sec": tokens / sum(step_times),
         "losses": [r["loss"] for r in rows],
@@ -290,7 +293,6 @@ def run_hf(args: argparse.Namespace, work: Path, shared: dict[str, Any]) -> dict
 
     targs = Seq2SeqTrainingArguments(
         output_dir=str(work / "hf"),
-        overwrite_output_dir=True,
         max_steps=v["max_steps"],
         learning_rate=v["learning_rate"],
         warmup_steps=v["warmup_steps"],
@@ -353,6 +355,8 @@ def run_hf(args: argparse.Namespace, work: Path, shared: dict[str, Any]) -> dict
         "loop_wall_s": marks[-1][1] - marks[0][0],
         "step_time_sum_s": sum(step_times),
         "s_per_step": sum(step_times) / len(step_times),
+        "median_s_per_step": statistics.median(step_times),
+        "step_times": step_times,
         "tokens": sum(token_counts),
         "tokens_per_sec": sum(token_counts) / sum(step_times),
         "losses": losses,
@@ -466,17 +470,19 @@ def microbench(args: argparse.Namespace, shared: dict[str, Any]) -> dict[str, An
     for fn in steps.values():  # warm-up
         fn(batches[0])
     times: dict[str, list[float]] = {"ours": [], "hf": []}
-    for r in range(args.micro_rounds):
-        for name in ("ours", "hf") if r % 2 == 0 else ("hf", "ours"):
-            t0 = time.perf_counter()
-            for b in batches:
+    for r in range(args.micro_rounds):  # alternate every step, the order swapped every step
+        for i, b in enumerate(batches):
+            for name in ("ours", "hf") if (r + i) % 2 == 0 else ("hf", "ours"):
+                t0 = time.perf_counter()
                 steps[name](b)
-            times[name].append((time.perf_counter() - t0) / len(batches))
+                times[name].append(time.perf_counter() - t0)
+    ratios = [a / b for a, b in zip(times["ours"], times["hf"])]
     return {
         "rounds": args.micro_rounds,
-        "steps_per_segment": len(batches),
+        "steps_per_round": len(batches),
         "ours_s_per_step": statistics.median(times["ours"]),
         "hf_s_per_step": statistics.median(times["hf"]),
+        "median_pair_ratio": statistics.median(ratios),
         "ours_segments": times["ours"],
         "hf_segments": times["hf"],
     }
@@ -526,6 +532,8 @@ def write_report(out: Path, result: dict[str, Any]) -> None:
         f"{o['loop_wall_s'] / h['loop_wall_s']:.2f} |",
         f"| step time (s/step, mean) | {o['s_per_step']:.3f} | {h['s_per_step']:.3f} | "
         f"{o['s_per_step'] / h['s_per_step']:.2f} |",
+        f"| step time (s/step, median) | {o['median_s_per_step']:.3f} | {h['median_s_per_step']:.3f} | "
+        f"{o['median_s_per_step'] / h['median_s_per_step']:.2f} |",
         f"| tokens/s (src+tgt non-pad) | {o['tokens_per_sec']:.0f} | {h['tokens_per_sec']:.0f} | "
         f"{o['tokens_per_sec'] / h['tokens_per_sec']:.2f} |",
         f"| end-to-end wall incl. set-up / save (s) | {o['wall_time_s']:.1f} | {h['wall_time_s']:.1f} | |",
@@ -535,9 +543,10 @@ def write_report(out: Path, result: dict[str, Any]) -> None:
         f"| BLEU | {ev['ours']['bleu']:.2f} | {ev['hf']['bleu']:.2f} | |",
         f"| chrF | {ev['ours']['chrf']:.2f} | {ev['hf']['chrf']:.2f} | |",
         "",
-        f"Same-batch alternating timing (model fwd+bwd+clip+AdamW only, {mb['rounds']} rounds x "
-        f"{mb['steps_per_segment']} steps, median): ours {mb['ours_s_per_step']:.3f} s/step, "
-        f"HF {mb['hf_s_per_step']:.3f} s/step (ratio {mb['ours_s_per_step'] / mb['hf_s_per_step']:.2f}).",
+        f"Same-batch timing, our model and HF's alternating step by step (fwd+bwd+clip+AdamW only, "
+        f"{mb['rounds']} rounds x {mb['steps_per_round']} batches): median ours {mb['ours_s_per_step']:.3f} "
+        f"s/step, HF {mb['hf_s_per_step']:.3f} s/step; median of per-pair ratios ours/HF "
+        f"{mb['median_pair_ratio']:.2f}.",
         "",
         f"Cross-check: our trained weights exported (`save_hf_model`) and decoded with HF `generate`: "
         f"BLEU {ev['ours_weights_hf_generate']['bleu']:.2f}, chrF {ev['ours_weights_hf_generate']['chrf']:.2f}; "
@@ -551,6 +560,7 @@ def write_report(out: Path, result: dict[str, Any]) -> None:
         "(shared 2-core machine with other jobs running: absolute times are noisy, ratios less so).",
         "",
         "Notes:",
+        *([f"- {result['note']}"] if result.get("note") else []),
         "- Data order differs (our `GlobalBatchSampler` vs HF's `LengthGroupedSampler` via "
         "`train_sampling_strategy=group_by_length`), and so do dropout masks: equal quality is the "
         "point, not equal curves.",
@@ -561,6 +571,9 @@ def write_report(out: Path, result: dict[str, Any]) -> None:
         "- Step time: ours is `StepStats.step_time_s` (fwd/bwd, clip, AdamW, scheduler); HF's is "
         "`on_step_begin`→`on_step_end` (the same work plus its per-step logging); both exclude fetching "
         "the batch. Loop wall time is first step start → last step end (includes batch fetching).",
+        f"- Tokenizer: the exported `AutoTokenizer` gives our ids on all but {result['tokenizer_mismatches']} "
+        f"of {2 * result['train_pairs']} training sequences (SentencePiece vs `tokenizers` breaking Viterbi "
+        "score ties differently, e.g. `95,000` -> `00 0` vs `0 00`); HF trains on its own tokenizer's ids.",
         f"- Decoding: ours with `trainer.evaluate.translate` ({ev['ours']['decode_s']:.1f} s), HF with "
         f"`generate(forced_bos_token_id=__de__)` ({ev['hf']['decode_s']:.1f} s).",
         "",
@@ -608,6 +621,8 @@ def main(argv: list[str] | None = None) -> None:
         "train_pairs": shared["train_pairs"],
         "eval_sentences": len(shared["val_sources"]),
         "init_check": shared["init_check"],
+        "tokenizer_mismatches": shared["tokenizer_mismatches"],
+        "note": args.note,
         "uptime_start": start,
         "uptime_end": end,
         "ours": {k: v for k, v in ours.items()},
