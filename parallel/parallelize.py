@@ -92,6 +92,7 @@ class ParallelModel:
         autocast_dtype: torch.dtype | None = None,
         tp_info: Any = None,
         dp_sharding: str = "none",
+        remat_stage: bool = False,
     ) -> None:
         self.model, self.plan, self.mesh, self.tp_info = model, plan, mesh, tp_info
         pp_rank = mesh.pp_rank
@@ -101,7 +102,7 @@ class ParallelModel:
                 plan.stage_blocks[s],
                 s,
                 plan.n_stages,
-                remat_stage=getattr(model, "_remat_stage", False),
+                remat_stage=remat_stage,
             )
             for s in rank_stages(pp_rank, plan.p, plan.v)
         }
@@ -126,7 +127,7 @@ class ParallelModel:
             stage_params,
             mesh.group("dp") if mesh.size("dp") > 1 else None,
             overlap=plan.schedule_name != "zero_bubble",  # deferred W writes grads without hooks
-            exclude=[p for p in model.shared.parameters()] if model.shared is not None else [],
+            exclude=list(model.shared.parameters()) if model.shared is not None else [],
         )
         self.wgrad_store = WeightGradStore()
         if plan.schedule_name == "zero_bubble":
@@ -317,7 +318,13 @@ def build_parallel_model(
             return tp_info.loss(logits, labels, label_smoothing)
 
     apply_remat(model, remat)
-    model._remat_stage = remat == "stage"  # type: ignore[assignment]
     return ParallelModel(
-        model, plan, mesh, loss_fn, autocast_dtype=autocast_dtype, tp_info=tp_info, dp_sharding=dp_sharding
+        model,
+        plan,
+        mesh,
+        loss_fn,
+        autocast_dtype=autocast_dtype,
+        tp_info=tp_info,
+        dp_sharding=dp_sharding,
+        remat_stage=remat == "stage",
     )
