@@ -45,6 +45,7 @@ class FlushResult:
     num_tokens: int = 0
     busy_s: float = 0.0  # time in compute actions
     wall_s: float = 0.0  # first action start to last action end
+    pipeline_s: float = 0.0  # flush start to the end of the last action before GR (the bubble's span)
     timeline: list[tuple[str, float, float]] = field(
         default_factory=list
     )  # (action, start, end), flush-relative
@@ -133,6 +134,7 @@ class PipelineExecutor:
                 continue
             start = time.perf_counter()
             if a.type is ActionType.GRAD_REDUCE:
+                res.pipeline_s = start - t0
                 if last_flush and self.on_grad_reduce is not None:
                     self.on_grad_reduce()
             else:
@@ -143,6 +145,8 @@ class PipelineExecutor:
             res.timeline.append((str(a), start - t0, time.perf_counter() - t0))
             i += 1
         res.wall_s = time.perf_counter() - t0
+        if not res.pipeline_s:
+            res.pipeline_s = res.wall_s
         res.loss_sum, res.num_tokens = st.loss_sum, st.num_tokens
         res.peak_activation_bytes = self.meter.peak
         self.meter.reset()

@@ -537,7 +537,7 @@ def run(args: argparse.Namespace) -> None:
         n = P * v
         per_round = []
         for res in flushes[c]:
-            busy, wall = gather_floats([res.busy_s]), gather_floats([res.wall_s])
+            busy, wall = gather_floats([res.busy_s]), gather_floats([res.pipeline_s])  # up to GR
             makespan = max(w[0] for w in wall)
             per_round.append((1 - sum(b[0] for b in busy) / (P * makespan), makespan))
         f, bi, w = stage_costs(flushes[c], n)

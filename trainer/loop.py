@@ -120,15 +120,19 @@ def _sum_over_dp(pm: ParallelModel, loss_sum: float, src_tokens: int) -> tuple[f
 def bubble_stats(pm: ParallelModel, flushes: list[FlushResult]) -> dict[str, float]:
     """Measured bubble over the pp axis: 1 - sum(busy) / (p * makespan), plus per-stage compute time.
 
+    The makespan ends at the schedule's GR action: the dp / tied-embedding reduce that
+    follows is not pipeline idle time and is reported as `grad_reduce_s` instead.
     Collective over the pp group (call on every rank at the same step).
     """
     p = pm.mesh.size("pp")
     busy = sum(f.busy_s for f in flushes)
-    wall = sum(f.wall_s for f in flushes)
+    wall = sum(f.pipeline_s for f in flushes)
+    reduce_s = sum(f.wall_s - f.pipeline_s for f in flushes)
     peak = max((f.peak_activation_bytes for f in flushes), default=0)
     if p == 1:
         return {
             "bubble_fraction": max(0.0, 1 - busy / wall) if wall else 0.0,
+            "grad_reduce_s": reduce_s,
             "stage_compute_s_0": busy,
             "peak_activation_bytes_stage_0": float(peak),
         }
@@ -138,7 +142,10 @@ def bubble_stats(pm: ParallelModel, flushes: list[FlushResult]) -> dict[str, flo
     dist.all_reduce(row, group=pm.mesh.group("pp"))
     busy_all, wall_all, peak_all = row[:p].tolist(), row[p : 2 * p].tolist(), row[2 * p :].tolist()
     makespan = max(wall_all)
-    out = {"bubble_fraction": 1 - sum(busy_all) / (p * makespan) if makespan > 0 else 0.0}
+    out = {
+        "bubble_fraction": 1 - sum(busy_all) / (p * makespan) if makespan > 0 else 0.0,
+        "grad_reduce_s": reduce_s,
+    }
     for i in range(p):
         out[f"stage_compute_s_{i}"] = busy_all[i]
         out[f"peak_activation_bytes_stage_{i}"] = peak_all[i]
