@@ -195,33 +195,21 @@ class ParallelModel:
                 w.grad = torch.zeros_like(w)
             dist.all_reduce(w.grad, group=self.tied_group)
 
-    def grad_norm_sq_local(self) -> Tensor:
-        """This rank's share of the global squared grad norm, each logical parameter counted once.
-
-        tp-sharded parameters count on every tp rank (their shards are disjoint);
-        tp-replicated ones only on tp rank 0; the tied embedding only on the first
-        pp rank holding it; dp replicas are identical after the reduce, so the
-        world sum is divided by dp.
-        """
-        from parallel.tensor_parallel import is_tp_sharded
-
-        total = torch.zeros((), dtype=torch.float64)
-        for name, p in self.named_params().items():
-            if p.grad is None:
-                continue
-            if not is_tp_sharded(p) and self.mesh.tp_rank != 0:
-                continue
-            if name == "shared.weight" and self.mesh.pp_rank != self.tied_ranks[0]:
-                continue
-            total += p.grad.detach().double().pow(2).sum().cpu()
-        return total
-
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Global grad norm over the whole mesh; scales grads so it is at most `max_norm` (if > 0)."""
-        sq = self.grad_norm_sq_local()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(sq)
-            sq = sq / self.mesh.size("dp")
+        """Global grad norm over the whole mesh; scales grads so it is at most `max_norm` (if > 0).
+
+        Each logical parameter counts once: `grad_norm_sq` sums tp shards over tp and
+        counts tp-replicated parameters once; the pp sum skips the tied embedding's
+        copies after the first stage holding it; dp replicas hold equal gradients after
+        the reduce, so no dp sum is needed.
+        """
+        from parallel.tensor_parallel import grad_norm_sq
+
+        tied_copy = self.mesh.pp_rank != self.tied_ranks[0]
+        params = [p for n, p in self.named_params().items() if not (n == "shared.weight" and tied_copy)]
+        sq = grad_norm_sq(params, self.mesh.group("tp"))
+        if self.mesh.size("pp") > 1:
+            dist.all_reduce(sq, group=self.mesh.group("pp"))
         norm = math.sqrt(float(sq))
         if max_norm > 0 and norm > max_norm:
             coef = max_norm / (norm + 1e-6)

@@ -19,7 +19,7 @@ import time
 import torch
 from torch import Tensor
 
-from models.m2m100 import BlockKind, M2M100Translation, Seq2SeqBatch, State, cross_entropy_sum
+from models.m2m100 import BlockKind, BlockSpec, M2M100Translation, Seq2SeqBatch, State, cross_entropy_sum
 
 
 def _saved_bytes(fn) -> tuple[object, int]:  # type: ignore[no-untyped-def]
@@ -45,7 +45,6 @@ def profile_blocks(
     """(seconds fwd+bwd, bytes params+activations, parameter count) per block of `model.blocks`."""
     times, mems, counts = [], [], []
     state: State = {}
-    param_ptrs = {p.data_ptr() for p in model.parameters()}
     for spec in model.blocks:
         inputs = {k: v.detach().requires_grad_(True) for k, v in state.items()}
         params = _block_params(model, spec)
@@ -65,7 +64,7 @@ def profile_blocks(
             if i > 0:
                 samples.append(time.perf_counter() - t0)
         times.append(statistics.median(samples))
-        pbytes = sum(p.numel() * p.element_size() for p in params if p.data_ptr() in param_ptrs)
+        pbytes = sum(p.numel() * p.element_size() for p in params)
         mems.append(float(pbytes + act))
         counts.append(sum(p.numel() for p in params))
         state = {k: v.detach() for k, v in out.items() if k != "logits"}
@@ -73,17 +72,10 @@ def profile_blocks(
     return times, mems, counts
 
 
-def _block_params(model: M2M100Translation, spec) -> list[torch.nn.Parameter]:  # type: ignore[no-untyped-def]
-    if spec.kind is BlockKind.ENC_LAYER:
-        return list(model.encoder.layers[str(spec.index)].parameters())
-    if spec.kind is BlockKind.DEC_LAYER:
-        return list(model.decoder.layers[str(spec.index)].parameters())
-    if spec.kind is BlockKind.ENC_NORM:
-        return list(model.encoder.layer_norm.parameters()) if model.encoder.layer_norm else []
-    if spec.kind is BlockKind.HEAD:
-        norm = list(model.decoder.layer_norm.parameters()) if model.decoder.layer_norm else []
-        return norm + ([model.shared.weight] if model.shared is not None else [])  # type: ignore[list-item]
-    # Embeddings: the table is shared; count it where it is first used (source embedding).
-    if spec.kind is BlockKind.SRC_EMBED and model.shared is not None:
-        return [model.shared.weight]  # type: ignore[list-item]
-    return []
+def _block_params(model: M2M100Translation, spec: BlockSpec) -> list[torch.nn.Parameter]:
+    """The block's parameters; the tied table counts once, at the source embedding."""
+    params = model.block_parameters([spec])
+    if spec.kind is BlockKind.SRC_EMBED or model.shared is None:
+        return params
+    table = {id(p) for p in model.shared.parameters()}
+    return [p for p in params if id(p) not in table]

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from models.m2m100 import BlockKind, BlockSpec, M2M100Translation, Seq2SeqBatch, State
@@ -75,15 +74,8 @@ class PipelineStage:
         self.remat_stage = remat_stage
 
     @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
     def is_last(self) -> bool:
         return self.index == self.n_stages - 1
-
-    def input_keys(self, prev_last_block: BlockSpec | None) -> tuple[str, ...]:
-        return () if prev_last_block is None else boundary_keys(prev_last_block)
 
     def output_keys(self) -> tuple[str, ...]:
         return ("logits",) if self.is_last else boundary_keys(self.blocks[-1])
@@ -99,12 +91,3 @@ class PipelineStage:
 
         outs = checkpoint(run, *(inputs[k] for k in keys), use_reentrant=False, preserve_rng_state=True)
         return dict(zip(self.output_keys(), outs))
-
-    def parameters(self) -> list[nn.Parameter]:
-        return list(self.model.parameters())
-
-
-def param_dtype(model: nn.Module) -> torch.dtype:
-    for p in model.parameters():
-        return p.dtype
-    return torch.float32

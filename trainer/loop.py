@@ -14,7 +14,6 @@ loss sums, summed over dp, over the global token count.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -159,7 +158,3 @@ def bubble_theory(schedule: str, p: int, m: int, v: int) -> float:
     if schedule == "interleaved_1f1b":
         return (p - 1) / (v * m + p - 1)
     return (p - 1) / (m + p - 1)
-
-
-def perplexity(loss: float) -> float:
-    return math.exp(min(loss, 50.0))

@@ -76,10 +76,6 @@ class Tracker:
 
         self.wandb.log({key: wandb.Image(path)}, step=step)
 
-    def update_config(self, values: dict[str, Any]) -> None:
-        if self.wandb is not None:
-            self.wandb.config.update(values, allow_val_change=True)
-
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
