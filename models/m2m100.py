@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -45,39 +45,97 @@ IGNORE_INDEX = -100
 
 @dataclass
 class Seq2SeqBatch:
-    """A batch of translation pairs, right-padded.
+    """A batch of translation pairs, right-padded, with its row lengths known on the host.
 
     input_ids:          (B, S) `__src__ tokens </s>` then pad
     attention_mask:     (B, S) 1 on real source tokens, 0 on padding
     decoder_input_ids:  (B, T) `</s> __tgt__ tokens` then pad
     labels:             (B, T) `__tgt__ tokens </s>` then -100
+    src_lengths:        real source tokens per row (host ints)
+    tgt_lengths:        loss-carrying target tokens per row (host ints)
+
+    The lengths are read from the tensors once, while they are still on the CPU
+    (collation), and travel with the batch, so trimming, token counts, the choice
+    of attention kernel and position-table sizes are decided on the host: nothing
+    in a training step reads a device tensor back (`.item()`, `.tolist()`).
     """
 
     input_ids: Tensor
     attention_mask: Tensor
     decoder_input_ids: Tensor
     labels: Tensor
+    src_lengths: tuple[int, ...] | None = None
+    tgt_lengths: tuple[int, ...] | None = None
+    _key_mask: Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.src_lengths is None and self.attention_mask.device.type == "cpu":
+            self.src_lengths = tuple(int(n) for n in self.attention_mask.sum(dim=1).tolist())
+        if self.tgt_lengths is None and self.labels.device.type == "cpu":
+            self.tgt_lengths = tuple(int(n) for n in (self.labels != IGNORE_INDEX).sum(dim=1).tolist())
 
     @property
     def size(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def lengths(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(source, target) lengths per row; a batch built on a device is read back once (a sync)."""
+        if self.src_lengths is None:
+            self.src_lengths = tuple(int(n) for n in self.attention_mask.sum(dim=1).tolist())
+        if self.tgt_lengths is None:
+            self.tgt_lengths = tuple(int(n) for n in (self.labels != IGNORE_INDEX).sum(dim=1).tolist())
+        return self.src_lengths, self.tgt_lengths
+
     def num_tokens(self) -> int:
         """Number of target tokens that carry a loss."""
-        return int((self.labels != IGNORE_INDEX).sum().item())
+        return sum(self.lengths()[1])
 
-    def to(self, device: torch.device | str) -> Seq2SeqBatch:
-        return Seq2SeqBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
+    def num_src_tokens(self) -> int:
+        """Number of real (non-pad) source tokens."""
+        return sum(self.lengths()[0])
 
-    def select(self, rows: slice | Tensor) -> Seq2SeqBatch:
+    @property
+    def src_key_mask(self) -> Tensor | None:
+        """(B, S) bool key mask for attention over the source, or None when no row is padded
+        (then attention runs without a mask, which lets SDPA pick its fastest kernel).
+        Built once per batch, on the batch's device."""
+        src = self.lengths()[0]
+        if not src or min(src) == self.input_ids.shape[1]:
+            return None
+        if self._key_mask is None:
+            self._key_mask = self.attention_mask.bool()
+        return self._key_mask
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Seq2SeqBatch:
+        """The batch on `device` (lengths kept). `non_blocking` from pinned memory overlaps the copy."""
+        lengths = self.lengths()
+
+        def move(t: Tensor) -> Tensor:
+            if non_blocking and t.device.type == "cpu" and torch.device(device).type == "cuda":
+                t = t.pin_memory()
+            return t.to(device, non_blocking=non_blocking)
+
+        return Seq2SeqBatch(
+            move(self.input_ids),
+            move(self.attention_mask),
+            move(self.decoder_input_ids),
+            move(self.labels),
+            *lengths,
+        )
+
+    def select(self, rows: slice) -> Seq2SeqBatch:
         """Rows `rows`, trimmed to the longest source and target among them (no global padding)."""
-        src = self.input_ids[rows]
-        mask = self.attention_mask[rows]
-        dec = self.decoder_input_ids[rows]
-        lab = self.labels[rows]
-        s_len = max(int(mask.sum(dim=1).max().item()), 1) if mask.numel() else 1
-        t_len = max(int((lab != IGNORE_INDEX).sum(dim=1).max().item()), 1) if lab.numel() else 1
-        return Seq2SeqBatch(src[:, :s_len], mask[:, :s_len], dec[:, :t_len], lab[:, :t_len])
+        src_lens, tgt_lens = (lens[rows] for lens in self.lengths())
+        s_len = max(max(src_lens, default=1), 1)
+        t_len = max(max(tgt_lens, default=1), 1)
+        return Seq2SeqBatch(
+            self.input_ids[rows, :s_len],
+            self.attention_mask[rows, :s_len],
+            self.decoder_input_ids[rows, :t_len],
+            self.labels[rows, :t_len],
+            src_lens,
+            tgt_lens,
+        )
 
     def pad_to_multiple(self, k: int, pad_id: int) -> Seq2SeqBatch:
         """Right-pad S and T up to multiples of `k` (pads are masked keys and ignored labels)."""
@@ -91,6 +149,7 @@ class Seq2SeqBatch:
             pad(self.attention_mask, 0),
             pad(self.decoder_input_ids, pad_id),
             pad(self.labels, IGNORE_INDEX),
+            *self.lengths(),
         )
 
     def split(self, n: int) -> list[Seq2SeqBatch]:
@@ -180,7 +239,8 @@ class SinusoidalPositions(nn.Module):
 
     def forward(self, ids: Tensor, offset: int = 0) -> Tensor:  # (B, T) -> (B, T, H)
         pos = self.position_ids(ids, offset)
-        needed = int(pos.max().item()) + 1 if pos.numel() else 0
+        # The largest position is at most T + offset + padding_idx: sized from the shape, not read back.
+        needed = ids.shape[1] + offset + self.padding_idx + 1
         if needed > self.table.shape[0]:
             self.table = sinusoidal_table(needed + 2, self.dim, self.padding_idx).to(self.table)
         return self.table.index_select(0, pos.reshape(-1)).view(*ids.shape, self.dim)
@@ -256,7 +316,7 @@ class EncoderLayer(nn.Module):
     def ffn(self, x: Tensor) -> Tensor:
         return self.fc2(F.dropout(self.act(self.fc1(x)), self.activation_dropout, self.training))
 
-    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, src_mask: Tensor | None) -> Tensor:
         h = self.self_attn(self.self_attn_layer_norm(x), key_mask=src_mask)
         x = x + F.dropout(h, self.dropout, self.training)
         return x + F.dropout(self.ffn(self.final_layer_norm(x)), self.dropout, self.training)
@@ -292,7 +352,7 @@ class DecoderLayer(nn.Module):
         self,
         x: Tensor,
         encoder_out: Tensor,
-        src_mask: Tensor,
+        src_mask: Tensor | None,
         self_kv: tuple[Tensor, Tensor] | None = None,
         cross_kv: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
@@ -408,7 +468,7 @@ class M2M100Translation(nn.Module):
 
     def run_block(self, spec: BlockSpec, state: State, batch: Seq2SeqBatch) -> State:
         """Apply one block: state in, state out (see the module docstring)."""
-        src_mask = batch.attention_mask.bool()
+        src_mask = batch.src_key_mask  # None when no source row is padded
         drop = self.config.dropout
         if spec.kind is BlockKind.SRC_EMBED:
             return {"hidden": F.dropout(self.embed(batch.input_ids), drop, self.training)}
@@ -443,7 +503,7 @@ class M2M100Translation(nn.Module):
 
     def loss(self, batch: Seq2SeqBatch, label_smoothing: float = 0.0) -> tuple[Tensor, int]:
         """(sum of token losses, number of target tokens)."""
-        return cross_entropy_sum(self(batch), batch.labels, label_smoothing)
+        return cross_entropy_sum(self(batch), batch.labels, label_smoothing), batch.num_tokens()
 
     # --- incremental decoding (generation)
 
@@ -460,15 +520,14 @@ class M2M100Translation(nn.Module):
         return state["encoder_out"]
 
 
-def cross_entropy_sum(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> tuple[Tensor, int]:
-    """Sum of (label-smoothed) token cross-entropies over non-ignored labels, and their count.
+def cross_entropy_sum(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> Tensor:
+    """Sum of (label-smoothed) token cross-entropies over non-ignored labels (a scalar tensor).
 
-    Summing here and dividing by the global batch's token count outside makes the
-    loss independent of how the batch is split (micro-batches, dp replicas).
+    Summing here and dividing by the global batch's token count outside (a host
+    number: `Seq2SeqBatch.num_tokens`) makes the loss independent of how the batch
+    is split (micro-batches, dp replicas).
     """
     flat = logits.reshape(-1, logits.shape[-1]).float()
-    target = labels.reshape(-1)
-    loss = F.cross_entropy(
-        flat, target, ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=label_smoothing
+    return F.cross_entropy(
+        flat, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=label_smoothing
     )
-    return loss, int((target != IGNORE_INDEX).sum().item())

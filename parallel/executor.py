@@ -13,13 +13,15 @@ trainer passes `loss_scale = 1 / tokens(global batch)`; summed over micro-batche
 flushes and dp replicas this is exactly the gradient of the mean token loss of the
 unsplit global batch.
 
-Every compute action is timestamped; `FlushResult` carries this rank's busy time,
-wall time and the per-action timeline from which the trainer measures the bubble.
+The hot path never waits on the device: shapes come from the micro-batch every
+rank holds (host lengths), token counts are host numbers, and the loss sum stays
+a device tensor. A timed flush marks the clock (`parallel.timing`: CUDA events on
+a GPU) after every action; `FlushResult` resolves the marks into busy time, wall
+time and the per-action timeline only when asked, at a logged step.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -30,26 +32,65 @@ from torch import Tensor
 
 from models.m2m100 import BlockSpec, Seq2SeqBatch, State
 from parallel import p2p
+from parallel.grads import StepGradients
 from parallel.memory import ActivationMeter
 from parallel.schedule import Action, ActionType, stage_to_rank
 from parallel.stage import PipelineStage, boundary_keys, boundary_shapes
+from parallel.timing import Clock, HostClock
 from parallel.zero_bubble import WeightGradStore
 
-LossFn = Callable[[Tensor, Tensor], tuple[Tensor, int]]
-_COMM = (ActionType.SEND_FORWARD, ActionType.RECV_FORWARD, ActionType.SEND_BACKWARD, ActionType.RECV_BACKWARD)
+LossFn = Callable[[Tensor, Tensor], Tensor]  # (logits, labels) -> sum of token losses
 
 
 @dataclass
 class FlushResult:
-    loss_sum: float = 0.0  # sum of token losses over this rank's micro-batches (last stage only)
+    """One flush on this rank: its loss (device), token count (host) and, if timed, its timeline.
+
+    `spans` are (action, start mark, end mark, is_compute); the times below resolve
+    the clock marks on first access (on CUDA this waits for the flush's last event).
+    """
+
+    loss_sum: Tensor | None = None  # sum of token losses over this rank's micro-batches (last stage)
     num_tokens: int = 0
-    busy_s: float = 0.0  # time in compute actions
-    wall_s: float = 0.0  # first action start to last action end
-    pipeline_s: float = 0.0  # flush start to the end of the last action before GR (the bubble's span)
-    timeline: list[tuple[str, float, float]] = field(
-        default_factory=list
-    )  # (action, start, end), flush-relative
     peak_activation_bytes: int = 0
+    clock: Clock = field(default_factory=HostClock, repr=False)
+    marks: list[Any] = field(default_factory=list, repr=False)
+    spans: list[tuple[str, int, int, bool]] = field(default_factory=list)
+    gr_mark: int | None = None  # the mark where GR starts: the end of the pipeline's span
+    _seconds: list[float] | None = field(default=None, repr=False)
+
+    def _times(self) -> list[float]:
+        if self._seconds is None:
+            self._seconds = self.clock.seconds(self.marks) if self.marks else []
+        return self._seconds
+
+    @property
+    def timed(self) -> bool:
+        return bool(self.marks)
+
+    @property
+    def timeline(self) -> list[tuple[str, float, float]]:
+        """(action, start, end) in seconds from the flush start."""
+        t = self._times()
+        return [(name, t[a], t[b]) for name, a, b, _ in self.spans]
+
+    @property
+    def busy_s(self) -> float:
+        """Time in compute actions (device time on CUDA)."""
+        t = self._times()
+        return sum(t[b] - t[a] for _, a, b, compute in self.spans if compute)
+
+    @property
+    def wall_s(self) -> float:
+        """Flush start to the end of its last action."""
+        t = self._times()
+        return t[-1] if t else 0.0
+
+    @property
+    def pipeline_s(self) -> float:
+        """Flush start to the start of GR: the span the bubble is measured over."""
+        t = self._times()
+        return t[self.gr_mark] if t and self.gr_mark is not None else self.wall_s
 
 
 @dataclass
@@ -74,8 +115,11 @@ class PipelineExecutor:
         stages: this rank's stages keyed by global stage index.
         actions: this rank's action list (from `parallel.schedule.build_schedule`).
         topo: stage placement and neighbours.
-        loss_fn: (logits, labels) -> (sum of token losses, token count).
-        on_grad_reduce: called at GR on the last flush of an optimizer step.
+        loss_fn: (logits, labels) -> sum of token losses (a scalar tensor).
+        meter: the activation-memory meter (`parallel.memory.meter_for`).
+        clock: host timestamps or CUDA events (`parallel.timing.clock_for`).
+        grads: the step's gradient work: armed before each stage's final backward
+            and run at GR, on the step's last flush; None for evaluation.
         autocast_dtype: e.g. torch.bfloat16 to run forwards under autocast.
         wgrad_store: the store deferred linear weight grads go to (zero bubble).
     """
@@ -86,12 +130,14 @@ class PipelineExecutor:
         actions: Sequence[Action],
         topo: PipelineTopology,
         loss_fn: LossFn,
-        on_grad_reduce: Callable[[], None] | None = None,
+        meter: ActivationMeter,
+        clock: Clock,
+        grads: StepGradients | None = None,
         autocast_dtype: torch.dtype | None = None,
         wgrad_store: WeightGradStore | None = None,
     ) -> None:
         self.stages, self.actions, self.topo = stages, list(actions), topo
-        self.loss_fn, self.on_grad_reduce = loss_fn, on_grad_reduce
+        self.loss_fn, self.meter, self.clock, self.grads = loss_fn, meter, clock, grads
         self.autocast_dtype = autocast_dtype
         self.wgrad_store = (
             wgrad_store if wgrad_store is not None else WeightGradStore()
@@ -101,52 +147,64 @@ class PipelineExecutor:
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.d_model = self.model.config.d_model
-        self.meter = ActivationMeter(self.model)
         # An action list without backward (evaluation) keeps nothing for autograd.
         self.forward_only = not any(
             a.type in (ActionType.BACKWARD, ActionType.BACKWARD_INPUT) for a in self.actions
         )
-        # Index of each stage's last full backward: on the step's last flush the dp reduce
-        # of that stage's gradients may start during it (see parallel.data_parallel).
-        self.final_backward = {
-            a.stage: i for i, a in enumerate(self.actions) if a.type is ActionType.BACKWARD
-        }
-        self.on_final_backward: Callable[[int], None] | None = None
+        # Each stage's last full backward, by action index: on the step's last flush the dp
+        # reduce of that stage's gradients may start during it (see parallel.grads).
+        last = {a.stage: i for i, a in enumerate(self.actions) if a.type is ActionType.BACKWARD}
+        slot = {s: k for k, s in enumerate(sorted(stages))}
+        self.final_backward = {i: slot[s] for s, i in last.items()}
+        # Runs of consecutive comm actions: each is posted as one batch.
+        self.steps: list[tuple[int, int]] = []
+        i = 0
+        while i < len(self.actions):
+            j = i + 1
+            if self.actions[i].type.is_comm:
+                while j < len(self.actions) and self.actions[j].type.is_comm:
+                    j += 1
+            self.steps.append((i, j))
+            i = j
 
     # ------------------------------------------------------------------ driver
 
     def run_flush(
-        self, microbatches: Sequence[Seq2SeqBatch], loss_scale: float, last_flush: bool = True
+        self,
+        microbatches: Sequence[Seq2SeqBatch],
+        loss_scale: float,
+        last_flush: bool = True,
+        timed: bool = True,
     ) -> FlushResult:
-        """Execute the whole action list once over `microbatches` (m of them)."""
+        """Execute the whole action list once over `microbatches` (m of them).
+
+        Args:
+            microbatches: this replica's micro-batches of the flush, on the device.
+            loss_scale: 1 / tokens(global batch).
+            last_flush: the step's last flush: arm the dp overlap and run GR's reduce.
+            timed: mark the clock after every action (for the bubble and the timeline).
+        """
         st = _FlushState(microbatches, loss_scale)
-        res = FlushResult()
-        t0 = time.perf_counter()
-        i = 0
-        while i < len(self.actions):
+        res = FlushResult(clock=self.clock)
+        mark = self.clock.mark if timed else None
+        if mark is not None:
+            res.marks.append(mark())
+        for i, j in self.steps:
             a = self.actions[i]
-            if a.type in _COMM:
-                j = i
-                while j < len(self.actions) and self.actions[j].type in _COMM:
-                    j += 1
+            if a.type.is_comm:
                 p2p.exchange([self._transfer(x, st) for x in self.actions[i:j]])
-                i = j
-                continue
-            start = time.perf_counter()
-            if a.type is ActionType.GRAD_REDUCE:
-                res.pipeline_s = start - t0
-                if last_flush and self.on_grad_reduce is not None:
-                    self.on_grad_reduce()
+            elif a.type is ActionType.GRAD_REDUCE:
+                res.gr_mark = len(res.marks) - 1 if mark is not None else None
+                if last_flush and self.grads is not None:
+                    self.grads.reduce()
             else:
-                if last_flush and self.on_final_backward and self.final_backward.get(a.stage) == i:
-                    self.on_final_backward(a.stage)
+                if last_flush and self.grads is not None and i in self.final_backward:
+                    self.grads.arm(self.final_backward[i])
                 self._compute(a, st)
-                res.busy_s += time.perf_counter() - start
-            res.timeline.append((str(a), start - t0, time.perf_counter() - t0))
-            i += 1
-        res.wall_s = time.perf_counter() - t0
-        if not res.pipeline_s:
-            res.pipeline_s = res.wall_s
+            if mark is not None:
+                name = " ".join(str(x) for x in self.actions[i:j])
+                res.spans.append((name, len(res.marks) - 1, len(res.marks), a.type.is_compute))
+                res.marks.append(mark())
         res.loss_sum, res.num_tokens = st.loss_sum, st.num_tokens
         res.peak_activation_bytes = self.meter.peak
         self.meter.reset()
@@ -189,10 +247,11 @@ class PipelineExecutor:
         with self.meter.record((s, mb), inputs), autocast:
             out = stage.forward(inputs, batch)
             if stage.is_last:
-                loss_sum, n = self.loss_fn(out["logits"], batch.labels)
+                loss_sum = self.loss_fn(out["logits"], batch.labels)
         if stage.is_last:
-            st.loss_sum += float(loss_sum.detach())
-            st.num_tokens += n
+            detached = loss_sum.detach()
+            st.loss_sum = detached if st.loss_sum is None else st.loss_sum + detached
+            st.num_tokens += batch.num_tokens()
         if self.forward_only:
             if not stage.is_last:  # held only until SF / the next local stage takes it
                 st.outputs[(s, mb)] = out
@@ -283,4 +342,5 @@ class _FlushState:
         self.pending_grads: dict[tuple[int, int], list[Tensor]] = {}
         self.grads_to_send: dict[tuple[int, int], list[Tensor]] = {}
         self.local_handoff: dict[tuple[int, int], State] = {}
-        self.loss_sum, self.num_tokens = 0.0, 0
+        self.loss_sum: Tensor | None = None  # stays on the device
+        self.num_tokens = 0

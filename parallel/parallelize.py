@@ -7,28 +7,30 @@
       -> zero-bubble weight-grad deferral   (zero_bubble schedule only)
       -> executor                           walks this rank's schedule; dp + tied-embedding reduce at GR
 
-The resulting `ParallelModel` is what the training loop drives: one call per
-pipeline flush, then `clip_grad_norm_` over the whole mesh, then the optimizer.
+The resulting `ParallelModel` is what the training loop drives: `train_step` runs
+the step's flushes (the dp, sequence-parallel and tied-embedding reduces happen at
+the last GR), then `grads.clip_` over the whole mesh, then the optimizer.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from models.m2m100 import BlockSpec, M2M100Translation, Seq2SeqBatch, cross_entropy_sum
-from parallel.data_parallel import GradReducer, ZeroOneSharding
+from parallel.data_parallel import ZeroOneSharding
 from parallel.executor import FlushResult, LossFn, PipelineExecutor, PipelineTopology
+from parallel.grads import StepGradients
+from parallel.memory import meter_for
 from parallel.mesh import ParallelMesh
 from parallel.remat import apply_remat
 from parallel.schedule import Action, build_schedule, forward_only, rank_stages, stage_to_rank
 from parallel.stage import PipelineStage
+from parallel.timing import clock_for
 from parallel.zero_bubble import WeightGradStore, enable_deferred_wgrad
 
 
@@ -81,7 +83,7 @@ def make_plan(
 
 
 class ParallelModel:
-    """This rank's stages, their executor, and the gradient reductions of the mesh."""
+    """This rank's stages, their executor, and the step's gradient work (`grads`)."""
 
     def __init__(
         self,
@@ -93,57 +95,55 @@ class ParallelModel:
         tp_info: Any = None,
         dp_sharding: str = "none",
         remat_stage: bool = False,
+        saved_tensor_meter: bool = False,
     ) -> None:
         self.model, self.plan, self.mesh, self.tp_info = model, plan, mesh, tp_info
         pp_rank = mesh.pp_rank
         self.stages = {
-            s: PipelineStage(
-                model,
-                plan.stage_blocks[s],
-                s,
-                plan.n_stages,
-                remat_stage=remat_stage,
-            )
+            s: PipelineStage(model, plan.stage_blocks[s], s, plan.n_stages, remat_stage=remat_stage)
             for s in rank_stages(pp_rank, plan.p, plan.v)
         }
         p = plan.p
-        topo = PipelineTopology(
+        self.topo = PipelineTopology(
             plan.stage_blocks,
             p,
             pp_rank,
             prev_rank=mesh.pp_peer((pp_rank - 1) % p) if p > 1 else None,
             next_rank=mesh.pp_peer((pp_rank + 1) % p) if p > 1 else None,
         )
-        tied_ranks = plan.shared_embedding_ranks()
-        self.tied_group = mesh.pp_subgroup(tied_ranks) if len(tied_ranks) > 1 else None
-        self.tied_ranks = tied_ranks
         self._params_by_name = dict(model.named_parameters())
         self.device = next(model.parameters()).device
         self.zero: ZeroOneSharding | None = None
         if dp_sharding == "zero1" and mesh.size("dp") > 1:
             self.zero = ZeroOneSharding(list(model.named_parameters()), mesh.group("dp"))
-        stage_params = [model.block_parameters(self.stages[s].blocks) for s in sorted(self.stages)]
-        self.reducer = GradReducer(
-            stage_params,
-            mesh.group("dp") if mesh.size("dp") > 1 else None,
-            overlap=plan.schedule_name != "zero_bubble",  # deferred W writes grads without hooks
-            exclude=list(model.shared.parameters()) if model.shared is not None else [],
+        self.grads = StepGradients(
+            model,
+            [model.block_parameters(self.stages[s].blocks) for s in sorted(self.stages)],
+            mesh,
+            plan.shared_embedding_ranks(),
+            sequence_parallel=tp_info is not None and tp_info.sequence_parallel,
+            overlap_dp=plan.schedule_name != "zero_bubble",  # deferred W writes grads without hooks
         )
         self.wgrad_store = WeightGradStore()
         if plan.schedule_name == "zero_bubble":
             enable_deferred_wgrad(model, self.wgrad_store)
-        self.topo, self.loss_fn, self.autocast_dtype = topo, loss_fn, autocast_dtype
-        self.executor = PipelineExecutor(
+        self.loss_fn, self.autocast_dtype = loss_fn, autocast_dtype
+        self.meter = meter_for(model, self.device, saved_tensors=saved_tensor_meter)
+        self.clock = clock_for(self.device)
+        self.executor = self._executor(plan.schedule[pp_rank], self.grads)
+
+    def _executor(self, actions: Sequence[Action], grads: StepGradients | None) -> PipelineExecutor:
+        return PipelineExecutor(
             self.stages,
-            plan.schedule[pp_rank],
-            topo,
-            loss_fn,
-            on_grad_reduce=self.reduce_grads,
-            autocast_dtype=autocast_dtype,
+            actions,
+            self.topo,
+            self.loss_fn,
+            self.meter,
+            self.clock,
+            grads=grads,
+            autocast_dtype=self.autocast_dtype,
             wgrad_store=self.wgrad_store,
         )
-        stage_order = sorted(self.stages)
-        self.executor.on_final_backward = lambda s: self.reducer.arm(stage_order.index(s))
 
     # ------------------------------------------------------------------ training
 
@@ -162,61 +162,26 @@ class ParallelModel:
     def named_params(self) -> dict[str, nn.Parameter]:
         return dict(self.model.named_parameters())
 
-    def train_step(self, flushes: Sequence[Sequence[Seq2SeqBatch]], loss_scale: float) -> list[FlushResult]:
-        """Forward+backward over `gradient_accumulation_steps` flushes; grads are final after it."""
-        results = []
-        for i, microbatches in enumerate(flushes):
-            microbatches = self._prepare(microbatches)
-            results.append(
-                self.executor.run_flush(microbatches, loss_scale, last_flush=i == len(flushes) - 1)
-            )
-        return results
+    def train_step(
+        self, flushes: Sequence[Sequence[Seq2SeqBatch]], loss_scale: float, timed: bool = True
+    ) -> list[FlushResult]:
+        """Forward+backward over `gradient_accumulation_steps` flushes; grads are final after it.
+
+        Every micro-batch of the step is copied to the device first (pinned, asynchronous),
+        so the copies overlap the compute instead of waiting inside the flush.
+        """
+        on_device = [self._prepare(microbatches) for microbatches in flushes]
+        return [
+            self.executor.run_flush(mbs, loss_scale, last_flush=i == len(on_device) - 1, timed=timed)
+            for i, mbs in enumerate(on_device)
+        ]
 
     def _prepare(self, batches: Sequence[Seq2SeqBatch]) -> list[Seq2SeqBatch]:
         """To the model's device; sequence parallelism also needs S and T divisible by tp."""
-        out = [b.to(self.device) for b in batches]
+        out = [b.to(self.device, non_blocking=True) for b in batches]
         if self.tp_info is not None and self.tp_info.sequence_parallel:
             out = [b.pad_to_multiple(self.tp_info.tp_size, self.model.config.pad_token_id) for b in out]
         return out
-
-    def reduce_grads(self) -> None:
-        """At GR of the step's last flush: the dp sum (some buckets already launched during the
-        last backward), then sequence-parallel norms over tp, then the tied embedding across its
-        stages. Sums over different axes commute, so the tp sum may follow the dp sum; it must,
-        because overlapped dp buckets are copied back when they finish."""
-        self.reducer.all_reduce()
-        if self.tp_info is not None and self.tp_info.sequence_parallel:
-            from parallel.tensor_parallel import sync_sequence_parallel_grads
-
-            sync_sequence_parallel_grads(self.model, self.mesh.group("tp"))
-        if self.tied_group is not None and self.model.shared is not None:
-            w = self.model.shared.weight
-            if w.grad is None:
-                w.grad = torch.zeros_like(w)
-            dist.all_reduce(w.grad, group=self.tied_group)
-
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """Global grad norm over the whole mesh; scales grads so it is at most `max_norm` (if > 0).
-
-        Each logical parameter counts once: `grad_norm_sq` sums tp shards over tp and
-        counts tp-replicated parameters once; the pp sum skips the tied embedding's
-        copies after the first stage holding it; dp replicas hold equal gradients after
-        the reduce, so no dp sum is needed.
-        """
-        from parallel.tensor_parallel import grad_norm_sq
-
-        tied_copy = self.mesh.pp_rank != self.tied_ranks[0]
-        params = [p for n, p in self.named_params().items() if not (n == "shared.weight" and tied_copy)]
-        sq = grad_norm_sq(params, self.mesh.group("tp"))
-        if self.mesh.size("pp") > 1:
-            dist.all_reduce(sq, group=self.mesh.group("pp"))
-        norm = math.sqrt(float(sq))
-        if max_norm > 0 and norm > max_norm:
-            coef = max_norm / (norm + 1e-6)
-            for p in self.params():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return norm
 
     def to_logical(self, name: str, tensor: Tensor) -> Tensor:
         """The tensor (a parameter or its optimizer state) as DCP should see it: single-device
@@ -251,15 +216,12 @@ class ParallelModel:
             return 0.0, 0
         batches = self._prepare(batches)
         actions = forward_only(self.plan.p, len(batches), self.plan.v)[self.mesh.pp_rank]
-        executor = PipelineExecutor(
-            self.stages, actions, self.topo, self.loss_fn, autocast_dtype=self.autocast_dtype
-        )
-        res = executor.run_flush(batches, 1.0, last_flush=False)
-        return res.loss_sum, res.num_tokens
+        res = self._executor(actions, grads=None).run_flush(batches, 1.0, last_flush=False, timed=False)
+        return (0.0 if res.loss_sum is None else float(res.loss_sum)), res.num_tokens
 
 
 def default_loss_fn(label_smoothing: float) -> LossFn:
-    def loss_fn(logits: Tensor, labels: Tensor) -> tuple[Tensor, int]:
+    def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
         return cross_entropy_sum(logits, labels, label_smoothing)
 
     return loss_fn
@@ -278,6 +240,7 @@ def build_parallel_model(
     sequence_parallel: bool = False,
     before_tp: Callable[[M2M100Translation], None] | None = None,
     dp_sharding: str = "none",
+    saved_tensor_meter: bool = False,
 ) -> ParallelModel:
     """Apply pipeline split, tensor parallelism and remat to `model` (in place) for this rank.
 
@@ -289,6 +252,8 @@ def build_parallel_model(
         remat: activation_checkpointing policy.
         label_smoothing: epsilon of the loss.
         dp_sharding: "none" or "zero1" (optimizer state sharded over dp).
+        saved_tensor_meter: measure activation memory with saved-tensor hooks even on
+            CUDA (a profiling switch; CPUs always use them).
     """
     p = mesh.size("pp")
     plan = make_plan(model.blocks, balance, p, v, m, schedule)
@@ -302,7 +267,7 @@ def build_parallel_model(
 
         tp_info = apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=sequence_parallel)
 
-        def loss_fn(logits: Tensor, labels: Tensor) -> tuple[Tensor, int]:
+        def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
             return tp_info.loss(logits, labels, label_smoothing)
 
     apply_remat(model, remat)
@@ -315,4 +280,5 @@ def build_parallel_model(
         tp_info=tp_info,
         dp_sharding=dp_sharding,
         remat_stage=remat == "stage",
+        saved_tensor_meter=saved_tensor_meter,
     )

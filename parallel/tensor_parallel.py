@@ -608,8 +608,8 @@ def vocab_parallel_cross_entropy(
     vocab_size_real: int,
     label_smoothing: float = 0.0,
     ignore_index: int = IGNORE_INDEX,
-) -> tuple[Tensor, int]:
-    """Sum of token cross-entropies from this rank's logit shard, and the token count.
+) -> Tensor:
+    """Sum of token cross-entropies from this rank's logit shard.
 
     Same convention as `models.m2m100.cross_entropy_sum` (and `F.cross_entropy(...,
     reduction="sum", label_smoothing=eps)` on the full logits), without gathering
@@ -626,14 +626,13 @@ def vocab_parallel_cross_entropy(
         ignore_index: label value that carries no loss.
 
     Returns:
-        (loss_sum, n_tokens): a scalar fp32 tensor (identical on all tp ranks) and an int.
+        The loss sum: a scalar fp32 tensor, identical on all tp ranks (the token
+        count is a host number: `Seq2SeqBatch.num_tokens`).
     """
     flat = local_logits.reshape(-1, local_logits.shape[-1])
-    target = labels.reshape(-1)
-    loss = _VocabParallelCrossEntropy.apply(
-        flat, target, tp_group, vocab_start, vocab_size_real, float(label_smoothing), ignore_index
+    return _VocabParallelCrossEntropy.apply(  # type: ignore[no-any-return]
+        flat, labels.reshape(-1), tp_group, vocab_start, vocab_size_real, float(label_smoothing), ignore_index
     )
-    return loss, int((target != ignore_index).sum().item())
 
 
 def gather_logits(local_logits: Tensor, tp_group: ProcessGroup, vocab_size_real: int) -> Tensor:
@@ -666,8 +665,8 @@ class TensorParallelInfo:
     vocab_end: int
     sequence_parallel: bool = False
 
-    def loss(self, local_logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> tuple[Tensor, int]:
-        """`vocab_parallel_cross_entropy` with this rank's vocab slice: (loss_sum, n_tokens)."""
+    def loss(self, local_logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> Tensor:
+        """`vocab_parallel_cross_entropy` with this rank's vocab slice: the loss sum."""
         return vocab_parallel_cross_entropy(
             local_logits, labels, self.group, self.vocab_start, self.vocab_size, label_smoothing
         )

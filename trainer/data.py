@@ -406,7 +406,7 @@ def collate(input_ids: Sequence[Sequence[int]], labels: Sequence[Sequence[int]],
         mask[i, : len(x)] = 1
         lab[i, : len(y)] = torch.tensor(y)
         dec[i, : len(y)] = torch.tensor([decoder_start_id, *y[:-1]])
-    return Seq2SeqBatch(src, mask, dec, lab)
+    return Seq2SeqBatch(src, mask, dec, lab, tuple(map(len, input_ids)), tuple(map(len, labels)))
 
 
 # ============================================================================ global batches
@@ -461,6 +461,7 @@ class GlobalBatch:
     epoch: int
     slots: list[np.ndarray]
     num_tokens: int  # target tokens with a loss in the whole global batch (the loss normaliser)
+    num_src_tokens: int  # source tokens in the whole global batch
     layout: BatchLayout
     fetch: Callable[[np.ndarray], Seq2SeqBatch] = field(repr=False)
 
@@ -542,8 +543,8 @@ class GlobalBatchSampler:
         """
         self.train, self.layout, self.seed = train, layout, seed
         self.pad_id, self.decoder_start_id = pad_id, decoder_start_id
-        self.tgt_len = _column(train, "tgt_len")
-        self.lengths = np.maximum(_column(train, "src_len"), self.tgt_len)  # padded cost per row
+        self.src_len, self.tgt_len = _column(train, "src_len"), _column(train, "tgt_len")
+        self.lengths = np.maximum(self.src_len, self.tgt_len)  # padded cost per row
         self._check_size()
         self.epoch, self.position, self.step = 0, 0, 0
         self._plan: list[list[np.ndarray]] | None = None
@@ -596,7 +597,8 @@ class GlobalBatchSampler:
             self.epoch, self.position, self._plan = self.epoch + 1, 0, self.epoch_plan(self.epoch + 1)
         slots = self._plan[self.position]
         num_tokens = int(sum(int(self.tgt_len[s].sum()) for s in slots))
-        batch = GlobalBatch(self.step, self.epoch, slots, num_tokens, self.layout, self._fetch)
+        num_src = int(sum(int(self.src_len[s].sum()) for s in slots))
+        batch = GlobalBatch(self.step, self.epoch, slots, num_tokens, num_src, self.layout, self._fetch)
         self.position += 1
         self.step += 1
         return batch

@@ -5,11 +5,14 @@ One optimizer step:
     gb = next(sampler)                        same on every rank (data + seed only)
     flushes = gb.shard(dp_rank)               [gradient_accumulation_steps][num_microbatches]
     pm.train_step(flushes, 1 / gb.num_tokens) pipeline executor; dp + tied reduce at the last GR
-    grad_norm = pm.clip_grad_norm_(max_norm)  over the whole mesh, each parameter once
+    grad_norm = pm.grads.clip_(max_norm)      over the whole mesh, each parameter once
     optimizer.step(); scheduler.step()
 
-The loss reported is the mean token loss of the global batch: the last stage's
-loss sums, summed over dp, over the global token count.
+Nothing in a step reads the device: the loss sum and the grad norm stay device
+tensors, token counts are host numbers from the sampler. `LogWindow` adds the
+steps between two log points up and reads the device once per logged step: the
+loss logged is the mean token loss over the window's global batches (the last
+stage's loss sums, summed over dp, over the window's token count).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from parallel.executor import FlushResult
 from parallel.parallelize import ParallelModel
@@ -30,7 +33,11 @@ from trainer.config import TrainingArguments
 def build_optimizer(
     model: nn.Module, args: TrainingArguments, only: list[nn.Parameter] | None = None
 ) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not on biases, layer norms); `only`: ZeRO-1 share."""
+    """AdamW with weight decay on matrices only (not on biases, layer norms); `only`: ZeRO-1 share.
+
+    Fused (one kernel for all parameters) on CUDA, foreach (a few multi-tensor kernels)
+    elsewhere: the same update as the per-parameter loop, without a launch per tensor.
+    """
     keep = None if only is None else {id(p) for p in only}
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
@@ -39,12 +46,14 @@ def build_optimizer(
             continue
         (no_decay if p.dim() < 2 or "layer_norm" in name else decay).append(p)
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    on_cuda = any(p.is_cuda for p in decay + no_decay)
     return torch.optim.AdamW(
         groups,
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
-        foreach=False,
+        fused=on_cuda or None,
+        foreach=None if on_cuda else True,
     )
 
 
@@ -62,12 +71,11 @@ def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments) -
 @dataclass
 class StepStats:
     step: int
-    loss: float  # mean token loss of the global batch (valid on last-stage ranks)
-    grad_norm: float
+    loss_sum: Tensor | None  # this replica's sum of token losses (device; last-stage ranks)
+    grad_norm: Tensor  # global grad norm before clipping (device scalar)
     lr: float
-    num_tokens: int
-    num_src_tokens: int
-    step_time_s: float
+    num_tokens: int  # target tokens of the global batch (host)
+    num_src_tokens: int  # source tokens of the global batch (host)
     flushes: list[FlushResult] = field(default_factory=list)
 
 
@@ -79,41 +87,89 @@ def train_step(
     dp_rank: int,
     max_grad_norm: float,
     step: int,
-    sync_for_timing: bool = False,
+    timed: bool = False,
 ) -> StepStats:
-    """One optimizer step on `global_batch` (collective over the whole mesh)."""
+    """One optimizer step on `global_batch` (collective over the whole mesh).
+
+    `timed` marks the clock around every pipeline action and starts with a barrier
+    (a common start, so per-rank wall times measure the pipeline, not skew).
+    """
     flushes = global_batch.shard(dp_rank)
-    src_tokens = sum(int(mb.attention_mask.sum()) for f in flushes for mb in f)
-    if sync_for_timing and dist.is_initialized():
-        dist.barrier()  # a common start, so per-rank wall times measure the pipeline, not skew
-    t0 = time.perf_counter()
-    results = pm.train_step(flushes, loss_scale=1.0 / global_batch.num_tokens)
-    grad_norm = pm.clip_grad_norm_(max_grad_norm)
+    if timed and dist.is_initialized():
+        dist.barrier()
+    results = pm.train_step(flushes, loss_scale=1.0 / global_batch.num_tokens, timed=timed)
+    grad_norm = pm.grads.clip_(max_grad_norm)
     optimizer.step()
     pm.after_optimizer_step()
     scheduler.step()
     pm.model.zero_grad(set_to_none=True)  # all grads: a ZeRO-1 optimizer holds only its share
-    step_time = time.perf_counter() - t0
-    loss_sum = sum(r.loss_sum for r in results)
-    loss_sum, src_tokens = _sum_over_dp(pm, loss_sum, src_tokens)
+    sums = [r.loss_sum for r in results if r.loss_sum is not None]
     return StepStats(
         step,
-        loss_sum / global_batch.num_tokens,
+        torch.stack(sums).sum() if sums else None,
         grad_norm,
         scheduler.get_last_lr()[0],
         global_batch.num_tokens,
-        src_tokens,
-        step_time,
+        global_batch.num_src_tokens,
         results,
     )
 
 
-def _sum_over_dp(pm: ParallelModel, loss_sum: float, src_tokens: int) -> tuple[float, int]:
-    if pm.mesh.size("dp") == 1:
-        return loss_sum, src_tokens
-    t = torch.tensor([loss_sum, float(src_tokens)], dtype=torch.float64)
-    dist.all_reduce(t, group=pm.mesh.group("dp"))
-    return float(t[0]), int(t[1])
+class LogWindow:
+    """The steps since the last log point, summed on the device and read once when logged.
+
+    Time is the host's time inside the window's steps plus the wait for the device
+    at the read: the host runs ahead of the device by at most its launch queue, and
+    the read drains it, so the sum is the window's device-true wall time without
+    the evaluation and checkpoint time between steps.
+
+    Args:
+        pm: the parallel model (its device and dp group).
+        peak_flops: the whole mesh's peak FLOP/s (per-device peak x world size), for MFU;
+            None where no peak is known (CPUs).
+    """
+
+    def __init__(self, pm: ParallelModel, peak_flops: float | None = None) -> None:
+        self.pm, self.peak_flops = pm, peak_flops
+        self.total_tokens, self.total_s = 0, 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.steps, self.tokens, self.src_tokens, self.flops, self.seconds = 0, 0, 0, 0.0, 0.0
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.pm.device)
+
+    def add(self, st: StepStats, seconds: float, flops: float = 0.0) -> None:
+        """Count step `st`, which took `seconds` of host time and `flops` model FLOPs."""
+        self.steps += 1
+        self.tokens += st.num_tokens
+        self.src_tokens += st.num_src_tokens
+        self.flops += flops
+        self.seconds += seconds
+        if st.loss_sum is not None:
+            self.loss_sum += st.loss_sum
+
+    def read(self, st: StepStats) -> dict[str, float]:
+        """Collective over dp: the window's averages and `st`'s grad norm, in one device read."""
+        start = time.perf_counter()
+        loss_sum = self.loss_sum
+        if self.pm.mesh.size("dp") > 1:
+            dist.all_reduce(loss_sum, group=self.pm.mesh.group("dp"))
+        loss, grad_norm = torch.stack([loss_sum, st.grad_norm.float()]).tolist()  # the one sync
+        wall = self.seconds + time.perf_counter() - start
+        tokens = self.tokens + self.src_tokens
+        self.total_tokens += tokens
+        self.total_s += wall
+        row = {
+            "loss": loss / max(self.tokens, 1),
+            "grad_norm": grad_norm,
+            "tokens_per_sec": tokens / wall,
+            "step_time_s": wall / max(self.steps, 1),
+            "num_tokens": float(self.tokens),
+        }
+        if self.peak_flops:
+            row["mfu"] = self.flops / wall / self.peak_flops
+        self._reset()
+        return row
 
 
 def bubble_stats(pm: ParallelModel, flushes: list[FlushResult]) -> dict[str, float]:

@@ -39,7 +39,7 @@ from trainer.data import (
     training_texts,
 )
 from trainer.evaluation_runner import Evaluator
-from trainer.loop import bubble_stats, build_optimizer, build_scheduler, train_step
+from trainer.loop import LogWindow, bubble_stats, build_optimizer, build_scheduler, train_step
 from trainer.partitioning import choose_balance
 from trainer.timeline import write_timeline
 from trainer.tokenizer import Tokenizer, load_or_train_tokenizer
@@ -308,12 +308,14 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         tracker.log({"step": step, **before})
         summary["before"] = before
     pm.model.train()
-    tokens_seen, time_in_steps, bubbles = 0, 0.0, []
+    bubbles = []
     timeline_step = min(cfg.training.max_steps, max(2, cfg.training.logging_steps))
+    window = LogWindow(pm)
     while step < cfg.training.max_steps:
         step += 1
         log_now = step % cfg.training.logging_steps == 0 or step == cfg.training.max_steps
         gb = next(sampler)
+        t_step = time.perf_counter()
         st = train_step(
             pm,
             optimizer,
@@ -322,20 +324,15 @@ def run(cfg: JobConfig) -> dict[str, Any]:
             mesh.dp_rank,
             cfg.training.max_grad_norm,
             step,
-            sync_for_timing=log_now,
+            timed=log_now or step == timeline_step,
         )
-        tokens_seen += st.num_tokens + st.num_src_tokens
-        time_in_steps += st.step_time_s
+        window.add(st, time.perf_counter() - t_step)
         tracker.advance()
         if log_now:
             row = {
                 "step": step,
-                "loss": st.loss,
                 "lr": st.lr,
-                "grad_norm": st.grad_norm,
-                "tokens_per_sec": (st.num_tokens + st.num_src_tokens) / st.step_time_s,
-                "step_time_s": st.step_time_s,
-                "num_tokens": st.num_tokens,
+                **window.read(st),
                 "epoch": gb.epoch,
                 **bubble_stats(pm, st.flushes),
             }
@@ -365,7 +362,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
             "after": after,
             "steps": step,
             "wall_time_s": time.perf_counter() - t_start,
-            "tokens_per_sec": tokens_seen / time_in_steps if time_in_steps else 0.0,
+            "tokens_per_sec": window.total_tokens / window.total_s if window.total_s else 0.0,
             "bubble_fraction": float(np.mean(bubbles)) if bubbles else None,
             "timeline_png": str(out / "timeline.png") if dims.pp > 1 else None,
             "timeline_trace": str(out / "timeline_trace.json") if dims.pp > 1 else None,

@@ -142,4 +142,4 @@ def dp_overlap(rank: int, world: int, pp: int, schedule: str) -> tuple[int, floa
     share = batch.select(slice(mesh.dp_rank * 8 // dp, (mesh.dp_rank + 1) * 8 // dp))
     pm.train_step([share.split(2)], loss_scale=1.0 / batch.num_tokens())
     got = {k: p.grad for k, p in pm.named_params().items()}
-    return pm.reducer.launched_during_backward, grad_errors(got, ref)[0]
+    return pm.grads.reducer.launched_during_backward, grad_errors(got, ref)[0]

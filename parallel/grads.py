@@ -1,0 +1,121 @@
+"""A step's gradient work, in one place: what happens to `.grad` between the last
+backward of an optimizer step and the optimizer.
+
+    last flush of the step
+      B (final backward of each stage)   arm(stage): dp buckets launch as their grads finish
+      GR                                 reduce(): dp sum (waits for the buckets), then the
+                                         sequence-parallel sum over tp, then the tied
+                                         embedding's sum across the stages holding it
+    after the flush
+      clip_(max_norm)                    global norm over the whole mesh, grads scaled
+
+Order matters in one place only: overlapped dp buckets are copied back into
+`.grad` when they finish, so the sums over other axes (tp for sequence-parallel
+norms, pp for the tied embedding) follow the dp reduce. Sums over different axes
+commute, so the result equals summing in any order.
+
+Nothing here reads a device value on the host: the norm is a device scalar, the
+clip coefficient `min(1, max_norm / (norm + 1e-6))` a device scalar applied with
+one foreach multiply (as `torch.nn.utils.clip_grad_norm_` does), and the norm is
+read by the trainer only when it logs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from parallel.data_parallel import GradReducer
+from parallel.mesh import ParallelMesh
+from parallel.tensor_parallel import is_tp_sharded, sync_sequence_parallel_grads
+
+
+class StepGradients:
+    """Gradient reduction and clipping for this rank's stages.
+
+    Args:
+        model: this rank's (pruned, tp-sharded) model.
+        stage_params: parameters of each of this rank's stages, in stage order.
+        mesh: the (pp, dp, tp) mesh.
+        tied_ranks: pp ranks whose stages use the tied embedding (first, tgt_embed, last).
+        sequence_parallel: whether replicated norms see sequence-split activations.
+        overlap_dp: launch dp buckets during the final backward (off for zero bubble,
+            whose deferred weight grads bypass the hooks).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        stage_params: Sequence[Sequence[nn.Parameter]],
+        mesh: ParallelMesh,
+        tied_ranks: Sequence[int],
+        sequence_parallel: bool = False,
+        overlap_dp: bool = True,
+    ) -> None:
+        self.model, self.mesh, self.sequence_parallel = model, mesh, sequence_parallel
+        self.shared: nn.Parameter | None = getattr(getattr(model, "shared", None), "weight", None)
+        self.reducer = GradReducer(
+            stage_params,
+            mesh.group("dp") if mesh.size("dp") > 1 else None,
+            overlap=overlap_dp,
+            exclude=[self.shared] if self.shared is not None else [],
+        )
+        self.tied_ranks = list(tied_ranks)
+        self.tied_group = mesh.pp_subgroup(self.tied_ranks) if len(self.tied_ranks) > 1 else None
+
+    def arm(self, stage_slot: int) -> None:
+        """The next backward is the step's last one of this rank's `stage_slot`-th stage."""
+        self.reducer.arm(stage_slot)
+
+    def reduce(self) -> None:
+        """At GR of the step's last flush: dp, then sequence-parallel tp, then tied-embedding sums."""
+        self.reducer.all_reduce()
+        if self.sequence_parallel:
+            sync_sequence_parallel_grads(self.model, self.mesh.group("tp"))
+        if self.tied_group is not None and self.shared is not None:
+            if self.shared.grad is None:
+                self.shared.grad = torch.zeros_like(self.shared)
+            dist.all_reduce(self.shared.grad, group=self.tied_group)
+
+    def norm(self) -> Tensor:
+        """Global L2 norm of the gradients (a device scalar; collective over tp and pp).
+
+        Each logical parameter counts once: tp shards are summed over tp, tp-replicated
+        parameters counted once, the tied embedding only on the first pp rank holding
+        it; dp replicas hold equal gradients after the reduce, so no dp sum.
+        """
+        tied_copy = self.shared is not None and self.mesh.pp_rank != self.tied_ranks[0]
+        sharded: list[Tensor] = []
+        replicated: list[Tensor] = []
+        for p in self.model.parameters():
+            if p.grad is None or (tied_copy and p is self.shared):
+                continue
+            (sharded if is_tp_sharded(p) else replicated).append(p.grad)
+        device = next(self.model.parameters()).device
+        sq_sharded, sq_replicated = _sum_sq(sharded, device), _sum_sq(replicated, device)
+        if self.mesh.size("tp") > 1:
+            dist.all_reduce(sq_sharded, group=self.mesh.group("tp"))
+        total = sq_sharded + sq_replicated
+        if self.mesh.size("pp") > 1:
+            dist.all_reduce(total, group=self.mesh.group("pp"))
+        return total.sqrt()
+
+    def clip_(self, max_norm: float) -> Tensor:
+        """Scale every gradient so the global norm is at most `max_norm` (if > 0); returns the norm."""
+        norm = self.norm()
+        if max_norm > 0:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coef)
+        return norm
+
+
+def _sum_sq(grads: list[Tensor], device: torch.device) -> Tensor:
+    """Sum of squares of all elements of `grads`, in fp32 (one foreach kernel per dtype group)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(grads)
+    return torch.stack([n.float() for n in norms]).square().sum()
