@@ -1,6 +1,6 @@
 """The pipeline executor: walks one rank's action list, never deciding the order itself.
 
-    for action in schedule[rank]:           (built by parallel.schedule, validated there)
+    for action in schedule[rank]:           (built by parallel.schedule, checked by parallel.validate)
         F  s.mb   forward stage s on micro-batch mb; the last stage also computes the loss
         B  s.mb   backward through stage s (input and weight grads)
         I  s.mb   input grads only; linear weight grads are deferred (zero bubble)

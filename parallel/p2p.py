@@ -2,7 +2,7 @@
 
 The executor hands over each maximal run of consecutive comm actions of its
 schedule; they are posted together with `batch_isend_irecv` and waited on, which
-is the semantics `parallel.schedule.validate_schedule` proves deadlock-free.
+is the semantics `parallel.validate.validate_schedule` proves deadlock-free.
 Neighbours are ring neighbours on the pp axis (stage s on pp rank s % p), given
 as global ranks so the default process group carries the messages.
 """

@@ -3,7 +3,9 @@
 This module owns the *prediction* side of pipeline performance. It walks the
 same per-rank action lists the executor runs (``parallel/schedule.py``), with
 per-stage costs (measured or assumed) instead of real work, so a schedule's
-bubble and memory can be compared with the theory and with measured runs.
+bubble and memory can be compared with the theory and with measured runs. The
+walk itself is ``parallel.validate.walk_ranks``, the one the deadlock check
+uses; this module adds only clocks and when a batch completes.
 Pure Python: no torch.
 
 Timing model:
@@ -25,15 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from parallel.schedule import (
-    INPUT_GRAD_TYPES,
-    Action,
-    ActionType,
-    ScheduleError,
-    comm_batches,
-    is_send,
-    peer_action,
-)
+from parallel.schedule import INPUT_GRAD_TYPES, Action, ActionType, ScheduleError
+from parallel.validate import is_send, peer_action, walk_ranks
 
 # p: pipeline ranks, m: micro-batches, v: virtual stages per rank, n: stages (n = p * v)
 
@@ -161,33 +156,27 @@ def _check_costs(costs: StageCosts, n: int) -> None:
 
 
 def _run(schedule: Sequence[Sequence[Action]], costs: StageCosts, rendezvous: bool) -> list[TimelineEvent]:
-    """Advance every rank as far as the posted peer ops allow, until all finish."""
-    batch_end = [dict(comm_batches(actions)) for actions in schedule]
+    """Advance every rank as far as the posted peer ops allow (`walk_ranks`), until all finish."""
     clock = [0.0] * len(schedule)
-    pc = [0] * len(schedule)
     posted: dict[Action, float] = {}  # comm op -> time its rank posted it
     timeline: list[TimelineEvent] = []
-    progress = True
-    while progress:
-        progress = False
-        for rank, actions in enumerate(schedule):
-            while pc[rank] < len(actions):
-                end = batch_end[rank].get(pc[rank])
-                if end is None:
-                    action = actions[pc[rank]]
-                    finish = clock[rank] + costs.compute_time(action)
-                    timeline.append(TimelineEvent(rank, action, clock[rank], finish))
-                    clock[rank], pc[rank] = finish, pc[rank] + 1
-                else:
-                    batch = actions[pc[rank] : end]
-                    for op in batch:
-                        posted.setdefault(op, clock[rank])
-                    done = _batch_done(batch, posted, costs.link, rendezvous)
-                    if done is None:
-                        break
-                    timeline += [TimelineEvent(rank, op, posted[op], done) for op in batch]
-                    clock[rank], pc[rank] = done, end
-                progress = True
+
+    def compute(rank: int, action: Action) -> None:
+        finish = clock[rank] + costs.compute_time(action)
+        timeline.append(TimelineEvent(rank, action, clock[rank], finish))
+        clock[rank] = finish
+
+    def try_batch(rank: int, batch: Sequence[Action]) -> bool:
+        for op in batch:
+            posted.setdefault(op, clock[rank])
+        done = _batch_done(batch, posted, costs.link, rendezvous)
+        if done is None:
+            return False
+        timeline.extend(TimelineEvent(rank, op, posted[op], done) for op in batch)
+        clock[rank] = done
+        return True
+
+    pc = walk_ranks(schedule, compute, try_batch)
     stuck = [f"rank {r} at {actions[pc[r]]}" for r, actions in enumerate(schedule) if pc[r] < len(actions)]
     if stuck:
         raise ScheduleError(f"schedule deadlocks in simulation: {', '.join(stuck)}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from parallel.schedule import (
@@ -11,12 +13,10 @@ from parallel.schedule import (
     ActionType,
     ScheduleError,
     build_schedule,
-    compute_order,
-    format_schedule,
     rank_stages,
     stage_to_rank,
-    validate_schedule,
 )
+from parallel.validate import compute_order, format_schedule, peer_action, validate_schedule, walk_ranks
 
 # p: pipeline ranks, m: micro-batches, v: virtual stages per rank
 
@@ -273,6 +273,30 @@ def test_recv_before_send_in_separate_batches_deadlocks() -> None:
     broken = parse("F0.0 RB0.0 B0.0 SF0.0 GR", "RF1.0 F1.0 B1.0 SB1.0 GR")
     with pytest.raises(ScheduleError, match=r"deadlock.*rank 0 .* waiting for SB1.0 on rank 1; rank 1 .*"):
         validate_schedule(broken, 2, 1)
+
+
+def test_walk_ranks_retries_a_refused_batch_and_reports_where_ranks_stop() -> None:
+    # The walk the deadlock check and the simulator share: rank 0's [SF0.0] is
+    # refused on the first sweep (RF1.0 not posted yet) and passes on the next.
+    posted: set[Action] = set()
+    events: list[str] = []
+
+    def try_batch(rank: int, batch: Sequence[Action]) -> bool:
+        posted.update(batch)
+        events.append(f"try {rank} " + " ".join(map(str, batch)))
+        return all(peer_action(a) in posted for a in batch)
+
+    def on_compute(rank: int, action: Action) -> None:
+        events.append(f"run {rank} {action}")
+
+    stop = walk_ranks(parse("F0.0 SF0.0 GR", "RF1.0 F1.0 GR"), on_compute, try_batch)
+    assert stop == [3, 3]
+    assert events == [
+        "run 0 F0.0", "try 0 SF0.0", "try 1 RF1.0", "run 1 F1.0", "run 1 GR", "try 0 SF0.0", "run 0 GR",
+    ]  # fmt: skip
+    posted.clear()
+    deadlocked = parse("F0.0 RB0.0 B0.0 SF0.0 GR", "RF1.0 F1.0 B1.0 SB1.0 GR")
+    assert walk_ranks(deadlocked, on_compute, try_batch) == [1, 0]  # each stuck at its first batch
 
 
 def test_pair_order_mismatch_inside_a_batch() -> None:

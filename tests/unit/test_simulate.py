@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from parallel.schedule import ActionType, ScheduleError, build_schedule, validate_schedule
+from parallel.schedule import ActionType, ScheduleError, build_schedule
 from parallel.simulate import SimResult, StageCosts, bubble_theory, simulate
+from parallel.validate import validate_schedule
 
 # p: pipeline ranks, m: micro-batches, v: virtual stages per rank
 
