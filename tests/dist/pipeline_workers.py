@@ -143,3 +143,31 @@ def dp_overlap(rank: int, world: int, pp: int, schedule: str) -> tuple[int, floa
     pm.train_step([share.split(2)], loss_scale=1.0 / batch.num_tokens())
     got = {k: p.grad for k, p in pm.named_params().items()}
     return pm.grads.reducer.launched_during_backward, grad_errors(got, ref)[0]
+
+
+def host_reads_in_step(rank: int, world: int, meshes: list[tuple[int, int, int, str, bool]]) -> list:
+    """For each (pp, dp, tp, schedule, sequence_parallel): device-to-host reads and aten ops
+    during two timed flushes of 4 micro-batches (gradient accumulation) plus the global
+    norm and clip. On a GPU each read would stall the launch of the next micro-batch."""
+    from parallel.dispatch_count import DispatchCounter
+
+    cfg = ModelConfig(**TINY)
+    out = []
+    for pp, dp, tp, schedule, sp in meshes:
+        torch.manual_seed(0)
+        model = M2M100Translation(cfg)
+        mesh = build_mesh(ParallelDims(pp=pp, dp=dp, tp=tp, world_size=world))
+        v = 2 if schedule == "interleaved_1f1b" else 1
+        balance = uniform_partition(len(model.blocks), pp * v)
+        pm = build_parallel_model(model, mesh, balance, 4, schedule, v, "none", 0.1, sequence_parallel=sp)
+        batch = random_batch(cfg, 8 * dp, seed=4)
+        share = batch.select(slice(mesh.dp_rank * 8, (mesh.dp_rank + 1) * 8))
+        flushes = [share.split(4), share.split(4)]
+        pm.train_step(flushes, loss_scale=1.0 / batch.num_tokens())  # warm-up
+        pm.model.zero_grad(set_to_none=True)
+        with DispatchCounter() as counter:
+            results = pm.train_step(flushes, loss_scale=1.0 / batch.num_tokens(), timed=True)
+            pm.grads.clip_(1.0)
+        assert results[-1].timeline, "a timed flush has a timeline"
+        out.append((pp, dp, tp, schedule, sp, counter.host_reads, counter.num_ops))
+    return out
