@@ -186,7 +186,7 @@ class ParallelModel:
         because overlapped dp buckets are copied back when they finish."""
         self.reducer.all_reduce()
         if self.tp_info is not None and self.tp_info.sequence_parallel:
-            from parallel.tensor_parallel import sync_sequence_parallel_grads
+            from parallel.tp.apply import sync_sequence_parallel_grads
 
             sync_sequence_parallel_grads(self.model, self.mesh.group("tp"))
         if self.tied_group is not None and self.model.shared is not None:
@@ -203,7 +203,7 @@ class ParallelModel:
         copies after the first stage holding it; dp replicas hold equal gradients after
         the reduce, so no dp sum is needed.
         """
-        from parallel.tensor_parallel import grad_norm_sq
+        from parallel.tp.apply import grad_norm_sq
 
         tied_copy = self.mesh.pp_rank != self.tied_ranks[0]
         params = [p for n, p in self.named_params().items() if not (n == "shared.weight" and tied_copy)]
@@ -298,7 +298,7 @@ def build_parallel_model(
     loss_fn = default_loss_fn(label_smoothing)
     tp_info = None
     if mesh.size("tp") > 1:
-        from parallel.tensor_parallel import apply_tensor_parallel
+        from parallel.tp.apply import apply_tensor_parallel
 
         tp_info = apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=sequence_parallel)
 

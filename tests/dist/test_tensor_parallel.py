@@ -26,19 +26,21 @@ from torch import Tensor, nn
 from models.config import ModelConfig
 from models.m2m100 import IGNORE_INDEX, M2M100Translation, Seq2SeqBatch
 from parallel.mesh import ParallelDims, ParallelMesh, build_mesh, rank_to_coords
-from parallel.tensor_parallel import (
+from parallel.tp.apply import (
+    apply_tensor_parallel,
+    gather_full_state_dict,
+    grad_norm_sq,
+    sync_sequence_parallel_grads,
+)
+from parallel.tp.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelLMHead,
-    apply_tensor_parallel,
-    gather_full_state_dict,
-    grad_norm_sq,
     is_sequence_parallel_param,
     is_tp_sharded,
-    sync_sequence_parallel_grads,
-    vocab_parallel_cross_entropy,
 )
+from parallel.tp.loss import vocab_parallel_cross_entropy
 from tests.dist.harness import run_distributed
 
 pytestmark = pytest.mark.dist
@@ -351,7 +353,7 @@ def test_single_process_runs_without_torchrun() -> None:
         from models.config import ModelConfig
         from models.m2m100 import M2M100Translation
         from parallel.mesh import ParallelDims, build_mesh, init_distributed
-        from parallel.tensor_parallel import apply_tensor_parallel
+        from parallel.tp.apply import apply_tensor_parallel
         from tests.dist.test_tensor_parallel import _batch, _tiny_config
         init_distributed(timeout_s=30)
         mesh = build_mesh(ParallelDims(pp=1, dp=-1, tp=1, world_size=1).validate(), "cpu")
