@@ -27,10 +27,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from parallel.data_parallel import GradReducer
 from parallel.mesh import ParallelMesh
-from parallel.tensor_parallel import is_tp_sharded, sync_sequence_parallel_grads
+from parallel.tp.comm import _size
+from parallel.tp.layers import is_sequence_parallel_param, is_tp_sharded
 
 
 class StepGradients:
@@ -88,17 +90,9 @@ class StepGradients:
         it; dp replicas hold equal gradients after the reduce, so no dp sum.
         """
         tied_copy = self.shared is not None and self.mesh.pp_rank != self.tied_ranks[0]
-        sharded: list[Tensor] = []
-        replicated: list[Tensor] = []
-        for p in self.model.parameters():
-            if p.grad is None or (tied_copy and p is self.shared):
-                continue
-            (sharded if is_tp_sharded(p) else replicated).append(p.grad)
-        device = next(self.model.parameters()).device
-        sq_sharded, sq_replicated = _sum_sq(sharded, device), _sum_sq(replicated, device)
-        if self.mesh.size("tp") > 1:
-            dist.all_reduce(sq_sharded, group=self.mesh.group("tp"))
-        total = sq_sharded + sq_replicated
+        params = [p for p in self.model.parameters() if not (tied_copy and p is self.shared)]
+        tp_group = self.mesh.group("tp") if self.mesh.size("tp") > 1 else None
+        total = grad_sq_over_tp(params, tp_group)
         if self.mesh.size("pp") > 1:
             dist.all_reduce(total, group=self.mesh.group("pp"))
         return total.sqrt()
@@ -113,9 +107,39 @@ class StepGradients:
         return norm
 
 
+def grad_sq_over_tp(params: Sequence[nn.Parameter], tp_group: ProcessGroup | None) -> Tensor:
+    """Squared L2 norm of the parameters' gradients over the tp group (an fp32 device scalar,
+    identical on all tp ranks): tp shards summed over ranks, replicated parameters counted once."""
+    sharded = [p.grad for p in params if p.grad is not None and is_tp_sharded(p)]
+    replicated = [p.grad for p in params if p.grad is not None and not is_tp_sharded(p)]
+    device = next(iter(params)).device
+    sq_sharded = _sum_sq(sharded, device)
+    if tp_group is not None and _size(tp_group) > 1:
+        dist.all_reduce(sq_sharded, group=tp_group)
+    return sq_sharded + _sum_sq(replicated, device)
+
+
 def _sum_sq(grads: list[Tensor], device: torch.device) -> Tensor:
-    """Sum of squares of all elements of `grads`, in fp32 (one foreach kernel per dtype group)."""
+    """Sum of squares of all elements of `grads`, in fp32 (foreach: a few kernels for all)."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
     norms = torch._foreach_norm(grads)
     return torch.stack([n.float() for n in norms]).square().sum()
+
+
+def sync_sequence_parallel_grads(model: nn.Module, tp_group: ProcessGroup) -> None:
+    """All-reduce over tp the gradients of replicated parameters used on sequence-split activations.
+
+    Call once per optimizer step, after all backward passes and before the dp
+    reduction / grad-norm; a no-op without sequence parallelism. One flat
+    all-reduce, in `named_parameters` order (identical on all tp ranks).
+    """
+    grads = [p.grad for p in model.parameters() if is_sequence_parallel_param(p) and p.grad is not None]
+    if not grads or _size(tp_group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=tp_group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

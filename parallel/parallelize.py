@@ -263,7 +263,7 @@ def build_parallel_model(
     loss_fn = default_loss_fn(label_smoothing)
     tp_info = None
     if mesh.size("tp") > 1:
-        from parallel.tensor_parallel import apply_tensor_parallel
+        from parallel.tp.apply import apply_tensor_parallel
 
         tp_info = apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=sequence_parallel)
 

@@ -28,7 +28,7 @@ from trainer.tokenizer import Tokenizer
 def gather_full_state(pm: ParallelModel, mesh: ParallelMesh, dst: int) -> dict[str, torch.Tensor] | None:
     """Collective: the single-device state dict on global rank `dst` (None elsewhere)."""
     if mesh.size("tp") > 1:
-        from parallel.tensor_parallel import gather_full_state_dict
+        from parallel.tp.apply import gather_full_state_dict
 
         state = gather_full_state_dict(pm.model, mesh.group("tp"))
     else:
