@@ -56,7 +56,7 @@ def profile_blocks(
             t0 = time.perf_counter()
             out, act = _saved_bytes(functools.partial(model.run_block, spec, dict(inputs), batch))  # type: ignore[assignment]
             if spec.kind is BlockKind.HEAD:
-                loss = cross_entropy_sum(out["logits"], batch.labels)[0]
+                loss = cross_entropy_sum(out["logits"], batch.labels)
                 loss.backward()
             else:
                 tensors = [t for t in out.values() if t.requires_grad]
