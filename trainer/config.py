@@ -221,6 +221,10 @@ class TrainingArguments:
     )
     seed: int = field(default=42, metadata={"help": "Seed for init, data order and dropout."})
     bf16: bool = field(default=False, metadata={"help": "bfloat16 autocast for the forward."})
+    mfu_peak_tflops: float = field(
+        default=0.0,
+        metadata={"help": "Per-device peak TFLOP/s for the logged mfu; 0: from the device table (GPUs)."},
+    )
     generation_num_beams: int = field(default=1, metadata={"help": "Beams for evaluation decoding."})
     generation_max_length: int = field(default=64, metadata={"help": "Longest generated translation."})
     report_to: str = field(default="none", metadata={"help": f"One of {list(REPORT_CHOICES)}."})

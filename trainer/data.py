@@ -603,6 +603,11 @@ class GlobalBatchSampler:
         self.step += 1
         return batch
 
+    def lengths(self, batch: GlobalBatch) -> tuple[np.ndarray, np.ndarray]:
+        """(source, target) token counts of every example of `batch` (host arrays)."""
+        idx = np.concatenate(batch.slots)
+        return self.src_len[idx], self.tgt_len[idx]
+
     def state_dict(self) -> dict[str, Any]:
         """The position to resume from (JSON-serialisable)."""
         return {"epoch": self.epoch, "position": self.position, "step": self.step, "seed": self.seed,

@@ -1,10 +1,15 @@
 """Entry point: `torchrun --nproc-per-node N -m trainer.train --config configs/X.yaml [--field value ...]`.
 
 Also `python -m trainer.train ...` for one process. Wiring only; each piece lives
-in its own module:
+in its own module, and `run` is a short sequence of named steps:
 
-    config -> process group + mesh -> data + tokenizer -> model (HF import) ->
-    partition -> parallelize -> optimizer/scheduler -> resume -> loop (log, eval, save) -> summary
+    main             config -> process group -> run -> tear down
+    setup_run        validate -> output dir -> data + tokenizer -> mesh -> sampler ->
+                     partition -> model (HF import, parallelize) -> optimizer/scheduler
+    resume_state     checkpoint -> model, optimizer, scheduler, sampler; the step
+    build_tracker, build_evaluator, eval before training
+    train_loop       per step: train_step -> log_row -> timeline (once) -> maybe_eval_and_save
+    finish_run       final eval -> checkpoint -> run_summary.json
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +38,7 @@ from trainer.config import ConfigError, JobConfig, parse_config
 from trainer.data import (
     BatchLayout,
     GlobalBatchSampler,
+    TranslationData,
     eval_batches,
     load_raw_datasets,
     run_languages,
@@ -39,7 +46,8 @@ from trainer.data import (
     training_texts,
 )
 from trainer.evaluation_runner import Evaluator
-from trainer.loop import LogWindow, bubble_stats, build_optimizer, build_scheduler, train_step
+from trainer.flops import peak_flops, step_flops
+from trainer.loop import LogWindow, StepStats, bubble_stats, build_optimizer, build_scheduler, train_step
 from trainer.partitioning import choose_balance
 from trainer.timeline import write_timeline
 from trainer.tokenizer import Tokenizer, load_or_train_tokenizer
@@ -196,10 +204,69 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
+@dataclass
+class RunContext:
+    """The pieces `setup_run` builds once; the loop, resume, save and summary read them."""
+
+    cfg: JobConfig
+    dims: ParallelDims
+    mesh: ParallelMesh
+    out: Path
+    tok: Tokenizer
+    data: TranslationData
+    mc: ModelConfig
+    sampler: GlobalBatchSampler
+    balance: list[int]
+    pm: ParallelModel
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    log_rank: int  # the last stage's dp=0/tp=0 rank: it holds the loss and writes the metrics
+    t_start: float  # perf_counter() before data loading; the summary's wall_time_s counts from here
+
+    @property
+    def is_logger(self) -> bool:
+        return dist.get_rank() == self.log_rank
+
+    @property
+    def bubble_theory(self) -> float:
+        p = self.cfg.parallel
+        return bubble_theory(self.dims.pp, p.num_microbatches, p.virtual_stages)
+
+
+@dataclass
+class LoopTotals:
+    """What the training loop hands to the summary."""
+
+    step: int
+    tokens: int = 0  # source + target tokens over all steps
+    time_in_steps: float = 0.0
+    bubbles: list[float] = field(default_factory=list)  # measured bubble_fraction per logged step (pp > 1)
+
+
 def run(cfg: JobConfig) -> dict[str, Any]:
     """Train with an initialised default process group (collective); returns the run summary.
 
     On the logging rank the summary also holds `history`, every row written to metrics.jsonl.
+
+        setup_run -> resume_state -> tracker, evaluator -> [eval before] -> train_loop -> finish_run
+    """
+    ctx = setup_run(cfg)
+    step = resume_state(ctx)
+    tracker = build_tracker(ctx, step)
+    evaluator = build_evaluator(ctx)
+    before: dict[str, Any] | None = None
+    if cfg.training.do_eval and step == 0:
+        before = evaluator.run(step)
+        tracker.log({"step": step, **before})
+    totals = train_loop(ctx, tracker, evaluator, step)
+    return finish_run(ctx, tracker, evaluator, totals, before)
+
+
+def setup_run(cfg: JobConfig) -> RunContext:
+    """Validate, then build data, tokenizer, mesh, sampler, partition, model and optimizer.
+
+    Collective (tokenizer barrier, mesh groups, partition profiling). Rank 0 also writes
+    config.yaml and model_config.json and logs the mesh and partition.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = validate_early(cfg, world)
@@ -220,156 +287,251 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     mc = model_config_for(cfg, tok)
     dims.validate(mc)
     mesh = build_mesh(dims, device.type)
-    layout = BatchLayout(
-        cfg.training.per_device_train_batch_size,
-        cfg.parallel.num_microbatches,
-        cfg.training.gradient_accumulation_steps,
-        dims.dp,
-        cfg.data.max_tokens_per_microbatch,
-    )
-    sampler = GlobalBatchSampler(
-        data.train, layout, cfg.training.seed, tok.pad_id, tok.special_ids()["decoder_start_token_id"]
-    )
+    sampler = build_sampler(cfg, dims.dp, data, tok)
     balance, partition_text = choose_balance(cfg, mc, mesh, sampler, device)
     pm = build_model(cfg, mc, mesh, balance, device)
     optimizer = build_optimizer(pm.model, cfg.training, only=pm.optimizer_params())
     scheduler = build_scheduler(optimizer, cfg.training)
     log_rank = coords_to_rank((dims.pp - 1, 0, 0), dims.shape)
-    is_logger = rank == log_rank
     if rank == 0:
-        cfg.save(out / "config.yaml")
-        (out / "model_config.json").write_text(json.dumps(mc.to_dict(), indent=1))
-        logger.info(
-            "mesh pp=%d dp=%d tp=%d, schedule %s (v=%d), remat %s\n%s",
-            dims.pp,
-            dims.dp,
-            dims.tp,
-            cfg.parallel.pipeline_schedule,
-            cfg.parallel.virtual_stages,
-            cfg.parallel.activation_checkpointing,
-            partition_text,
-        )
-        logger.info("model: %.2fM parameters; data skipped: %s", mc.num_parameters() / 1e6, data.skipped)
+        record_setup(cfg, out, dims, mc, partition_text, data.skipped)
+    return RunContext(
+        cfg=cfg,
+        dims=dims,
+        mesh=mesh,
+        out=out,
+        tok=tok,
+        data=data,
+        mc=mc,
+        sampler=sampler,
+        balance=balance,
+        pm=pm,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        log_rank=log_rank,
+        t_start=t_start,
+    )
 
-    step = 0
-    resume = ckpt.resolve_resume(cfg.training.resume_from_checkpoint, out)
-    if resume is not None:
-        state = ckpt.load_checkpoint(
-            resume,
-            [pm.model],
-            optimizer,
-            to_logical=pm.to_logical,
-            restore_rng=state_mesh_matches(resume, dims),
-        )
-        scheduler.load_state_dict(state["scheduler"])
-        # The optimizer's param groups carry the lr of the *next* step; DCP restored only tensors.
-        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-            group["lr"] = lr
-        sampler.load_state_dict(state["data"])
-        step = int(state["step"])
-        logger.info("resumed from %s at step %d", resume, step)
 
+def build_sampler(cfg: JobConfig, dp: int, data: TranslationData, tok: Tokenizer) -> GlobalBatchSampler:
+    """The seeded, resumable sampler of global batches, cut into m * g * dp slots."""
+    layout = BatchLayout(
+        cfg.training.per_device_train_batch_size,
+        cfg.parallel.num_microbatches,
+        cfg.training.gradient_accumulation_steps,
+        dp,
+        cfg.data.max_tokens_per_microbatch,
+    )
+    return GlobalBatchSampler(
+        data.train, layout, cfg.training.seed, tok.pad_id, tok.special_ids()["decoder_start_token_id"]
+    )
+
+
+def record_setup(
+    cfg: JobConfig,
+    out: Path,
+    dims: ParallelDims,
+    mc: ModelConfig,
+    partition_text: str,
+    skipped: dict[str, dict[str, int]],
+) -> None:
+    """Rank 0: config.yaml and model_config.json into output_dir; mesh, partition and size to the log."""
+    cfg.save(out / "config.yaml")
+    (out / "model_config.json").write_text(json.dumps(mc.to_dict(), indent=1))
+    logger.info(
+        "mesh pp=%d dp=%d tp=%d, schedule %s (v=%d), remat %s\n%s",
+        dims.pp,
+        dims.dp,
+        dims.tp,
+        cfg.parallel.pipeline_schedule,
+        cfg.parallel.virtual_stages,
+        cfg.parallel.activation_checkpointing,
+        partition_text,
+    )
+    logger.info("model: %.2fM parameters; data skipped: %s", mc.num_parameters() / 1e6, skipped)
+
+
+def resume_state(ctx: RunContext) -> int:
+    """Restore model, optimizer, scheduler and sampler from `resume_from_checkpoint`.
+
+    Returns:
+        The step to continue from: the checkpoint's, or 0 when there is nothing to resume.
+    """
+    resume = ckpt.resolve_resume(ctx.cfg.training.resume_from_checkpoint, ctx.out)
+    if resume is None:
+        return 0
+    state = ckpt.load_checkpoint(
+        resume,
+        [ctx.pm.model],
+        ctx.optimizer,
+        to_logical=ctx.pm.to_logical,
+        restore_rng=state_mesh_matches(resume, ctx.dims),
+    )
+    ctx.scheduler.load_state_dict(state["scheduler"])
+    # The optimizer's param groups carry the lr of the *next* step; DCP restored only tensors.
+    for group, lr in zip(ctx.optimizer.param_groups, ctx.scheduler.get_last_lr()):
+        group["lr"] = lr
+    ctx.sampler.load_state_dict(state["data"])
+    step = int(state["step"])
+    logger.info("resumed from %s at step %d", resume, step)
+    return step
+
+
+def build_tracker(ctx: RunContext, step: int) -> Tracker:
+    """metrics.jsonl / W&B / progress bar, enabled on the logging rank only; the bar starts at `step`."""
+    args = ctx.cfg.training
     run_config = {
-        **cfg.to_dict(),
-        "mesh": {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp},
-        "partition": balance,
-        "num_parameters": mc.num_parameters(),
+        **ctx.cfg.to_dict(),
+        "mesh": mesh_sizes(ctx.dims),
+        "partition": ctx.balance,
+        "num_parameters": ctx.mc.num_parameters(),
     }
-    tracker = Tracker(
-        str(out),
-        is_logger,
-        cfg.training.report_to,
-        cfg.training.run_name,
-        cfg.training.wandb_project,
+    return Tracker(
+        str(ctx.out),
+        ctx.is_logger,
+        args.report_to,
+        args.run_name,
+        args.wandb_project,
         run_config,
-        cfg.training.max_steps,
-        cfg.training.disable_tqdm,
+        args.max_steps,
+        args.disable_tqdm,
         initial_step=step,
     )
-    evaluator = Evaluator(
-        pm,
-        mesh,
-        tok,
-        eval_batches(data, tok, cfg.training.per_device_eval_batch_size),
-        cfg.training,
-        log_rank,
-        mc,
-    )
-    v = cfg.parallel.virtual_stages
-    theory = bubble_theory(dims.pp, cfg.parallel.num_microbatches, v)
-    summary: dict[str, Any] = {
-        "mesh": run_config["mesh"],
-        "partition": balance,
-        "bubble_fraction_theory": theory,
-    }
 
-    if cfg.training.do_eval and step == 0:
-        before = evaluator.run(step)
-        tracker.log({"step": step, **before})
-        summary["before"] = before
+
+def build_evaluator(ctx: RunContext) -> Evaluator:
+    """Evaluation over the validation batches of every direction; metrics land on the logging rank."""
+    batches = eval_batches(ctx.data, ctx.tok, ctx.cfg.training.per_device_eval_batch_size)
+    return Evaluator(ctx.pm, ctx.mesh, ctx.tok, batches, ctx.cfg.training, ctx.log_rank, ctx.mc)
+
+
+def train_loop(ctx: RunContext, tracker: Tracker, evaluator: Evaluator, step: int) -> LoopTotals:
+    """Steps `step + 1 .. max_steps`: train, log, draw the timeline once, evaluate and save between.
+
+    Collective: every rank runs the same steps and, at the same steps, the same
+    bubble_stats, timeline gather, evaluation and checkpoint, in that order.
+    """
+    args, pm, pp = ctx.cfg.training, ctx.pm, ctx.dims.pp
+    theory = ctx.bubble_theory if pp > 1 else None
     pm.model.train()
-    bubbles = []
-    timeline_step = min(cfg.training.max_steps, max(2, cfg.training.logging_steps))
-    window = LogWindow(pm)
-    while step < cfg.training.max_steps:
+    totals = LoopTotals(step)
+    window = LogWindow(pm, _mesh_peak_flops(ctx))
+    timeline_step = min(args.max_steps, max(2, args.logging_steps))
+    while step < args.max_steps:
         step += 1
-        log_now = step % cfg.training.logging_steps == 0 or step == cfg.training.max_steps
-        gb = next(sampler)
-        t_step = time.perf_counter()
+        log_now = step % args.logging_steps == 0 or step == args.max_steps
+        gb = next(ctx.sampler)
+        start = time.perf_counter()
         st = train_step(
             pm,
-            optimizer,
-            scheduler,
+            ctx.optimizer,
+            ctx.scheduler,
             gb,
-            mesh.dp_rank,
-            cfg.training.max_grad_norm,
+            ctx.mesh.dp_rank,
+            args.max_grad_norm,
             step,
             timed=log_now or step == timeline_step,
         )
-        window.add(st, time.perf_counter() - t_step)
+        flops = step_flops(ctx.mc, *ctx.sampler.lengths(gb)) if window.peak_flops else 0.0
+        window.add(st, time.perf_counter() - start, flops)
         tracker.advance()
         if log_now:
-            row = {
-                "step": step,
-                "lr": st.lr,
-                **window.read(st),
-                "epoch": gb.epoch,
-                **bubble_stats(pm, st.flushes),
-            }
-            if dims.pp > 1:
-                row["bubble_fraction_theory"] = theory
-                bubbles.append(row["bubble_fraction"])
-            if torch.cuda.is_available():
-                row["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated()
-            tracker.log(row)
-        if step == timeline_step and dims.pp > 1:
-            png = write_timeline(pm, st.flushes, out, is_logger, step)
+            row = log_row(tracker, pm, st, gb.epoch, theory, window)
+            if pp > 1:
+                totals.bubbles.append(row["bubble_fraction"])
+        if step == timeline_step and pp > 1:
+            png = write_timeline(pm, st.flushes, ctx.out, ctx.is_logger, step)
             if png:
                 tracker.log_image(step, "pipeline_timeline", png)
-        if cfg.training.eval_steps and step % cfg.training.eval_steps == 0 and step < cfg.training.max_steps:
-            tracker.log({"step": step, **evaluator.run(step, tracker)})
-            pm.model.train()
-        if cfg.training.save_steps and step % cfg.training.save_steps == 0 and step < cfg.training.max_steps:
-            save(cfg, pm, optimizer, scheduler, sampler, step, out, dims, balance)
+        maybe_eval_and_save(ctx, tracker, evaluator, step)
+    totals.step = step
+    totals.tokens, totals.time_in_steps = window.total_tokens, window.total_s
+    return totals
 
+
+def _mesh_peak_flops(ctx: RunContext) -> float | None:
+    """Peak FLOP/s of the whole mesh (for MFU), or None where the device's peak is unknown."""
+    peak = peak_flops(ctx.pm.device, ctx.cfg.training.bf16, ctx.cfg.training.mfu_peak_tflops)
+    return peak * dist.get_world_size() if peak else None
+
+
+def log_row(
+    tracker: Tracker,
+    pm: ParallelModel,
+    st: StepStats,
+    epoch: int,
+    theory: float | None,
+    window: LogWindow,
+) -> dict[str, Any]:
+    """Build and log one training row (collective over dp and pp: call on every rank).
+
+    Args:
+        st: the logged step's stats.
+        epoch: the sampler's epoch of this step's global batch.
+        theory: the schedule's bubble fraction, logged beside the measured one; None when pp == 1.
+        window: the steps since the last row: loss, tokens/s, step time and MFU are its averages.
+
+    Returns:
+        The row (built on every rank; written only by the logging rank's tracker).
+    """
+    row = {
+        "step": st.step,
+        "lr": st.lr,
+        **window.read(st),
+        "epoch": epoch,
+        **bubble_stats(pm, st.flushes),
+    }
+    if theory is not None:
+        row["bubble_fraction_theory"] = theory
+    if torch.cuda.is_available():
+        row["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    tracker.log(row)
+    return row
+
+
+def maybe_eval_and_save(ctx: RunContext, tracker: Tracker, evaluator: Evaluator, step: int) -> None:
+    """Evaluate every eval_steps and checkpoint every save_steps (collective: all ranks, same step)."""
+    args = ctx.cfg.training
+    if step >= args.max_steps:  # the last step's eval and checkpoint are finish_run's
+        return
+    if args.eval_steps and step % args.eval_steps == 0:
+        tracker.log({"step": step, **evaluator.run(step, tracker)})
+        ctx.pm.model.train()
+    if args.save_steps and step % args.save_steps == 0:
+        save(ctx, step)
+
+
+def finish_run(
+    ctx: RunContext,
+    tracker: Tracker,
+    evaluator: Evaluator,
+    totals: LoopTotals,
+    before: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """Final eval and checkpoint, then the summary: run_summary.json and the printed table on the
+    logging rank, with `history` added on return (collective: eval, save, barrier)."""
+    step = totals.step
     after: dict[str, Any] = {}
-    if cfg.training.do_eval:
+    if ctx.cfg.training.do_eval:
         after = evaluator.run(step, tracker)
         tracker.log({"step": step, **after})
-    save(cfg, pm, optimizer, scheduler, sampler, step, out, dims, balance)
-    summary.update(
-        {
-            "after": after,
-            "steps": step,
-            "wall_time_s": time.perf_counter() - t_start,
-            "tokens_per_sec": window.total_tokens / window.total_s if window.total_s else 0.0,
-            "bubble_fraction": float(np.mean(bubbles)) if bubbles else None,
-            "timeline_png": str(out / "timeline.png") if dims.pp > 1 else None,
-            "timeline_trace": str(out / "timeline_trace.json") if dims.pp > 1 else None,
-            "data_skipped": data.skipped,
-        }
-    )
-    if is_logger:
+    save(ctx, step)
+    pp, out = ctx.dims.pp, ctx.out
+    summary: dict[str, Any] = {
+        "mesh": mesh_sizes(ctx.dims),
+        "partition": ctx.balance,
+        "bubble_fraction_theory": ctx.bubble_theory,
+        **({"before": before} if before is not None else {}),
+        "after": after,
+        "steps": step,
+        "wall_time_s": time.perf_counter() - ctx.t_start,
+        "tokens_per_sec": totals.tokens / totals.time_in_steps if totals.time_in_steps else 0.0,
+        "bubble_fraction": float(np.mean(totals.bubbles)) if totals.bubbles else None,
+        "timeline_png": str(out / "timeline.png") if pp > 1 else None,
+        "timeline_trace": str(out / "timeline_trace.json") if pp > 1 else None,
+        "data_skipped": ctx.data.skipped,
+    }
+    if ctx.is_logger:
         (out / "run_summary.json").write_text(json.dumps(summary, indent=1, default=str))
         _print_summary(summary)
     summary["history"] = tracker.history
@@ -378,37 +540,33 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     return summary
 
 
+def mesh_sizes(dims: ParallelDims) -> dict[str, int]:
+    """The mesh as recorded in run config, checkpoints and the summary."""
+    return {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp}
+
+
 def state_mesh_matches(path: Path, dims: ParallelDims) -> bool:
     saved = json.loads((path / "trainer_state.json").read_text()).get("mesh", {})
-    return saved == {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp}
+    return saved == mesh_sizes(dims)
 
 
-def save(
-    cfg: JobConfig,
-    pm: ParallelModel,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    sampler: GlobalBatchSampler,
-    step: int,
-    out: Path,
-    dims: ParallelDims,
-    balance: list[int],
-) -> None:
+def save(ctx: RunContext, step: int) -> None:
+    """Checkpoint model, optimizer, scheduler and sampler at `step` (collective)."""
     state = {
         "step": step,
-        "scheduler": scheduler.state_dict(),
-        "data": sampler.state_dict(),
-        "mesh": {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp},
-        "partition": balance,
-        "model_config": pm.model.config.to_dict(),
+        "scheduler": ctx.scheduler.state_dict(),
+        "data": ctx.sampler.state_dict(),
+        "mesh": mesh_sizes(ctx.dims),
+        "partition": ctx.balance,
+        "model_config": ctx.pm.model.config.to_dict(),
     }
     ckpt.save_checkpoint(
-        ckpt.checkpoint_dir(out, step),
-        [pm.model],
-        optimizer,
+        ckpt.checkpoint_dir(ctx.out, step),
+        [ctx.pm.model],
+        ctx.optimizer,
         state,
-        to_logical=pm.to_logical,
-        save_total_limit=cfg.training.save_total_limit,
+        to_logical=ctx.pm.to_logical,
+        save_total_limit=ctx.cfg.training.save_total_limit,
     )
 
 
