@@ -603,7 +603,7 @@ class GlobalBatchSampler:
         self.step += 1
         return batch
 
-    def lengths(self, batch: GlobalBatch) -> tuple[np.ndarray, np.ndarray]:
+    def example_lengths(self, batch: GlobalBatch) -> tuple[np.ndarray, np.ndarray]:
         """(source, target) token counts of every example of `batch` (host arrays)."""
         idx = np.concatenate(batch.slots)
         return self.src_len[idx], self.tgt_len[idx]

@@ -39,7 +39,9 @@ PEAK_FLOPS: dict[str, tuple[float, float]] = {
 }
 
 
-def step_flops(config: ModelConfig, src_lengths: Sequence[int], tgt_lengths: Sequence[int]) -> float:
+def step_flops(
+    config: ModelConfig, src_lengths: Sequence[int] | np.ndarray, tgt_lengths: Sequence[int] | np.ndarray
+) -> float:
     """Model FLOPs of one training step (forward + backward) over these sentence pairs."""
     s = np.asarray(src_lengths, dtype=np.float64)
     t = np.asarray(tgt_lengths, dtype=np.float64)

@@ -432,7 +432,7 @@ def train_loop(ctx: RunContext, tracker: Tracker, evaluator: Evaluator, step: in
             step,
             timed=log_now or step == timeline_step,
         )
-        flops = step_flops(ctx.mc, *ctx.sampler.lengths(gb)) if window.peak_flops else 0.0
+        flops = step_flops(ctx.mc, *ctx.sampler.example_lengths(gb)) if window.peak_flops else 0.0
         window.add(st, time.perf_counter() - start, flops)
         tracker.advance()
         if log_now:
