@@ -182,9 +182,11 @@ class PipelineExecutor:
             microbatches: this replica's micro-batches of the flush, on the device.
             loss_scale: 1 / tokens(global batch).
             last_flush: the step's last flush: arm the dp overlap and run GR's reduce.
-            timed: mark the clock after every action (for the bubble and the timeline).
+            timed: mark the clock after every action (for the bubble and the timeline) and
+                meter activation memory (the saved-tensor meter's hooks cost host work, so
+                untimed flushes, the steps between log points, run without them).
         """
-        st = _FlushState(microbatches, loss_scale)
+        st = _FlushState(microbatches, loss_scale, timed)
         res = FlushResult(clock=self.clock)
         mark = self.clock.mark if timed else None
         if mark is not None:
@@ -192,7 +194,8 @@ class PipelineExecutor:
         for i, j in self.steps:
             a = self.actions[i]
             if a.type.is_comm:
-                p2p.exchange([self._transfer(x, st) for x in self.actions[i:j]])
+                st.sends = p2p.wait_sends(st.sends, only_completed=True)
+                st.sends += p2p.exchange([self._transfer(x, st) for x in self.actions[i:j]])
             elif a.type is ActionType.GRAD_REDUCE:
                 res.gr_mark = len(res.marks) - 1 if mark is not None else None
                 if last_flush and self.grads is not None:
@@ -205,6 +208,7 @@ class PipelineExecutor:
                 name = " ".join(str(x) for x in self.actions[i:j])
                 res.spans.append((name, len(res.marks) - 1, len(res.marks), a.type.is_compute))
                 res.marks.append(mark())
+        st.sends = p2p.wait_sends(st.sends)
         res.loss_sum, res.num_tokens = st.loss_sum, st.num_tokens
         res.peak_activation_bytes = self.meter.peak
         self.meter.reset()
@@ -244,7 +248,8 @@ class PipelineExecutor:
             if self.autocast_dtype is not None
             else nullcontext()
         )
-        with self.meter.record((s, mb), inputs), autocast:
+        meter = self.meter.record((s, mb), inputs) if st.timed else nullcontext()
+        with meter, autocast:
             out = stage.forward(inputs, batch)
             if stage.is_last:
                 loss_sum = self.loss_fn(out["logits"], batch.labels)
@@ -334,13 +339,14 @@ def _grad_or_zeros(t: Tensor) -> Tensor:
 class _FlushState:
     """Tensors in flight during one flush, keyed by (stage, micro-batch)."""
 
-    def __init__(self, batches: Sequence[Seq2SeqBatch], loss_scale: float) -> None:
-        self.batches, self.loss_scale = list(batches), loss_scale
+    def __init__(self, batches: Sequence[Seq2SeqBatch], loss_scale: float, timed: bool) -> None:
+        self.batches, self.loss_scale, self.timed = list(batches), loss_scale, timed
         self.inputs: dict[tuple[int, int], State] = {}
         self.outputs: dict[tuple[int, int], dict[str, Any]] = {}
         self.received: dict[tuple[int, int], State] = {}
         self.pending_grads: dict[tuple[int, int], list[Tensor]] = {}
         self.grads_to_send: dict[tuple[int, int], list[Tensor]] = {}
         self.local_handoff: dict[tuple[int, int], State] = {}
+        self.sends: list[p2p.PendingSend] = []  # posted, not yet known to be complete
         self.loss_sum: Tensor | None = None  # stays on the device
         self.num_tokens = 0

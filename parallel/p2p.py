@@ -1,8 +1,9 @@
 """Point-to-point transfers between pipeline neighbours, batched as the schedule says.
 
 The executor hands over each maximal run of consecutive comm actions of its
-schedule; they are posted together with `batch_isend_irecv` and waited on, which
-is the semantics `parallel.validate.validate_schedule` proves deadlock-free.
+schedule; they are posted together with `batch_isend_irecv` and the receives
+waited on, which is (a relaxation of) the semantics
+`parallel.validate.validate_schedule` proves deadlock-free.
 Neighbours are ring neighbours on the pp axis (stage s on pp rank s % p), given
 as global ranks so the default process group carries the messages.
 """
@@ -26,29 +27,52 @@ class Transfer:
     tag: int = 0
 
 
-def exchange(transfers: list[Transfer], group: dist.ProcessGroup | None = None) -> None:
-    """Post every op of the batch, then wait for all of them.
+def exchange(transfers: list[Transfer], group: dist.ProcessGroup | None = None) -> list[PendingSend]:
+    """Post every op of the batch, wait for its receives, and return its sends still in flight.
 
     Gloo matches p2p messages by (peer, tag); NCCL by posting order (the
     schedule guarantees one order per pair) and ignores tags.
+
+    Sends are not waited for here: the caller keeps them (and so their buffers)
+    until `wait_sends`, as PyTorch's pipelining schedules do. Waiting for a send
+    later than the batch it was posted in only relaxes the batched semantics the
+    validator proves deadlock-free, and matches the simulator's buffered sends; a
+    rank no longer stalls until its peer reaches the matching receive.
     """
-    ops = []
+    ops, sends = [], []
     for t in transfers:
         for i, tensor in enumerate(t.tensors):
-            fn = dist.isend if t.send else dist.irecv
+            buf = tensor if tensor.is_contiguous() else tensor.contiguous()
             ops.append(
-                dist.P2POp(
-                    fn,
-                    tensor if tensor.is_contiguous() else tensor.contiguous(),
-                    t.peer,
-                    group=group,
-                    tag=t.tag * 8 + i,
-                )
+                dist.P2POp(dist.isend if t.send else dist.irecv, buf, t.peer, group=group, tag=t.tag * 8 + i)
             )
+            sends.append(t.send)
     if not ops:
-        return
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+        return []
+    pending = []
+    for op, work, is_send in zip(ops, dist.batch_isend_irecv(ops), sends):
+        if is_send:
+            pending.append(PendingSend(work, op.tensor))
+        else:
+            work.wait()
+    return pending
+
+
+@dataclass
+class PendingSend:
+    """A posted send and the buffer it reads, kept alive until the send completes."""
+
+    work: dist.Work
+    tensor: Tensor
+
+
+def wait_sends(pending: list[PendingSend], only_completed: bool = False) -> list[PendingSend]:
+    """Wait for the sends (or, with `only_completed`, just drop those already done); returns the rest."""
+    if only_completed:
+        return [s for s in pending if not s.work.is_completed()]
+    for s in pending:
+        s.work.wait()
+    return []
 
 
 def message_tag(kind: int, stage: int, microbatch: int, m: int) -> int:
