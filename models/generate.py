@@ -2,7 +2,7 @@
 
 The encoder runs once; the decoder runs one token per step over a KV cache:
 cross-attention keys/values are projected from the encoder output once per layer,
-self-attention keys/values are appended each step (`DecoderLayer.self_attn_kv`).
+self-attention keys/values are appended each step (`KVCache`).
 
 Outputs follow Hugging Face: each row starts with the decoder start token `</s>`,
 then the forced target-language tag, then the translation, `</s>`, and pad.
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.m2m100 import BlockKind, DecoderLayer, M2M100Translation, Seq2SeqBatch
+from models.m2m100 import BlockKind, DecoderLayer, KVCache, M2M100Translation, Seq2SeqBatch
 
 KV = tuple[Tensor, Tensor]
 # HF's stand-in for "impossible" in beam scores; equal constants keep tie-breaks equal too.
@@ -52,7 +52,7 @@ class DecoderState:
         self.encoder_out = encoder_out  # (N, S, H)
         self.src_mask = src_mask  # (N, S) bool
         self.cross_kv: list[KV] = [layer.encoder_attn.project_kv(encoder_out) for layer in self.layers]
-        self.self_kv: list[KV | None] = [None] * len(self.layers)
+        self.self_kv = [KVCache() for _ in self.layers]
         self.length = 0  # t: tokens already in the self-attention cache
 
     def step(self, ids: Tensor) -> Tensor:  # (N, 1) -> (N, V) float32 logits
@@ -61,12 +61,9 @@ class DecoderState:
         # HF offsets positions by the cache length (`past_key_values_length`): token t sits at pad+1+t.
         x = model.embed(ids, offset=self.length)  # (N, 1, H)
         for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn_kv(x)  # 2 x (N, h, 1, d)
-            past = self.self_kv[i]
-            if past is not None:
-                k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)  # (N, h, t+1, d)
-            self.self_kv[i] = (k, v)
-            x = layer(x, self.encoder_out, self.src_mask, self_kv=(k, v), cross_kv=self.cross_kv[i])
+            x = layer(
+                x, self.encoder_out, self.src_mask, self_cache=self.self_kv[i], cross_kv=self.cross_kv[i]
+            )
         self.length += 1
         assert model.decoder.layer_norm is not None and model.lm_head is not None and model.shared is not None
         logits = model.lm_head(model.decoder.layer_norm(x), model.shared.weight)  # (N, 1, V)
@@ -74,7 +71,8 @@ class DecoderState:
 
     def reorder(self, rows: Tensor) -> None:
         """Keep cache row `rows[n]` as row n (beam search follows the surviving beams)."""
-        self.self_kv = [None if kv is None else (kv[0][rows], kv[1][rows]) for kv in self.self_kv]
+        for cache in self.self_kv:
+            cache.reorder(rows)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,9 @@
 """Import from and export to Hugging Face `M2M100ForConditionalGeneration` directories.
 
-Our parameter names are HF's without the leading `model.`; the tied copies HF
+Our parameter names are HF's without the leading `model.`, except the fused
+attention projections: HF's `self_attn.{q,k,v}_proj` are our `self_attn.qkv_proj`
+and `encoder_attn.{k,v}_proj` our `encoder_attn.kv_proj`, rows grouped by head
+(`fuse_heads` / `split_heads`; see `models.m2m100.Attention`). The tied copies HF
 keeps (`model.encoder.embed_tokens`, `model.decoder.embed_tokens`, `lm_head`) map
 to our one `shared.weight`. Reading goes through `safetensors.safe_open`, key by
 key, so a pipeline stage can load only the tensors it holds.
@@ -78,24 +81,64 @@ def from_hf_config(hf_config: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**kw)
 
 
+# Our fused attention projections and the HF tensors they hold, in row-group order.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "kv_proj": ("k_proj", "v_proj")}
+
+
 def hf_key(name: str) -> str:
-    """Our parameter name -> HF's (`shared.weight` -> `model.shared.weight`)."""
+    """Our (unfused) parameter name -> HF's (`shared.weight` -> `model.shared.weight`)."""
     return HF_PREFIX + name
 
 
+def hf_names(name: str) -> list[str]:
+    """The HF keys one of our tensors is made of: one, or q/k/v for a fused projection."""
+    *parent, proj, leaf = name.split(".")
+    if proj in FUSED:
+        return [hf_key(".".join([*parent, part, leaf])) for part in FUSED[proj]]
+    return [hf_key(name)]
+
+
 def our_key(hf_name: str) -> str | None:
-    """HF parameter name -> ours, or None for tied aliases and computed buffers."""
+    """HF parameter name -> ours (q/k/v map to their fused projection), or None for tied
+    aliases and computed buffers."""
     if hf_name in _HF_ALIASES or "embed_positions" in hf_name:
         return None
     if not hf_name.startswith(HF_PREFIX):
         return None
-    return hf_name[len(HF_PREFIX) :]
+    *parent, proj, leaf = hf_name[len(HF_PREFIX) :].split(".")
+    if parent and parent[-1] == "self_attn" and proj in FUSED["qkv_proj"]:
+        proj = "qkv_proj"
+    elif parent and parent[-1] == "encoder_attn" and proj in FUSED["kv_proj"]:
+        proj = "kv_proj"
+    return ".".join([*parent, proj, leaf])
 
 
-def to_hf_state_dict(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Our full state dict -> HF's (with the tied `lm_head.weight`)."""
-    out = {hf_key(k): v for k, v in state.items()}
-    out["lm_head.weight"] = state["shared.weight"]
+def _heads_of(name: str, config: ModelConfig) -> int:
+    return config.encoder_attention_heads if name.startswith("encoder.") else config.decoder_attention_heads
+
+
+def fuse_heads(parts: list[Tensor], num_heads: int) -> Tensor:
+    """[q, k, v] (each (h d, ...)) -> (h n d, ...) with rows grouped by head (see `Attention`)."""
+    grouped = torch.stack([p.reshape(num_heads, -1, *p.shape[1:]) for p in parts], dim=1)  # (h, n, d, ...)
+    return grouped.reshape(-1, *parts[0].shape[1:])
+
+
+def split_heads(fused: Tensor, n: int, num_heads: int) -> list[Tensor]:
+    """Inverse of `fuse_heads`: (h n d, ...) -> n tensors of (h d, ...)."""
+    grouped = fused.reshape(num_heads, n, -1, *fused.shape[1:])
+    return [grouped[:, i].reshape(-1, *fused.shape[1:]) for i in range(n)]
+
+
+def to_hf_state_dict(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    """Our full state dict (or gradients) -> HF's: fused projections split, plus the tied
+    `lm_head.weight` when the embedding is there."""
+    out: dict[str, Tensor] = {}
+    for name, tensor in state.items():
+        keys = hf_names(name)
+        parts = [tensor] if len(keys) == 1 else split_heads(tensor, len(keys), _heads_of(name, config))
+        out.update(zip(keys, parts))
+    if "shared.weight" in state:
+        out["lm_head.weight"] = state["shared.weight"]
     return out
 
 
@@ -118,7 +161,7 @@ def read_hf_config(path: str | Path) -> ModelConfig:
 
 
 def load_hf_weights(path: str | Path, wanted: Iterable[str] | None = None) -> dict[str, Tensor]:
-    """Read our-named tensors from an HF directory; only `wanted` names if given.
+    """Read our-named tensors from an HF directory (q/k/v fused); only `wanted` names if given.
 
     Raises:
         CheckpointMismatchError: a wanted tensor is absent.
@@ -126,19 +169,26 @@ def load_hf_weights(path: str | Path, wanted: Iterable[str] | None = None) -> di
     from safetensors import safe_open
 
     want = None if wanted is None else set(wanted)
-    out: dict[str, Tensor] = {}
+    found: dict[str, Tensor] = {}  # HF name (tied aliases as model.shared.weight) -> tensor
     for f in _weight_files(Path(path)):
         with safe_open(str(f), framework="pt") as sf:
             for k in sf.keys():  # noqa: SIM118 - safe_open is not a dict
                 ours = our_key(k)
-                if ours is None and k in _HF_ALIASES and "shared.weight" not in out:
-                    ours = "shared.weight"  # some exports keep only a tied alias
+                if ours is None and k in _HF_ALIASES and hf_key("shared.weight") not in found:
+                    ours, k_as = "shared.weight", hf_key("shared.weight")  # some exports keep only an alias
+                else:
+                    k_as = k
                 if ours is not None and (want is None or ours in want):
-                    out[ours] = sf.get_tensor(k)
-    if want is not None and want - set(out):
-        raise CheckpointMismatchError(
-            f"{path} lacks {sorted(want - set(out))[:5]} (model/checkpoint mismatch)"
-        )
+                    found[k_as] = sf.get_tensor(k)
+    names = want if want is not None else {n for n in (our_key(k) for k in found) if n is not None}
+    missing = sorted(n for n in names if not all(k in found for k in hf_names(n)))
+    if missing:
+        raise CheckpointMismatchError(f"{path} lacks {missing[:5]} (model/checkpoint mismatch)")
+    config = read_hf_config(path)
+    out: dict[str, Tensor] = {}
+    for name in names:
+        parts = [found[k] for k in hf_names(name)]
+        out[name] = parts[0] if len(parts) == 1 else fuse_heads(parts, _heads_of(name, config))
     return out
 
 
@@ -184,7 +234,7 @@ def save_hf_model(
     with torch.device("meta"):
         model = M2M100ForConditionalGeneration(hf_cfg)
     model.load_state_dict(
-        {k: v.detach().cpu().contiguous() for k, v in to_hf_state_dict(state).items()},
+        {k: v.detach().cpu().contiguous() for k, v in to_hf_state_dict(state, config).items()},
         strict=False,
         assign=True,
     )

@@ -23,7 +23,9 @@ only some blocks still names them the same (stable fully-qualified names).
 
 Tensor parallelism is applied from outside by swapping the `nn.Linear` /
 `nn.Embedding` / `LMHead` modules; attention therefore derives its local head count
-from the width of `q_proj`'s output rather than from the config.
+from the width of its projections' output rather than from the config. Attention
+projections are fused (q, k, v in one matmul; see `Attention`); `models.hf` maps
+them to and from HF's separate tensors.
 """
 
 from __future__ import annotations
@@ -255,39 +257,78 @@ ACT_FNS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
-class Attention(nn.Module):
-    """Multi-head attention through `scaled_dot_product_attention`.
+class KVCache:
+    """Keys and values of the tokens decoded so far, for one self-attention (incremental decoding)."""
 
-    The local head count is `q_proj.out_features // head_dim`, so a tensor-parallel
-    column split of q/k/v (heads split across tp ranks) needs no change here.
+    def __init__(self) -> None:
+        self.k: Tensor | None = None  # (N, h, t, d)
+        self.v: Tensor | None = None
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Add the new tokens' keys/values; returns the whole prefix's."""
+        if self.k is not None and self.v is not None:
+            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        self.k, self.v = k, v
+        return k, v
+
+    def reorder(self, rows: Tensor) -> None:
+        """Keep cache row `rows[n]` as row n (beam search follows the surviving beams)."""
+        if self.k is not None and self.v is not None:
+            self.k, self.v = self.k[rows], self.v[rows]
+
+
+class Attention(nn.Module):
+    """Multi-head attention through `scaled_dot_product_attention`, with fused projections.
+
+    Self-attention projects q, k and v with one matmul (`qkv_proj`, weight (3H, H));
+    cross-attention projects q from the decoder (`q_proj`) and k, v from the encoder
+    output with one matmul (`kv_proj`, (2H, H)). The fused weights' rows are grouped
+    by head, as Megatron lays them out:
+
+        qkv_proj rows   [q_0 k_0 v_0 | q_1 k_1 v_1 | ... ]   (d rows each, d = head dim)
+
+    so a tensor-parallel split of the rows hands each rank whole heads with their q,
+    k and v, and the local head count is rows // (3 d). `models.hf` converts to and
+    from HF's separate q_proj / k_proj / v_proj at the import/export boundary.
     """
 
-    def __init__(self, d_model: int, num_heads: int, dropout: float) -> None:
+    def __init__(self, d_model: int, num_heads: int, dropout: float, cross: bool = False) -> None:
         super().__init__()
         self.head_dim = d_model // num_heads
-        self.dropout = dropout
-        self.q_proj = nn.Linear(d_model, d_model)
-        self.k_proj = nn.Linear(d_model, d_model)
-        self.v_proj = nn.Linear(d_model, d_model)
+        self.dropout, self.cross = dropout, cross
+        if cross:
+            self.q_proj = nn.Linear(d_model, d_model)
+            self.kv_proj = nn.Linear(d_model, 2 * d_model)
+        else:
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
         self.out_proj = nn.Linear(d_model, d_model)
 
+    def _heads(self, y: Tensor, n: int) -> list[Tensor]:  # (B, T, h n d) -> n x (B, h, T, d)
+        b, t, _ = y.shape
+        return list(y.view(b, t, -1, n, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0))
+
     def project_kv(self, kv: Tensor) -> tuple[Tensor, Tensor]:  # (B, S, H) -> 2 x (B, h, S, d)
-        b, s, _ = kv.shape
-        k = self.k_proj(kv).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(kv).view(b, s, -1, self.head_dim).transpose(1, 2)
+        """Cross-attention keys and values of the encoder output (cached once when decoding)."""
+        k, v = self._heads(self.kv_proj(kv), 2)
         return k, v
 
     def forward(
         self,
         x: Tensor,  # (B, T, H)
-        kv: Tensor | None = None,  # (B, S, H) for cross-attention, else x
+        kv: Tensor | None = None,  # (B, S, H): the encoder output, for cross-attention
         key_mask: Tensor | None = None,  # (B, S) bool, True = attend
         causal: bool = False,
-        cached_kv: tuple[Tensor, Tensor] | None = None,
+        cached_kv: tuple[Tensor, Tensor] | None = None,  # cross-attention k, v from `project_kv`
+        cache: KVCache | None = None,  # self-attention: append this step's k, v and attend to all
     ) -> Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, h, T, d)
-        k, v = cached_kv if cached_kv is not None else self.project_kv(x if kv is None else kv)
+        if self.cross:
+            (q,) = self._heads(self.q_proj(x), 1)  # (B, h, T, d)
+            k, v = cached_kv if cached_kv is not None else self.project_kv(x if kv is None else kv)
+        else:
+            q, k, v = self._heads(self.qkv_proj(x), 3)
+            if cache is not None:  # one new token per step: no causal mask needed
+                k, v = cache.append(k, v)
         mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, S)
         out = F.scaled_dot_product_attention(
             q,
@@ -295,7 +336,7 @@ class Attention(nn.Module):
             v,
             attn_mask=mask,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=causal and mask is None and t > 1,
+            is_causal=causal and mask is None and cache is None and t > 1,
         )
         return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -329,7 +370,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(c.d_model, c.decoder_attention_heads, c.attention_dropout)
         self.self_attn_layer_norm = nn.LayerNorm(c.d_model)
-        self.encoder_attn = Attention(c.d_model, c.decoder_attention_heads, c.attention_dropout)
+        self.encoder_attn = Attention(c.d_model, c.decoder_attention_heads, c.attention_dropout, cross=True)
         self.encoder_attn_layer_norm = nn.LayerNorm(c.d_model)
         self.fc1 = nn.Linear(c.d_model, c.decoder_ffn_dim)
         self.fc2 = nn.Linear(c.decoder_ffn_dim, c.d_model)
@@ -340,23 +381,16 @@ class DecoderLayer(nn.Module):
     def ffn(self, x: Tensor) -> Tensor:
         return self.fc2(F.dropout(self.act(self.fc1(x)), self.activation_dropout, self.training))
 
-    def self_attn_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:  # (B, T, H) -> 2 x (B, h, T, d)
-        """Self-attention keys/values of new tokens `x`, to append to a decoding KV cache.
-
-        `forward(x, ..., self_kv=(cache k ++ these k, cache v ++ these v))` then attends
-        over the whole prefix; with one new token per step no causal mask is needed.
-        """
-        return self.self_attn.project_kv(self.self_attn_layer_norm(x))
-
     def forward(
         self,
         x: Tensor,
         encoder_out: Tensor,
         src_mask: Tensor | None,
-        self_kv: tuple[Tensor, Tensor] | None = None,
+        self_cache: KVCache | None = None,
         cross_kv: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
-        h = self.self_attn(self.self_attn_layer_norm(x), causal=True, cached_kv=self_kv)
+        """`self_cache` and `cross_kv` are for incremental decoding (`models.generate`)."""
+        h = self.self_attn(self.self_attn_layer_norm(x), causal=True, cache=self_cache)
         x = x + F.dropout(h, self.dropout, self.training)
         h = self.encoder_attn(
             self.encoder_attn_layer_norm(x), kv=encoder_out, key_mask=src_mask, cached_kv=cross_kv

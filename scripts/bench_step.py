@@ -161,7 +161,9 @@ def hf(
     from transformers import M2M100ForConditionalGeneration
 
     model = M2M100ForConditionalGeneration._from_config(to_hf_config(base.config), attn_implementation="sdpa")
-    missing, unexpected = model.load_state_dict(to_hf_state_dict(base.state_dict()), strict=False)
+    missing, unexpected = model.load_state_dict(
+        to_hf_state_dict(base.state_dict(), base.config), strict=False
+    )
     tied = ("embed_positions", "embed_tokens")  # computed positions; tied copies of model.shared
     assert not unexpected and all(any(t in k for t in tied) for k in missing), (missing, unexpected)
     model = model.to(device).train()

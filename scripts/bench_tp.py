@@ -114,8 +114,8 @@ def apply_dtensor_tp(model: M2M100Translation, mesh: Any) -> M2M100Translation:
     plan: dict[str, Any] = {}
     for name, module in model.named_modules():
         if isinstance(module, Attention):
-            for proj in ("q_proj", "k_proj", "v_proj"):
-                plan[f"{name}.{proj}"] = ColwiseParallel()  # heads split; local outputs
+            for proj in ("q_proj", "kv_proj") if module.cross else ("qkv_proj",):
+                plan[f"{name}.{proj}"] = ColwiseParallel()  # heads split (rows grouped by head)
             plan[f"{name}.out_proj"] = RowwiseParallel()
         elif name.endswith(".fc1"):
             plan[name] = ColwiseParallel()

@@ -51,7 +51,6 @@ from parallel.tp.comm import (
     _all_gather,
     _rank,
     _size,
-    copy_to_tp,
     gather_from_sequence_parallel,
     gather_sequence_parallel_to_replicated,
     scatter_to_sequence_parallel,
@@ -118,37 +117,21 @@ def _swap_linear(owner: nn.Module, name: str, parallel: Any, group: ProcessGroup
         setattr(owner, name, parallel(linear, group, **kwargs))
 
 
-def _parallelize_attention(attn: Attention, group: ProcessGroup, sp: bool, cross: bool) -> None:
-    # Heads are contiguous blocks of q/k/v's output columns, so a column split hands
-    # rank r heads [r h/p, (r+1) h/p); out_proj's matching input columns are a row split.
+def _parallelize_attention(attn: Attention, group: ProcessGroup, sp: bool) -> None:
+    # Heads are contiguous row groups of the fused projections (q_h k_h v_h per head), so
+    # a column split hands rank r heads [r h/p, (r+1) h/p) with their q, k and v;
+    # out_proj's matching input columns are a row split. Each attention input feeds one
+    # projection (x -> qkv, or x -> q and encoder output -> kv), so each gets its own f.
     # Under sequence parallelism the attention input is all-gathered along T once, by a
     # pre-hook (`enable_sequence_parallel`), because `Attention.forward` reads T from
-    # its input; q (and self-attention k, v) then take it as is. Cross-attention k, v
-    # read the replicated encoder output: plain f there.
-    # Without sequence parallelism, q, k and v read the same input: one f per input (a
-    # pre-hook on the attention) instead of one per projection saves two (self) or one
-    # (cross) backward all-reduces per attention.
-    _swap_linear(attn, "q_proj", ColumnParallelLinear, group, communicate_input=False)
-    for name in ("k_proj", "v_proj"):
-        _swap_linear(attn, name, ColumnParallelLinear, group, communicate_input=sp and cross)
+    # its input; qkv (or cross q) then take it as is. Cross-attention kv reads the
+    # replicated encoder output: plain f there.
+    if attn.cross:
+        _swap_linear(attn, "q_proj", ColumnParallelLinear, group, communicate_input=not sp)
+        _swap_linear(attn, "kv_proj", ColumnParallelLinear, group)
+    else:
+        _swap_linear(attn, "qkv_proj", ColumnParallelLinear, group, communicate_input=not sp)
     _swap_linear(attn, "out_proj", RowParallelLinear, group, sequence_parallel=sp)
-    if not sp and not getattr(attn, "_tp_input_hook", False):
-        attn.register_forward_pre_hook(_copy_attention_inputs(group), with_kwargs=True)
-        attn._tp_input_hook = True  # type: ignore[assignment]
-
-
-def _copy_attention_inputs(group: ProcessGroup) -> Any:
-    """Pre-hook: f (identity forward, all-reduce backward) once on x and once on kv."""
-
-    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        args = (copy_to_tp(args[0], group), *args[1:]) if args else args
-        if "x" in kwargs:
-            kwargs["x"] = copy_to_tp(kwargs["x"], group)
-        if kwargs.get("kv") is not None:
-            kwargs["kv"] = copy_to_tp(kwargs["kv"], group)
-        return args, kwargs
-
-    return hook
 
 
 def _parallelize_ffn(layer: EncoderLayer | DecoderLayer, group: ProcessGroup, sp: bool) -> None:
@@ -190,9 +173,9 @@ def apply_tensor_parallel(
     padded, start, end = vocab_partition(config.vocab_size, p, r)
     for module in list(model.modules()):
         if isinstance(module, EncoderLayer | DecoderLayer):
-            _parallelize_attention(module.self_attn, group, sequence_parallel, cross=False)
+            _parallelize_attention(module.self_attn, group, sequence_parallel)
             if isinstance(module, DecoderLayer):
-                _parallelize_attention(module.encoder_attn, group, sequence_parallel, cross=True)
+                _parallelize_attention(module.encoder_attn, group, sequence_parallel)
             _parallelize_ffn(module, group, sequence_parallel)
     if isinstance(model.shared, nn.Embedding):
         model.shared = VocabParallelEmbedding(model.shared, group)

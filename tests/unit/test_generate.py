@@ -33,7 +33,7 @@ def build(seed: int) -> tuple[M2M100Translation, M2M100ForConditionalGeneration]
     with torch.no_grad():
         shared.weight[cfg.eos_token_id] *= 3.0  # make EOS a frequent winner
     hf = M2M100ForConditionalGeneration(to_hf_config(cfg)).eval()
-    hf.load_state_dict(to_hf_state_dict(ours.state_dict()), strict=False)
+    hf.load_state_dict(to_hf_state_dict(ours.state_dict(), ours.config), strict=False)
     return ours, hf
 
 

@@ -60,7 +60,7 @@ def pair() -> tuple[M2M100Translation, M2M100ForConditionalGeneration]:
     cfg = ModelConfig(**CFG)
     ours = M2M100Translation(cfg).eval()
     hf = M2M100ForConditionalGeneration(to_hf_config(cfg)).eval()
-    missing, unexpected = hf.load_state_dict(to_hf_state_dict(ours.state_dict()), strict=False)
+    missing, unexpected = hf.load_state_dict(to_hf_state_dict(ours.state_dict(), ours.config), strict=False)
     assert not unexpected and all("embed_tokens" in k or "embed_positions" in k for k in missing), missing
     return ours, hf
 
@@ -96,9 +96,10 @@ def test_gradients_match_transformers(pair) -> None:
         labels=batch.labels,
     ).loss.backward()
     hf_params = dict(hf.named_parameters())
-    for name, p in ours.named_parameters():
-        ref = hf_params["model." + name].grad
-        assert torch.allclose(p.grad, ref, atol=1e-6, rtol=1e-4), name
+    ours_grads = to_hf_state_dict({n: p.grad for n, p in ours.named_parameters()}, ours.config)
+    for name, grad in ours_grads.items():
+        ref = hf_params[name].grad if name != "lm_head.weight" else hf_params["model.shared.weight"].grad
+        assert torch.allclose(grad, ref, atol=1e-6, rtol=1e-4), name
 
 
 def test_export_import_roundtrip(tmp_path, pair) -> None:
