@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.config import ModelConfig
+from models.loss import IGNORE_INDEX, cross_entropy_sum
 
 State = dict[str, Tensor]
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -552,16 +552,3 @@ class M2M100Translation(nn.Module):
             ],
         )
         return state["encoder_out"]
-
-
-def cross_entropy_sum(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> Tensor:
-    """Sum of (label-smoothed) token cross-entropies over non-ignored labels (a scalar tensor).
-
-    Summing here and dividing by the global batch's token count outside (a host
-    number: `Seq2SeqBatch.num_tokens`) makes the loss independent of how the batch
-    is split (micro-batches, dp replicas).
-    """
-    flat = logits.reshape(-1, logits.shape[-1]).float()
-    return F.cross_entropy(
-        flat, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=label_smoothing
-    )

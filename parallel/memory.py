@@ -39,6 +39,10 @@ class ActivationMeter(Protocol):
 
     def reset(self) -> None: ...
 
+    def ignore(self, tensors: list[Tensor]) -> None:
+        """Never count these storages as activations (the step's working weights)."""
+        ...
+
 
 class _Ledger:
     """Bytes held per key, live total and peak."""
@@ -68,6 +72,9 @@ class AllocatorMeter(_Ledger):
         super().__init__()
         self.device = device
 
+    def ignore(self, tensors: list[Tensor]) -> None:
+        """Working weights are allocated before any forward: never in a forward's delta."""
+
     @contextmanager
     def record(self, key: Any, inputs: dict[str, Tensor]) -> Iterator[None]:
         kept_inputs = sum(t.numel() * t.element_size() for t in inputs.values())
@@ -84,17 +91,18 @@ class SavedTensorMeter(_Ledger):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.ignored: set[int] = set()
 
     def _charge_tensor(self, key: Any, seen: set[int], t: Tensor) -> None:
         ptr = t.untyped_storage().data_ptr()
-        if ptr in self.param_ptrs or ptr in seen:
+        if ptr in self.param_ptrs or ptr in self.ignored or ptr in seen:
             return
         seen.add(ptr)
         self.charge(key, t.untyped_storage().nbytes())
 
     def ignore(self, tensors: list[Tensor]) -> None:
-        """Never count these storages (e.g. the step's bf16 working weights)."""
-        self.param_ptrs.update(t.untyped_storage().data_ptr() for t in tensors)
+        """Never count these storages (replaces the previous set: the step's working weights)."""
+        self.ignored = {t.untyped_storage().data_ptr() for t in tensors}
 
     @contextmanager
     def record(self, key: Any, inputs: dict[str, Tensor]) -> Iterator[None]:

@@ -15,18 +15,21 @@ the last GR), then `grads.clip_` over the whole mesh, then the optimizer.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from models.m2m100 import BlockSpec, M2M100Translation, Seq2SeqBatch, cross_entropy_sum
+from models.loss import cross_entropy_sum
+from models.m2m100 import BlockSpec, M2M100Translation, Seq2SeqBatch
 from parallel.data_parallel import ZeroOneSharding
 from parallel.executor import FlushResult, LossFn, PipelineExecutor, PipelineTopology
 from parallel.grads import StepGradients
 from parallel.memory import meter_for
 from parallel.mesh import ParallelMesh
+from parallel.mixed_precision import WorkingWeights
 from parallel.remat import apply_remat
 from parallel.schedule import Action, build_schedule, forward_only, rank_stages, stage_to_rank
 from parallel.stage import PipelineStage
@@ -129,6 +132,8 @@ class ParallelModel:
             enable_deferred_wgrad(model, self.wgrad_store)
         self.loss_fn, self.autocast_dtype = loss_fn, autocast_dtype
         self.meter = meter_for(model, self.device, saved_tensors=saved_tensor_meter)
+        # Mixed precision: low-precision working weights, cast once per step (parallel.mixed_precision).
+        self.working = WorkingWeights(model, autocast_dtype) if autocast_dtype is not None else None
         self.clock = clock_for(self.device)
         self.executor = self._executor(plan.schedule[pp_rank], self.grads)
 
@@ -171,10 +176,15 @@ class ParallelModel:
         so the copies overlap the compute instead of waiting inside the flush.
         """
         on_device = [self._prepare(microbatches) for microbatches in flushes]
-        return [
-            self.executor.run_flush(mbs, loss_scale, last_flush=i == len(on_device) - 1, timed=timed)
-            for i, mbs in enumerate(on_device)
-        ]
+        working_weights: AbstractContextManager[list[Tensor]] = (
+            self.working.swapped() if self.working is not None else nullcontext([])
+        )
+        with working_weights as working:
+            self.meter.ignore(working)
+            return [
+                self.executor.run_flush(mbs, loss_scale, last_flush=i == len(on_device) - 1, timed=timed)
+                for i, mbs in enumerate(on_device)
+            ]
 
     def _prepare(self, batches: Sequence[Seq2SeqBatch]) -> list[Seq2SeqBatch]:
         """To the model's device; sequence parallelism also needs S and T divisible by tp."""

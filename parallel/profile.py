@@ -19,7 +19,8 @@ import time
 import torch
 from torch import Tensor
 
-from models.m2m100 import BlockKind, BlockSpec, M2M100Translation, Seq2SeqBatch, State, cross_entropy_sum
+from models.loss import cross_entropy_sum
+from models.m2m100 import BlockKind, BlockSpec, M2M100Translation, Seq2SeqBatch, State
 
 
 def _saved_bytes(fn) -> tuple[object, int]:  # type: ignore[no-untyped-def]

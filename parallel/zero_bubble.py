@@ -55,6 +55,9 @@ class WeightGradStore:
 
 
 def _accumulate(param: Tensor, grad: Tensor) -> None:
+    if param.grad_fn is not None:  # a bf16 working copy (parallel.mixed_precision): through its cast
+        torch.autograd.backward(param, grad.to(param.dtype))
+        return
     grad = grad.to(param.dtype)
     if param.grad is None:
         param.grad = grad

@@ -51,13 +51,13 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.config import ModelConfig  # noqa: E402
+from models.loss import cross_entropy_sum  # noqa: E402
 from models.m2m100 import (  # noqa: E402
     IGNORE_INDEX,
     BlockKind,
     BlockSpec,
     M2M100Translation,
     Seq2SeqBatch,
-    cross_entropy_sum,
 )
 from parallel.executor import FlushResult  # noqa: E402
 from parallel.mesh import ParallelDims, build_mesh, init_distributed  # noqa: E402

@@ -1,0 +1,85 @@
+"""Token cross-entropy over a large vocabulary without fp32 (N, V) logits.
+
+At V = 128k a micro-batch of 32 x 256 tokens has 4.2 GB of fp32 logits, and the
+usual `F.cross_entropy(logits.float(), ...)` holds them, their log-softmax and
+their gradient. Here the logits stay in the dtype the head produced them in (bf16
+under mixed precision) and are read in chunks of rows that are upcast one at a
+time: the forward keeps only log Z per token, and the backward writes the
+gradient into the logits' own storage, chunk by chunk (nothing reads the logits
+after the loss; Megatron's fused cross-entropy reuses them the same way).
+
+    log p_j = z_j - log Z,      log Z = logsumexp_j z_j
+    loss    = (1 - eps) (-log p_t) + eps mean_j (-log p_j)        (F.cross_entropy's smoothing)
+    dL/dz_j = p_j - (1 - eps) [j = t] - eps / V
+
+Legend: N tokens (B T), V vocabulary, eps label smoothing, t the target id.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+IGNORE_INDEX = -100
+CHUNK_ELEMENTS = 1 << 26  # fp32 elements upcast at a time (256 MiB)
+
+
+def chunk_rows(vocab: int) -> int:
+    """Rows per chunk so a chunk holds about `CHUNK_ELEMENTS` fp32 values."""
+    return max(1, CHUNK_ELEMENTS // max(vocab, 1))
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, target: Tensor, eps: float) -> Tensor:  # type: ignore[override]
+        n, vocab = logits.shape  # (N, V)
+        valid = target != IGNORE_INDEX
+        safe = target.masked_fill(~valid, 0)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        per_token = torch.empty(n, dtype=torch.float32, device=logits.device)
+        rows = chunk_rows(vocab)
+        for a in range(0, n, rows):
+            z = logits[a : a + rows].float()  # (n_c, V)
+            lse[a : a + rows] = torch.logsumexp(z, dim=-1)
+            nll = lse[a : a + rows] - z.gather(1, safe[a : a + rows, None]).squeeze(1)
+            if eps > 0.0:
+                nll = (1.0 - eps) * nll + eps * (lse[a : a + rows] - z.mean(dim=-1))
+            per_token[a : a + rows] = nll
+        ctx.save_for_backward(logits, safe, valid, lse)
+        ctx.eps = eps
+        return per_token.masked_fill(~valid, 0.0).sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        logits, safe, valid, lse = ctx.saved_tensors
+        n, vocab = logits.shape
+        scale = valid.float() * grad_out  # (N,)
+        rows = chunk_rows(vocab)
+        for a in range(0, n, rows):
+            b = min(a + rows, n)
+            grad = torch.exp(logits[a:b].float() - lse[a:b, None])  # p_j
+            grad.scatter_add_(1, safe[a:b, None], grad.new_full((b - a, 1), ctx.eps - 1.0))
+            if ctx.eps > 0.0:
+                grad -= ctx.eps / vocab
+            grad *= scale[a:b, None]
+            logits[a:b] = grad  # the logits' storage becomes their gradient
+        return logits, None, None
+
+
+def cross_entropy_sum(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> Tensor:
+    """Sum of (label-smoothed) token cross-entropies over non-ignored labels (an fp32 scalar).
+
+    Equals `F.cross_entropy(logits.float(), labels, reduction="sum", label_smoothing=eps,
+    ignore_index=-100)`, computed in fp32 chunks (see the module docstring). Summing here
+    and dividing by the global batch's token count outside (a host number:
+    `Seq2SeqBatch.num_tokens`) makes the loss independent of how the batch is split.
+
+    Args:
+        logits: (..., V) in any float dtype; its storage is reused for its gradient.
+        labels: (...) target ids, -100 where no loss.
+        label_smoothing: eps in [0, 1).
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    return _ChunkedCrossEntropy.apply(flat, labels.reshape(-1), float(label_smoothing))  # type: ignore[no-any-return]

@@ -1,0 +1,68 @@
+"""bf16 working weights over fp32 master weights, cast once per optimizer step.
+
+As Megatron and FSDP2 do it:
+
+    optimizer      fp32 master parameters: the model's `nn.Parameter`s (ZeRO-1 shards them)
+    step start     W16 = W32.to(bf16)      one cast per parameter per step, under autograd
+    micro-batches  forward and backward read W16; each micro-batch's bf16 weight gradient
+                   flows back through the cast into W32.grad, accumulated in fp32
+    step end       the modules get W32 back (optimizer, checkpoints, evaluation see fp32)
+
+Autocast stays on for the activations (it casts them to bf16 at each matmul); with
+bf16 weights its per-micro-batch weight casts, 18% of device time at m=4 on an
+H100 before this, are no-ops. Layer norms keep fp32 weights (autocast runs them in
+fp32 anyway), and the residual stream stays fp32 (Megatron's
+`fp32_residual_connection`).
+
+Why one cast can serve every micro-batch: the cast is a single autograd node per
+parameter (`ToCopyBackward0`) that saves no tensors, so each micro-batch's backward
+may pass through it again. Its output, the fp32 gradient, reaches the master
+parameter's AccumulateGrad, so the data-parallel hooks, clipping and the optimizer
+see fp32 gradients exactly as in an fp32 run. The working copies live in the
+modules' `_parameters` only for the step: nothing outside a step ever sees them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+
+class WorkingWeights:
+    """The step's low-precision copies of `model`'s parameters (layer norms excepted).
+
+    Args:
+        model: the rank's model (after tensor parallelism: the sharded parameters).
+        dtype: the working dtype, e.g. torch.bfloat16.
+    """
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.slots: list[tuple[nn.Module, str, nn.Parameter]] = [
+            (module, name, p)
+            for module in model.modules()
+            if not isinstance(module, nn.LayerNorm)
+            for name, p in module._parameters.items()
+            if p is not None and p.is_floating_point()
+        ]
+
+    @contextmanager
+    def swapped(self) -> Iterator[list[Tensor]]:
+        """Within: every slot holds the working copy (a tied parameter's one copy everywhere).
+
+        Yields the working copies (so a meter can tell them from activations).
+        """
+        cast: dict[int, Tensor] = {}
+        with torch.enable_grad():
+            for module, name, p in self.slots:
+                if id(p) not in cast:
+                    cast[id(p)] = p.to(self.dtype)
+                module._parameters[name] = cast[id(p)]  # type: ignore[assignment]
+        try:
+            yield list(cast.values())
+        finally:
+            for module, name, p in self.slots:
+                module._parameters[name] = p
