@@ -336,7 +336,7 @@ class Attention(nn.Module):
             v,
             attn_mask=mask,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=causal and mask is None and cache is None and t > 1,
+            is_causal=causal and mask is None and cache is None,  # a cache means one query per step
         )
         return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))
 

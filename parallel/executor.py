@@ -174,7 +174,7 @@ class PipelineExecutor:
         microbatches: Sequence[Seq2SeqBatch],
         loss_scale: float,
         last_flush: bool = True,
-        timed: bool = True,
+        timed: bool = False,
     ) -> FlushResult:
         """Execute the whole action list once over `microbatches` (m of them).
 

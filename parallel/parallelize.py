@@ -4,6 +4,7 @@
       -> pipeline split (pp)                keep_only(the blocks of this rank's stages)
       -> tensor parallel (tp)               swap linears/embedding/head for Megatron-style modules
       -> rematerialisation                  wrap layers / attention in torch.utils.checkpoint
+      -> regional compilation               torch.compile each layer (torch_compile: true)
       -> zero-bubble weight-grad deferral   (zero_bubble schedule only)
       -> executor                           walks this rank's schedule; dp + tied-embedding reduce at GR
 
@@ -168,7 +169,7 @@ class ParallelModel:
         return dict(self.model.named_parameters())
 
     def train_step(
-        self, flushes: Sequence[Sequence[Seq2SeqBatch]], loss_scale: float, timed: bool = True
+        self, flushes: Sequence[Sequence[Seq2SeqBatch]], loss_scale: float, timed: bool = False
     ) -> list[FlushResult]:
         """Forward+backward over `gradient_accumulation_steps` flushes; grads are final after it.
 
@@ -251,6 +252,7 @@ def build_parallel_model(
     before_tp: Callable[[M2M100Translation], None] | None = None,
     dp_sharding: str = "none",
     saved_tensor_meter: bool = False,
+    compile_layers: bool = False,
 ) -> ParallelModel:
     """Apply pipeline split, tensor parallelism and remat to `model` (in place) for this rank.
 
@@ -264,6 +266,7 @@ def build_parallel_model(
         dp_sharding: "none" or "zero1" (optimizer state sharded over dp).
         saved_tensor_meter: measure activation memory with saved-tensor hooks even on
             CUDA (a profiling switch; CPUs always use them).
+        compile_layers: `torch.compile` each encoder/decoder layer (`parallel.compile`).
     """
     p = mesh.size("pp")
     plan = make_plan(model.blocks, balance, p, v, m, schedule)
@@ -281,6 +284,10 @@ def build_parallel_model(
             return tp_info.loss(logits, labels, label_smoothing)
 
     apply_remat(model, remat)
+    if compile_layers:
+        from parallel.compile import apply_compile
+
+        apply_compile(model)
     return ParallelModel(
         model,
         plan,

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -34,13 +35,18 @@ KEPT_INPUT_OBSERVER: ContextVar[Callable[[Tensor], None] | None] = ContextVar(
 )
 
 
+@torch._dynamo.disable  # host bookkeeping for the activation meter: never traced into a graph
+def _report_kept_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    observe = KEPT_INPUT_OBSERVER.get()
+    if observe is not None:
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, Tensor) and a.is_floating_point():
+                observe(a)
+
+
 def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
-        observe = KEPT_INPUT_OBSERVER.get()
-        if observe is not None:
-            for a in (*args, *kwargs.values()):
-                if isinstance(a, Tensor) and a.is_floating_point():
-                    observe(a)
+        _report_kept_inputs(args, kwargs)
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     return run

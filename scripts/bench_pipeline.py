@@ -318,7 +318,7 @@ class OurPipeline:
             self.pm.executor.wgrad_store = self.pm.wgrad_store
 
     def step(self, global_batch: Seq2SeqBatch, loss_scale: float) -> FlushResult:
-        return self.pm.train_step([global_batch.split(self.m)], loss_scale)[0]
+        return self.pm.train_step([global_batch.split(self.m)], loss_scale, timed=True)[0]
 
     def named_grads(self) -> dict[str, Tensor]:
         return {k: p.grad for k, p in self.pm.named_params().items() if p.grad is not None}

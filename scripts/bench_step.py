@@ -120,8 +120,19 @@ class _OneBatch:
         return [self.microbatches]
 
 
-def ours(base: M2M100Translation, c: Case, batch: Seq2SeqBatch, device: torch.device, bf16: bool) -> Any:
-    """Our engine on a one-rank mesh; returns (step function, forward+backward-only function)."""
+def ours(
+    base: M2M100Translation,
+    c: Case,
+    batch: Seq2SeqBatch,
+    device: torch.device,
+    bf16: bool,
+    compile_layers: bool = False,
+    working_weights: bool = True,
+) -> Any:
+    """Our engine on a one-rank mesh; returns (step function, forward+backward-only function).
+
+    `working_weights=False` is the ablation: bf16 by autocast over fp32 weights alone.
+    """
     import copy
 
     from parallel.mesh import ParallelDims, build_mesh
@@ -133,8 +144,10 @@ def ours(base: M2M100Translation, c: Case, batch: Seq2SeqBatch, device: torch.de
     model = copy.deepcopy(base).to(device)
     pm = build_parallel_model(
         model, mesh, [len(model.blocks)], c.m, "1f1b", 1, c.remat, 0.0,
-        autocast_dtype=torch.bfloat16 if bf16 else None,
+        autocast_dtype=torch.bfloat16 if bf16 else None, compile_layers=compile_layers,
     )  # fmt: skip
+    if not working_weights:
+        pm.working = None
     args = TrainingArguments(output_dir="/tmp/bench_step", learning_rate=1e-4, max_steps=10**6)
     optimizer = build_optimizer(pm.model, args, only=pm.optimizer_params())
     scheduler = build_scheduler(optimizer, args)
@@ -223,6 +236,20 @@ def time_steps(step: Any, device: torch.device, n: int) -> list[float]:
     return out
 
 
+def time_blocks(step: Any, device: torch.device, steps: int, blocks: int = 3) -> float:
+    """Seconds per step: median over `blocks` runs of `steps` steps with one sync at the end of
+    each, as a training loop runs (the host may run ahead of the device between syncs)."""
+    out = []
+    for _ in range(blocks):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync(device)
+        out.append((time.perf_counter() - t0) / steps)
+    return statistics.median(out)
+
+
 def count_dispatch(fn: Any) -> DispatchCounter:
     with DispatchCounter() as counter:
         fn()
@@ -253,7 +280,10 @@ def measure(name: str, c: Case, args: argparse.Namespace, device: torch.device) 
     peak = peak_flops(device, bf16)
     impls: dict[str, Any] = {"ours": lambda: ours(base, c, batch, device, bf16)}
     impls["hf"] = lambda: hf(base, c, batch, device, bf16, False)
+    if args.ablation and bf16:
+        impls["ours_autocast_only"] = lambda: ours(base, c, batch, device, bf16, working_weights=False)
     if args.compile and device.type == "cuda":
+        impls["ours_compile"] = lambda: ours(base, c, batch, device, bf16, compile_layers=True)
         impls["hf_compile"] = lambda: hf(base, c, batch, device, bf16, True)
     row: dict[str, Any] = {"case": name, **c.__dict__, "params": sum(p.numel() for p in base.parameters())}
     row["tokens_per_step"] = sum(src) + sum(tgt)
@@ -263,8 +293,7 @@ def measure(name: str, c: Case, args: argparse.Namespace, device: torch.device) 
             for _ in range(args.warmup):
                 step()
             torch.cuda.reset_peak_memory_stats()
-            times = time_steps(step, device, args.steps)
-            row[f"{impl}_step_s"] = statistics.median(times)
+            row[f"{impl}_step_s"] = time_blocks(step, device, args.steps)
             row[f"{impl}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             row[f"{impl}_loss"] = float(step())
             row[f"{impl}_cuda_syncs_per_step"] = cuda_syncs(step)
@@ -309,6 +338,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         mfu = f"{r['ours_mfu']:.1%} / {r['hf_mfu']:.1%}" if "ours_mfu" in r else "-"
         mem = f"{r['ours_peak_gib']:.1f} / {r['hf_peak_gib']:.1f}" if "ours_peak_gib" in r else "-"
         comp = f"{r['step_time_vs_hf_compile']:.2f}" if "step_time_vs_hf_compile" in r else "-"
+        if "ours_compile_step_s" in r:
+            comp += f" (compiled ours {r['ours_compile_step_s'] / r['hf_compile_step_s']:.2f})"
         lines.append(
             f"| {r['case']} | {r['ours_step_s']:.4f} | {r['hf_step_s']:.4f} | {r['step_time_vs_hf']:.2f} | {comp} "
             f"| {mfu} | {mem} | {r['ours_host_reads_per_microbatch']:.0f} "
@@ -350,10 +381,13 @@ def profile(name: str, c: Case, args: argparse.Namespace, device: torch.device) 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="cpu_small", help=f"comma-separated, from {list(CASES)}")
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per side")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per side (GPU: per block of 3)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--dropout", type=float, default=0.1)
-    ap.add_argument("--compile", action="store_true", help="also time HF under torch.compile (GPU)")
+    ap.add_argument("--compile", action="store_true", help="also time ours and HF compiled (GPU)")
+    ap.add_argument(
+        "--ablation", action="store_true", help="also ours with autocast alone (no working weights)"
+    )
     ap.add_argument("--profile", default="", help="comma-separated cases to profile (GPU)")
     ap.add_argument("--json", default="", help="write the rows here")
     args = ap.parse_args(argv)

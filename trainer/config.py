@@ -220,7 +220,13 @@ class TrainingArguments:
         default=None, metadata={"help": "A checkpoint directory, or 'latest' for the newest in output_dir."}
     )
     seed: int = field(default=42, metadata={"help": "Seed for init, data order and dropout."})
-    bf16: bool = field(default=False, metadata={"help": "bfloat16 autocast for the forward."})
+    bf16: bool = field(
+        default=False,
+        metadata={"help": "bf16 working weights (cast once per step) over fp32 masters, bf16 autocast."},
+    )
+    torch_compile: bool = field(
+        default=False, metadata={"help": "torch.compile each encoder/decoder layer (regional compilation)."}
+    )
     mfu_peak_tflops: float = field(
         default=0.0,
         metadata={"help": "Per-device peak TFLOP/s for the logged mfu; 0: from the device table (GPUs)."},

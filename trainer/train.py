@@ -156,6 +156,7 @@ def build_model(
         sequence_parallel=p.sequence_parallel,
         before_tp=load_pretrained if path else None,
         dp_sharding=p.data_parallel_sharding,
+        compile_layers=cfg.training.torch_compile,
     )
 
 
