@@ -31,6 +31,38 @@ def chunk_rows(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(vocab, 1))
 
 
+def _chunk_loss(z: Tensor, target: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """One chunk's (log Z, per-token loss) from its logits (n_c, V) in any float dtype."""
+    z = z.float()
+    lse = torch.logsumexp(z, dim=-1)
+    nll = lse - z.gather(1, target[:, None]).squeeze(1)
+    if eps > 0.0:
+        nll = (1.0 - eps) * nll + eps * (lse - z.mean(dim=-1))
+    return lse, nll
+
+
+def _chunk_grad_(z: Tensor, target: Tensor, lse: Tensor, scale: Tensor, eps: float) -> None:
+    """Overwrite one chunk's logits (n_c, V) with d(loss)/d(logits), `scale` per row."""
+    p = torch.exp(z.float() - lse[:, None])  # p_j
+    hit = torch.arange(z.shape[1], device=z.device)[None, :] == target[:, None]  # [j = t]
+    grad = p - (1.0 - eps) * hit.float() - eps / z.shape[1]
+    z.copy_(grad * scale[:, None])
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _kernels(device: torch.device) -> tuple[Any, Any]:
+    """The chunk functions; on CUDA compiled by inductor into one fused kernel each (an eager
+    chunk makes about ten passes over its fp32 values, 20% of a 418M model's step)."""
+    if device.type != "cuda":
+        return _chunk_loss, _chunk_grad_
+    if not _COMPILED:
+        _COMPILED["loss"] = torch.compile(_chunk_loss, dynamic=None)
+        _COMPILED["grad"] = torch.compile(_chunk_grad_, dynamic=None)
+    return _COMPILED["loss"], _COMPILED["grad"]
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: Tensor, target: Tensor, eps: float) -> Tensor:  # type: ignore[override]
@@ -39,14 +71,12 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         safe = target.masked_fill(~valid, 0)
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
         per_token = torch.empty(n, dtype=torch.float32, device=logits.device)
+        chunk_loss, _ = _kernels(logits.device)
         rows = chunk_rows(vocab)
         for a in range(0, n, rows):
-            z = logits[a : a + rows].float()  # (n_c, V)
-            lse[a : a + rows] = torch.logsumexp(z, dim=-1)
-            nll = lse[a : a + rows] - z.gather(1, safe[a : a + rows, None]).squeeze(1)
-            if eps > 0.0:
-                nll = (1.0 - eps) * nll + eps * (lse[a : a + rows] - z.mean(dim=-1))
-            per_token[a : a + rows] = nll
+            lse[a : a + rows], per_token[a : a + rows] = chunk_loss(
+                logits[a : a + rows], safe[a : a + rows], eps
+            )
         ctx.save_for_backward(logits, safe, valid, lse)
         ctx.eps = eps
         return per_token.masked_fill(~valid, 0.0).sum()
@@ -56,15 +86,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         logits, safe, valid, lse = ctx.saved_tensors
         n, vocab = logits.shape
         scale = valid.float() * grad_out  # (N,)
+        _, chunk_grad_ = _kernels(logits.device)
         rows = chunk_rows(vocab)
         for a in range(0, n, rows):
             b = min(a + rows, n)
-            grad = torch.exp(logits[a:b].float() - lse[a:b, None])  # p_j
-            grad.scatter_add_(1, safe[a:b, None], grad.new_full((b - a, 1), ctx.eps - 1.0))
-            if ctx.eps > 0.0:
-                grad -= ctx.eps / vocab
-            grad *= scale[a:b, None]
-            logits[a:b] = grad  # the logits' storage becomes their gradient
+            chunk_grad_(logits[a:b], safe[a:b], lse[a:b], scale[a:b], ctx.eps)  # the logits become their grad
         return logits, None, None
 
 

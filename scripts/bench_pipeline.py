@@ -356,6 +356,26 @@ def gather_floats(values: list[float]) -> list[list[float]]:
     return [o.tolist() for o in out]
 
 
+def measure_link(shape: tuple[int, ...], reps: int = 12) -> float:
+    """Seconds one boundary message (a decoder boundary: encoder output + hidden of one
+    micro-batch) takes between the two ranks: half a ping-pong round trip, median, as rank 0
+    measured it (broadcast so both ranks simulate with the same link)."""
+    peer = 1 - dist.get_rank()
+    bufs = [torch.randn(shape) for _ in range(2)]
+    times = []
+    for i in range(reps + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for phase in (0, 1):
+            for b in bufs:
+                (dist.send if phase == dist.get_rank() else dist.recv)(b, peer)
+        if i >= 2:
+            times.append((time.perf_counter() - t0) / 2)
+    out = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.broadcast(out, src=0)
+    return float(out[0])
+
+
 def stage_costs(results: list[FlushResult], n: int) -> tuple[list[float], list[float], list[float]]:
     """Mean per-stage F, backward-input and backward-weight times from this rank's timelines."""
     acc: dict[tuple[str, int], list[float]] = {}
@@ -529,6 +549,7 @@ def run(args: argparse.Namespace) -> None:
     step_t = t_all.tolist()
 
     # ---- bubble: measured vs theory vs simulator (fixed workload, our schedules)
+    link = measure_link((args.mb_size, args.seq_len, cfg.d_model))
     bubble_rows = []
     for c, (workload, engine, schedule, _, _) in enumerate(configs):
         if engine != "ours" or workload != "fixed":
@@ -546,7 +567,7 @@ def run(args: argparse.Namespace) -> None:
         fs = [f_all[mine[s]][s] for s in range(n)]
         bis = [bi_all[mine[s]][s] for s in range(n)]
         ws = [w_all[mine[s]][s] for s in range(n)]
-        sim = simulate(build_schedule(schedule, P, m, v), P, m, v, StageCosts(fs, bis, ws))
+        sim = simulate(build_schedule(schedule, P, m, v), P, m, v, StageCosts(fs, bis, ws, link))
         bubble_rows.append(
             {
                 "schedule": schedule,
@@ -629,6 +650,7 @@ def run(args: argparse.Namespace) -> None:
             sum(int(mb.input_ids.numel() + mb.labels.numel()) for mb in b.split(m)) for b in batches["varlen"]
         ],
         "grad_fp32_single_device_vs_fp64": fp32_floor,
+        "link_s": link,
         "zero_bubble_wgrad_store_relinked": any(
             getattr(x[3], "relinked_wgrad_store", False) for x in configs if x[2] == "zero_bubble"
         ),
@@ -734,7 +756,8 @@ def render(meta: dict, steps: list[dict], bubble: list[dict], mem: list[dict]) -
         "Measured: 1 - sum(busy) / (p x makespan) from the executor's FlushResults (barrier before each "
         "flush), median over the timed steps. Theory: (p-1)/(v m + p - 1) (zero bubble: the 1F1B bound; "
         "ZB-H1 does better). Simulated: `parallel.simulate` on the same action lists with per-stage "
-        "F / B (I, W) times measured from the executor timelines of the same run, free links.",
+        "F / B (I, W) times measured from the executor timelines of the same run, and the link cost of one "
+        f"boundary message measured by a ping-pong between the two ranks ({meta['link_s'] * 1e3:.2f} ms).",
         "",
         "| schedule | measured | theory | simulated | makespan ms measured | makespan ms simulated | "
         "F ms per stage | B (or I) ms per stage | W ms per stage |",
