@@ -285,6 +285,9 @@ def measure(name: str, c: Case, args: argparse.Namespace, device: torch.device) 
     if args.compile and device.type == "cuda":
         impls["ours_compile"] = lambda: ours(base, c, batch, device, bf16, compile_layers=True)
         impls["hf_compile"] = lambda: hf(base, c, batch, device, bf16, True)
+    if args.impls:  # a chosen subset, in the chosen order (for ablations)
+        impls["ours_autocast_only"] = lambda: ours(base, c, batch, device, bf16, working_weights=False)
+        impls = {k: impls[k] for k in args.impls.split(",")}
     row: dict[str, Any] = {"case": name, **c.__dict__, "params": sum(p.numel() for p in base.parameters())}
     row["tokens_per_step"] = sum(src) + sum(tgt)
     if device.type == "cuda":
@@ -324,6 +327,8 @@ def measure(name: str, c: Case, args: argparse.Namespace, device: torch.device) 
             row[f"{impl}_loss"] = float(built[impl][0]())
     for impl in impls:
         row[f"{impl}_tokens_per_s"] = row["tokens_per_step"] / row[f"{impl}_step_s"]
+    if "hf" not in impls:
+        return row
     row["step_time_vs_hf"] = row.get("ours_over_hf_alternating", row["ours_step_s"] / row["hf_step_s"])
     if "hf_compile_step_s" in row:
         row["step_time_vs_hf_compile"] = row["ours_step_s"] / row["hf_compile_step_s"]
@@ -332,6 +337,7 @@ def measure(name: str, c: Case, args: argparse.Namespace, device: torch.device) 
 
 
 def table(rows: list[dict[str, Any]]) -> str:
+    rows = [r for r in rows if "step_time_vs_hf" in r]
     head = "| case | ours s/step | HF s/step | ours / HF | ours / HF compile | MFU ours / HF | peak GiB ours / HF | host reads per mb | ops per mb ours / HF |"
     lines = [head, "|---|---:|---:|---:|---:|---|---|---:|---:|"]
     for r in rows:
@@ -387,6 +393,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--compile", action="store_true", help="also time ours and HF compiled (GPU)")
     ap.add_argument(
         "--ablation", action="store_true", help="also ours with autocast alone (no working weights)"
+    ap.add_argument("--impls", default="", help="only these sides, in this order (GPU), e.g. ours_autocast_only,ours")
     )
     ap.add_argument("--profile", default="", help="comma-separated cases to profile (GPU)")
     ap.add_argument("--json", default="", help="write the rows here")
