@@ -393,7 +393,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--compile", action="store_true", help="also time ours and HF compiled (GPU)")
     ap.add_argument(
         "--ablation", action="store_true", help="also ours with autocast alone (no working weights)"
-    ap.add_argument("--impls", default="", help="only these sides, in this order (GPU), e.g. ours_autocast_only,ours")
+    )
+    ap.add_argument(
+        "--impls", default="", help="only these sides, in this order (GPU), e.g. ours_autocast_only,ours"
     )
     ap.add_argument("--profile", default="", help="comma-separated cases to profile (GPU)")
     ap.add_argument("--json", default="", help="write the rows here")
