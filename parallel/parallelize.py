@@ -177,8 +177,12 @@ class ParallelModel:
         so the copies overlap the compute instead of waiting inside the flush.
         """
         on_device = [self._prepare(microbatches) for microbatches in flushes]
+        # One micro-batch per step reads each weight once: autocast's cast per use is then the
+        # same single cast, and measured faster on an H100 (1.2B, m=1: 0.225 vs 0.241 s/step),
+        # so the working copies are made only when several micro-batches share them.
+        share = self.working is not None and sum(len(f) for f in flushes) > 1
         working_weights: AbstractContextManager[list[Tensor]] = (
-            self.working.swapped() if self.working is not None else nullcontext([])
+            self.working.swapped() if share and self.working is not None else nullcontext([])
         )
         with working_weights as working:
             self.meter.ignore(working)

@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--output", default="outputs/bench", help="writes bench.json and bench.md here")
     ap.add_argument("--skip_cpu", action="store_true", help="only the GPU part")
     ap.add_argument("--gpu_cases", default=GPU_CASES)
+    ap.add_argument("--no_compile", action="store_true", help="skip the compiled variants (GPU)")
     ap.add_argument("--no_save", action="store_true", help="do not copy the results into benchmarks/")
     args = ap.parse_args(argv)
     out = Path(args.output)
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["cpu"] = cpu_keys(rows, run_pipeline_bench(args.quick, out))
     if torch.cuda.is_available():
         cases = [c for c in args.gpu_cases.split(",") if c]
-        compiled = [c for c in cases if c in GPU_COMPILE_CASES.split(",")]
+        compiled = [] if args.no_compile else [c for c in cases if c in GPU_COMPILE_CASES.split(",")]
         rows = []
         if compiled:
             rows += run_step_bench(",".join(compiled), 5, ["--compile"], out)
