@@ -71,8 +71,7 @@ def run_step_bench(cases: str, steps: int, extra: list[str], out: Path) -> list[
 def run_pipeline_bench(quick: bool, out: Path) -> dict[str, Any]:
     prefix = out / "pipeline"
     cmd = [sys.executable, str(ROOT / "scripts/bench_pipeline.py"), "--out", str(prefix)]
-    if quick:
-        cmd += ["--steps", "4", "--skip_memory"]
+    cmd += ["--steps", "4", "--skip_memory"] if quick else ["--steps", "10"]
     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return json.loads(prefix.with_suffix(".json").read_text())  # type: ignore[no-any-return]
 
