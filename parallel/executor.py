@@ -157,14 +157,14 @@ class PipelineExecutor:
         slot = {s: k for k, s in enumerate(sorted(stages))}
         self.final_backward = {i: slot[s] for s, i in last.items()}
         # Runs of consecutive comm actions: each is posted as one batch.
-        self.steps: list[tuple[int, int]] = []
+        self.segments: list[tuple[int, int]] = []
         i = 0
         while i < len(self.actions):
             j = i + 1
             if self.actions[i].type.is_comm:
                 while j < len(self.actions) and self.actions[j].type.is_comm:
                     j += 1
-            self.steps.append((i, j))
+            self.segments.append((i, j))
             i = j
 
     # ------------------------------------------------------------------ driver
@@ -191,7 +191,7 @@ class PipelineExecutor:
         mark = self.clock.mark if timed else None
         if mark is not None:
             res.marks.append(mark())
-        for i, j in self.steps:
+        for i, j in self.segments:
             a = self.actions[i]
             if a.type.is_comm:
                 st.sends = p2p.wait_sends(st.sends, only_completed=True)

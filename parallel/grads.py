@@ -57,7 +57,9 @@ class StepGradients:
         sequence_parallel: bool = False,
         overlap_dp: bool = True,
     ) -> None:
-        self.model, self.mesh, self.sequence_parallel = model, mesh, sequence_parallel
+        self.mesh, self.sequence_parallel = mesh, sequence_parallel
+        # The fp32 parameters, held here: inside a bf16 step the modules hold working copies.
+        self.params = list(model.parameters())
         self.shared: nn.Parameter | None = getattr(getattr(model, "shared", None), "weight", None)
         self.reducer = GradReducer(
             stage_params,
@@ -76,7 +78,7 @@ class StepGradients:
         """At GR of the step's last flush: dp, then sequence-parallel tp, then tied-embedding sums."""
         self.reducer.all_reduce()
         if self.sequence_parallel:
-            sync_sequence_parallel_grads(self.model, self.mesh.group("tp"))
+            sync_sequence_parallel_grads(self.params, self.mesh.group("tp"))
         if self.tied_group is not None and self.shared is not None:
             if self.shared.grad is None:
                 self.shared.grad = torch.zeros_like(self.shared)
@@ -90,7 +92,7 @@ class StepGradients:
         it; dp replicas hold equal gradients after the reduce, so no dp sum.
         """
         tied_copy = self.shared is not None and self.mesh.pp_rank != self.tied_ranks[0]
-        params = [p for p in self.model.parameters() if not (tied_copy and p is self.shared)]
+        params = [p for p in self.params if not (tied_copy and p is self.shared)]
         tp_group = self.mesh.group("tp") if self.mesh.size("tp") > 1 else None
         total = grad_sq_over_tp(params, tp_group)
         if self.mesh.size("pp") > 1:
@@ -101,7 +103,7 @@ class StepGradients:
         """Scale every gradient so the global norm is at most `max_norm` (if > 0); returns the norm."""
         norm = self.norm()
         if max_norm > 0:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            grads = [p.grad for p in self.params if p.grad is not None]
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, coef)
         return norm
@@ -127,14 +129,14 @@ def _sum_sq(grads: list[Tensor], device: torch.device) -> Tensor:
     return torch.stack([n.float() for n in norms]).square().sum()
 
 
-def sync_sequence_parallel_grads(model: nn.Module, tp_group: ProcessGroup) -> None:
+def sync_sequence_parallel_grads(params: Sequence[nn.Parameter], tp_group: ProcessGroup) -> None:
     """All-reduce over tp the gradients of replicated parameters used on sequence-split activations.
 
     Call once per optimizer step, after all backward passes and before the dp
     reduction / grad-norm; a no-op without sequence parallelism. One flat
-    all-reduce, in `named_parameters` order (identical on all tp ranks).
+    all-reduce, in the order of `params` (the model's, identical on all tp ranks).
     """
-    grads = [p.grad for p in model.parameters() if is_sequence_parallel_param(p) and p.grad is not None]
+    grads = [p.grad for p in params if is_sequence_parallel_param(p) and p.grad is not None]
     if not grads or _size(tp_group) == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

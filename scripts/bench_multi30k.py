@@ -568,7 +568,7 @@ def write_report(out: Path, result: dict[str, Any]) -> None:
         "over its batch, and the logged value is averaged over the logging interval. With one 32-sentence "
         "batch per step and logging every step these are the same quantity here; with gradient "
         "accumulation or a logging interval > 1, HF averages per-batch means (slightly different).",
-        "- Step time: ours is `StepStats.step_time_s` (fwd/bwd, clip, AdamW, scheduler); HF's is "
+        "- Step time: ours is the logged `step_time_s` (fwd/bwd, clip, AdamW, scheduler); HF's is "
         "`on_step_begin`→`on_step_end` (the same work plus its per-step logging); both exclude fetching "
         "the batch. Loop wall time is first step start → last step end (includes batch fetching).",
         f"- Tokenizer: the exported `AutoTokenizer` gives our ids on all but {result['tokenizer_mismatches']} "

@@ -171,3 +171,30 @@ def host_reads_in_step(rank: int, world: int, meshes: list[tuple[int, int, int, 
         assert results[-1].timeline, "a timed flush has a timeline"
         out.append((pp, dp, tp, schedule, sp, counter.host_reads, counter.num_ops))
     return out
+
+
+def bf16_sequence_parallel_grads(rank: int, world: int) -> float:
+    """Regression: inside a bf16 step the modules hold working copies, and the sequence-
+    parallel gradient sum once iterated the model's parameters then, so it summed nothing.
+    Returns the largest difference between tp ranks of a replicated parameter's gradient
+    (row-parallel biases and norms: identical after the sum)."""
+    import torch.distributed as dist
+
+    cfg = ModelConfig(**TINY)
+    torch.manual_seed(0)
+    model = M2M100Translation(cfg)
+    mesh = build_mesh(ParallelDims(pp=1, dp=1, tp=world, world_size=world))
+    pm = build_parallel_model(
+        model, mesh, [len(model.blocks)], 2, "1f1b", 1, "none", 0.0,
+        autocast_dtype=torch.bfloat16, sequence_parallel=True,
+    )  # fmt: skip
+    batch = random_batch(cfg, 8, seed=5)
+    pm.train_step([batch.split(2)], loss_scale=1.0 / batch.num_tokens())  # two micro-batches: working weights
+    worst = 0.0
+    for name, p in pm.named_params().items():
+        if getattr(p, "sequence_parallel", False) and p.grad is not None:
+            other = p.grad.clone()
+            dist.broadcast(other, src=0, group=mesh.group("tp"))
+            worst = max(worst, float((p.grad - other).abs().max()))
+            assert type(p) is torch.nn.Parameter and p.dtype == torch.float32, name
+    return worst

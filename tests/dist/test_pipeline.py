@@ -62,3 +62,11 @@ def test_dp_reduce_overlaps_last_backward(pp: int, schedule: str) -> None:
         assert err <= TOL, f"rank {rank}: ||dg||/||g|| = {err:.2e}"
         if schedule != "zero_bubble":
             assert launched >= 1, f"rank {rank}: no bucket was launched during the backward"
+
+
+@pytest.mark.dist
+def test_bf16_working_weights_keep_sequence_parallel_grad_sum() -> None:
+    from tests.dist.pipeline_workers import bf16_sequence_parallel_grads
+
+    for rank, worst in enumerate(run_distributed(bf16_sequence_parallel_grads, 2, timeout=120)):
+        assert worst == 0.0, f"rank {rank}: replicated gradients differ across tp by {worst:.3e}"

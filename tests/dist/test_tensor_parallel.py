@@ -228,7 +228,7 @@ def _check_model(group: Any, sequence_parallel: bool) -> None:
     loss.backward()
     if sequence_parallel:
         assert any(is_sequence_parallel_param(q) for q in model.parameters())
-        sync_sequence_parallel_grads(model, group)
+        sync_sequence_parallel_grads(list(model.parameters()), group)
     grads = gather_full_state_dict(model, group, grads=True)
     assert set(grads) == set(ref_grads)
     for name, grad in ref_grads.items():
