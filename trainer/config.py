@@ -152,6 +152,13 @@ class ParallelArguments:
     sequence_parallel: bool = field(
         default=False, metadata={"help": "Split norms/dropout along the sequence."}
     )
+    profile_activation_memory: bool = field(
+        default=False,
+        metadata={
+            "help": "Count activation memory with saved-tensor hooks on CUDA too (host work on every "
+            "logged micro-batch); by default CUDA reads the caching allocator and CPUs use the hooks."
+        },
+    )
     data_parallel_sharding: str = field(
         default="none", metadata={"help": f"One of {list(SHARDING_CHOICES)}."}
     )

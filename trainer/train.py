@@ -157,6 +157,7 @@ def build_model(
         before_tp=load_pretrained if path else None,
         dp_sharding=p.data_parallel_sharding,
         compile_layers=cfg.training.torch_compile,
+        saved_tensor_meter=p.profile_activation_memory,
     )
 
 
