@@ -31,9 +31,14 @@ def chunk_rows(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(vocab, 1))
 
 
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a chunk is computed in: fp32, or fp64 for fp64 logits (reference runs)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _chunk_loss(z: Tensor, target: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """One chunk's (log Z, per-token loss) from its logits (n_c, V) in any float dtype."""
-    z = z.float()
+    z = z.to(_acc_dtype(z.dtype))
     lse = torch.logsumexp(z, dim=-1)
     nll = lse - z.gather(1, target[:, None]).squeeze(1)
     if eps > 0.0:
@@ -43,9 +48,9 @@ def _chunk_loss(z: Tensor, target: Tensor, eps: float) -> tuple[Tensor, Tensor]:
 
 def _chunk_grad_(z: Tensor, target: Tensor, lse: Tensor, scale: Tensor, eps: float) -> None:
     """Overwrite one chunk's logits (n_c, V) with d(loss)/d(logits), `scale` per row."""
-    p = torch.exp(z.float() - lse[:, None])  # p_j
+    p = torch.exp(z.to(lse.dtype) - lse[:, None])  # p_j
     hit = torch.arange(z.shape[1], device=z.device)[None, :] == target[:, None]  # [j = t]
-    grad = p - (1.0 - eps) * hit.float() - eps / z.shape[1]
+    grad = p - (1.0 - eps) * hit.to(lse.dtype) - eps / z.shape[1]
     z.copy_(grad * scale[:, None])
 
 
@@ -69,8 +74,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         n, vocab = logits.shape  # (N, V)
         valid = target != IGNORE_INDEX
         safe = target.masked_fill(~valid, 0)
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        per_token = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(n, dtype=_acc_dtype(logits.dtype), device=logits.device)
+        per_token = torch.empty(n, dtype=lse.dtype, device=logits.device)
         chunk_loss, _ = _kernels(logits.device)
         rows = chunk_rows(vocab)
         for a in range(0, n, rows):
@@ -85,7 +90,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         logits, safe, valid, lse = ctx.saved_tensors
         n, vocab = logits.shape
-        scale = valid.float() * grad_out  # (N,)
+        scale = valid.to(lse.dtype) * grad_out  # (N,)
         _, chunk_grad_ = _kernels(logits.device)
         rows = chunk_rows(vocab)
         for a in range(0, n, rows):

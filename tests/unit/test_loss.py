@@ -49,3 +49,12 @@ def test_bf16_logits_are_read_in_fp32() -> None:
     got = cross_entropy_sum(logits.clone(), labels, 0.1)
     assert got.dtype == torch.float32
     assert torch.allclose(got, ref, rtol=1e-6)
+
+
+def test_fp64_logits_are_computed_in_fp64() -> None:
+    """Reference runs in fp64 (the benchmarks' ground truth) must not round through fp32."""
+    logits, labels = _inputs(torch.float64, seed=2)
+    ref = F.cross_entropy(logits.reshape(-1, 53), labels.reshape(-1), reduction="sum", label_smoothing=0.1)
+    got = cross_entropy_sum(logits.clone(), labels, 0.1)
+    assert got.dtype == torch.float64
+    assert torch.allclose(got, ref, rtol=1e-12)
