@@ -54,6 +54,16 @@ def _chunk_grad_(z: Tensor, target: Tensor, lse: Tensor, scale: Tensor, eps: flo
     z.copy_(grad * scale[:, None])
 
 
+def _chunk_grad_eager_(z: Tensor, target: Tensor, lse: Tensor, scale: Tensor, eps: float) -> None:
+    """`_chunk_grad_` in fewer passes for eager execution (CPU): in-place ops and a scatter
+    instead of a one-hot comparison, which only pays when inductor fuses it away."""
+    grad = (z.to(lse.dtype) - lse[:, None]).exp_()  # p_j
+    grad.scatter_add_(1, target[:, None], torch.full_like(lse[:, None], eps - 1.0))
+    if eps > 0.0:
+        grad.sub_(eps / z.shape[1])
+    z.copy_(grad.mul_(scale[:, None]))
+
+
 _COMPILED: dict[str, Any] = {}
 
 
@@ -61,7 +71,7 @@ def _kernels(device: torch.device) -> tuple[Any, Any]:
     """The chunk functions; on CUDA compiled by inductor into one fused kernel each (an eager
     chunk makes about ten passes over its fp32 values, 20% of a 418M model's step)."""
     if device.type != "cuda":
-        return _chunk_loss, _chunk_grad_
+        return _chunk_loss, _chunk_grad_eager_
     if not _COMPILED:
         _COMPILED["loss"] = torch.compile(_chunk_loss, dynamic=None)
         _COMPILED["grad"] = torch.compile(_chunk_grad_, dynamic=None)
