@@ -191,7 +191,7 @@ def bubble_stats(pm: ParallelModel, flushes: list[FlushResult]) -> dict[str, flo
             "stage_compute_s_0": busy,
             "peak_activation_bytes_stage_0": float(peak),
         }
-    row = torch.zeros(3 * p, dtype=torch.float64)
+    row = torch.zeros(3 * p, dtype=torch.float64, device=pm.device)  # NCCL reduces device tensors only
     r = pm.mesh.pp_rank
     row[r], row[p + r], row[2 * p + r] = busy, wall, float(peak)
     dist.all_reduce(row, group=pm.mesh.group("pp"))
