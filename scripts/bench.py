@@ -1,6 +1,6 @@
 """The project's benchmark, one command: every figure a ratio against a peer measured in the same run.
 
-    python scripts/bench.py --quick                     # CPU, about 10 minutes on 2 cores
+    python scripts/bench.py --quick                     # CPU, 2-4 minutes on 2 cores
     python scripts/bench.py --output outputs/bench      # + the GPU table where CUDA is present
     python scripts/bench.py --skip_cpu                  # GPU only (the CPU part is the slow half)
 
@@ -154,7 +154,7 @@ def render(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer steps (CPU part in ~10 minutes on 2 cores)")
+    ap.add_argument("--quick", action="store_true", help="fewer steps (CPU part in 2-4 minutes on 2 cores)")
     ap.add_argument("--output", default="outputs/bench", help="writes bench.json and bench.md here")
     ap.add_argument("--skip_cpu", action="store_true", help="only the GPU part")
     ap.add_argument("--gpu_cases", default=GPU_CASES)

@@ -1,10 +1,11 @@
 """The pipeline timeline: one row per pipeline rank, every action as a coloured bar.
 
-Written as `timeline.png` (forward / backward / input-grad / weight-grad coloured,
-idle left white, like the GPipe and zero-bubble papers' figures) and as
+Written as `timeline.png` (forward / backward / input-grad / weight-grad / p2p
+batches coloured, idle left white, like the GPipe and zero-bubble papers' figures) and as
 `timeline_trace.json` in the Chrome trace format (open in chrome://tracing or
-Perfetto). Times are each rank's clock relative to its own flush start; the
-trainer starts measured steps with a barrier so the rows line up.
+Perfetto). Times are each rank's clock relative to its own flush start (device time
+from CUDA events on a GPU, `parallel.timing`); the trainer starts measured steps
+with a barrier so the rows line up.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from parallel.executor import FlushResult
 from parallel.parallelize import ParallelModel
 
-COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#8172B2", "W": "#CCB974", "GR": "#C44E52"}
+COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#8172B2", "W": "#CCB974", "GR": "#C44E52", "P2P": "#999999"}
 Row = list[tuple[str, float, float]]
 
 
@@ -49,7 +50,7 @@ def render_png(rows: list[Row], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(rows) + 1.2))
     for rank, row in enumerate(rows):
         for name, start, end in row:
-            kind = "GR" if name == "GR" else name[0]
+            kind = "GR" if name == "GR" else "P2P" if name[0] in "SR" else name[0]  # S/R: a comm batch
             ax.broken_barh(
                 [(start * 1e3, max(end - start, 1e-6) * 1e3)],
                 (rank - 0.4, 0.8),
@@ -74,11 +75,11 @@ def render_png(rows: list[Row], path: Path, title: str) -> None:
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
     ax.legend(
         handles,
-        ["forward", "backward", "input grad", "weight grad", "grad reduce"],
+        ["forward", "backward", "input grad", "weight grad", "grad reduce", "p2p batch (incl. wait)"],
         loc="upper center",
         bbox_to_anchor=(0.5, -0.35),
         fontsize=7,
-        ncol=5,
+        ncol=6,
         frameon=False,
     )
     fig.tight_layout()
