@@ -71,10 +71,8 @@ class Seq2SeqBatch:
     _key_mask: Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.src_lengths is None and self.attention_mask.device.type == "cpu":
-            self.src_lengths = tuple(int(n) for n in self.attention_mask.sum(dim=1).tolist())
-        if self.tgt_lengths is None and self.labels.device.type == "cpu":
-            self.tgt_lengths = tuple(int(n) for n in (self.labels != IGNORE_INDEX).sum(dim=1).tolist())
+        if self.attention_mask.device.type == "cpu":
+            self.lengths()  # read them while it costs nothing: the tensors are on the host
 
     @property
     def size(self) -> int:

@@ -65,10 +65,6 @@ class FlushResult:
         return self._seconds
 
     @property
-    def timed(self) -> bool:
-        return bool(self.marks)
-
-    @property
     def timeline(self) -> list[tuple[str, float, float]]:
         """(action, start, end) in seconds from the flush start."""
         t = self._times()
