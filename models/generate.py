@@ -158,9 +158,7 @@ class SearchSettings:
         if self.num_beams < 1:
             raise ValueError(f"num_beams={self.num_beams} must be >= 1")
         if self.max_length < 2:
-            raise ValueError(
-                f"max_length={self.max_length} must be >= 2 (start token + one generated token)"
-            )
+            raise ValueError(f"max_length={self.max_length} must be >= 2 (start token + one generated token)")
         return self
 
 

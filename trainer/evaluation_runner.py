@@ -2,26 +2,47 @@
 
 `eval_loss` runs the pipeline's forward-only schedule over the validation batches
 on every rank (tensor-parallel, vocab-parallel loss), so it is exactly the
-model the optimizer trains. Translation for BLEU/chrF runs on the logging rank on
-a gathered single-device copy of the weights (tp shards gathered, pipeline stages
-collected): simple and exact, and fine for models that fit one device's memory;
-pipelined generation for larger models is not implemented.
+model the optimizer trains. Translation for BLEU/chrF also runs on the 3D model
+as it is (`parallel.generate.pipeline_generate`: per-stage KV caches, tp layers),
+so no rank ever holds more than its own shard of the weights:
+
+    dp replica r decodes batches r, r + dp, ... of each direction (length-sorted
+    batches from `build_batches`, so the replicas get similar work) on its pp x tp
+    slice; the last stage's tp-0 rank of each replica holds the token ids of its
+    batches; they are gathered (ids, not weights) to the logging rank, which
+    detokenizes and scores them. The batches are those single-device evaluation
+    decodes, so the hypotheses, and BLEU, are the same.
+
+Sequence parallelism splits every layer's input along T, which one token per
+decoding step cannot be: those runs still gather a single-device copy of the
+weights onto the logging rank (`gather_full_state`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from models.config import ModelConfig
+from models.generate import SearchSettings
 from models.m2m100 import M2M100Translation
+from parallel.generate import pipeline_generate
 from parallel.mesh import ParallelMesh
 from parallel.parallelize import ParallelModel
 from trainer.config import TrainingArguments
 from trainer.data import EvalBatch
-from trainer.evaluate import SAMPLES_KEY, DirectionTexts, evaluate_directions
+from trainer.evaluate import (
+    SAMPLES_KEY,
+    DirectionTexts,
+    Translator,
+    build_batches,
+    hypotheses_in_order,
+    score_directions,
+    translate,
+)
 from trainer.tokenizer import Tokenizer
 
 
@@ -90,22 +111,61 @@ class Evaluator:
     def run(self, step: int, tracker: Any = None) -> dict[str, Any]:
         self.pm.model.eval()
         metrics: dict[str, Any] = self.losses()
-        state = gather_full_state(self.pm, self.mesh, self.log_rank)
-        if dist.get_rank() == self.log_rank and state is not None and self.texts:
-            model = M2M100Translation(self.model_config).to(self.device)
-            model.load_state_dict(state)
-            result = evaluate_directions(
-                model,
-                self.texts,
-                self.tok,
-                num_beams=self.args.generation_num_beams,
-                max_length=self.args.generation_max_length,
-                batch_size=self.args.per_device_eval_batch_size,
-            )
+        if self.texts:
+            result = score_directions(self._translator(), self.texts)
             samples = result.pop(SAMPLES_KEY, [])
-            metrics.update(result)
-            if tracker is not None:
-                tracker.log_samples(step, [tuple(s) for s in samples])
+            if dist.get_rank() == self.log_rank:
+                metrics.update(result)
+                if tracker is not None:
+                    tracker.log_samples(step, [tuple(s) for s in samples])
         dist.barrier()
         self.pm.model.train()
         return metrics
+
+    def _translator(self) -> Translator:
+        """The 3D translator, or (sequence parallelism) one device's on a gathered copy."""
+        tp_info = self.pm.tp_info
+        if tp_info is None or not tp_info.sequence_parallel:
+            return self.translate_3d
+        state = gather_full_state(self.pm, self.mesh, self.log_rank)
+        if state is None:
+            return lambda sources, src_lang, tgt_lang: None
+        model = M2M100Translation(self.model_config).to(self.device)
+        model.load_state_dict(state)
+        model.eval()
+        a = self.args
+
+        def on_one_device(sources: Sequence[str], src_lang: str, tgt_lang: str) -> list[str]:
+            return translate(
+                model,
+                self.tok,
+                sources,
+                src_lang,
+                tgt_lang,
+                a.generation_num_beams,
+                a.generation_max_length,
+                a.per_device_eval_batch_size,
+            )
+
+        return on_one_device
+
+    def translate_3d(self, sources: Sequence[str], src_lang: str, tgt_lang: str) -> list[str] | None:
+        """Collective: translate on the 3D model, dp replicas sharing the batches (see the module
+        docstring); the hypotheses on the logging rank, None elsewhere."""
+        a, mesh = self.args, self.mesh
+        settings = SearchSettings(num_beams=a.generation_num_beams, max_length=a.generation_max_length)
+        batches = build_batches(self.tok, sources, src_lang, tgt_lang, a.per_device_eval_batch_size)
+        outputs = []
+        for batch in batches[mesh.dp_rank :: mesh.size("dp")]:
+            ids = pipeline_generate(
+                self.pm, batch.input_ids, batch.attention_mask, batch.forced_bos_token_id, settings
+            )
+            if ids is not None and mesh.tp_rank == 0:
+                outputs.append((batch.index, ids.tolist()))
+        if dist.get_world_size() == 1:
+            return hypotheses_in_order(outputs, self.tok)
+        got: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == self.log_rank else None
+        dist.gather_object(outputs, got, dst=self.log_rank)
+        if got is None:
+            return None
+        return hypotheses_in_order((o for part in got for o in part), self.tok)
