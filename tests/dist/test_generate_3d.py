@@ -44,9 +44,26 @@ TINY = dict(
     activation_dropout=0.0,
     max_position_embeddings=64,
 )
-TAGS = {"en": 4, "de": 5, "fr": 6}  # tests.unit.test_evaluate.WordTokenizer's
+TAGS = {"en": 4, "de": 5, "fr": 6}
 FIRST_WORD = 7
 CUTS = [([5, 4], "1f1b", 1), ([2, 7], "1f1b", 1), ([2, 3, 2, 2], "interleaved_1f1b", 2)]
+
+
+class WordTokenizer:
+    """Source word `w<id>` is id; id decodes to the two words `w<id> v<id>`, so that the tiny
+    model's short outputs still have 4-grams for BLEU. (A sibling of tests.unit.test_evaluate's,
+    not imported: that module pulls in `transformers` models, which every rank would pay for.)"""
+
+    pad_id, eos_id = 1, 2
+
+    def encode(self, text: str) -> list[int]:
+        return [int(w[1:]) for w in text.split() if w.startswith("w")]
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(f"w{i} v{i}" for i in ids if i >= FIRST_WORD)
+
+    def lang_id(self, lang: str) -> int:
+        return TAGS[lang]
 
 
 def random_sources(n: int, seed: int, max_len: int = 9) -> list[list[int]]:
@@ -103,7 +120,9 @@ def token_parity(base: Any, pm: Any, dp_rank: int) -> list[dict[str, Any]]:
         got = pipeline_generate(pm, ids, mask, tags, settings)
         want = generate(base, ids, mask, tags, num_beams=num_beams, max_length=max_length)
         if got is not None:
-            out.append({"beams": num_beams, "max_length": max_length, "got": got.tolist(), "want": want.tolist()})
+            out.append(
+                {"beams": num_beams, "max_length": max_length, "got": got.tolist(), "want": want.tolist()}
+            )
     return out
 
 
@@ -111,18 +130,19 @@ def bleu_parity(base: Any, pm: Any, mesh: Any, log_rank: int) -> dict[str, Any] 
     """`Evaluator.run` on the mesh vs `evaluate_directions` on the full model (logging rank)."""
     import torch.distributed as dist
 
-    from tests.unit.test_evaluate import WordTokenizer
     from trainer.data import EvalBatch
-    from trainer.evaluate import evaluate_directions
+    from trainer.evaluate import evaluate_directions, translate
     from trainer.evaluation_runner import Evaluator
 
     tok, cfg = WordTokenizer(), base.config
     batches: dict[str, list[EvalBatch]] = {}
-    for d, (lang, seed) in enumerate((("fr", 7), ("de", 8))):
-        words = random_sources(10, seed=seed)
-        refs = [w[::-1] if i % 3 == 0 else w for i, w in enumerate(words)]  # BLEU strictly inside (0, 100)
-        texts = [" ".join(f"w{i}" for i in w) for w in words]
-        ref_texts = [" ".join(f"w{i}" for i in r) for r in refs]
+    for lang, seed in (("fr", 7), ("de", 8)):
+        texts = [" ".join(f"w{i}" for i in w) for w in random_sources(10, seed=seed)]
+        # References: the single-device translation for 2 sentences in 3, the source otherwise,
+        # so BLEU is inside (0, 100) and moves with any changed hypothesis.
+        hyps = translate(base, tok, texts, "en", lang, num_beams=3, max_length=12)
+        ref_texts = [h if i % 3 else t for i, (h, t) in enumerate(zip(hyps, texts))]
+        words = [tok.encode(t) for t in texts]
         batch = copy_batch(cfg, words, [TAGS[lang]] * len(words))
         batches[f"en-{lang}"] = [EvalBatch(f"en-{lang}", batch, texts, ref_texts, TAGS[lang])]
     args = SimpleNamespace(generation_num_beams=3, generation_max_length=12, per_device_eval_batch_size=3)
@@ -160,20 +180,22 @@ def generate_worker(
 
 def check(results: list[dict[str, Any]], shape: tuple[int, int, int]) -> None:
     pp, dp, tp = shape
-    leaders = [r for r in range(pp * dp * tp) if r // (dp * tp) == pp - 1]
-    lengths, beams_differ = set(), False
+    leaders = [r for r in range(pp * dp * tp) if r // (dp * tp) == pp - 1]  # the last stage's ranks
+    lengths: set[int] = set()
     for rank, res in enumerate(results):
         for cut, cases in res["tokens"].items():
             assert bool(cases) == (rank in leaders), (rank, cut)
             for case in cases:
                 assert case["got"] == case["want"], (rank, cut, case)
                 lengths.update(len([t for t in row if t != 1]) for row in case["want"])
-    # Not degenerate: rows end at different lengths, and beam search differs from greedy somewhere.
-    assert len(lengths) >= 3, lengths
+            # Not degenerate: beam search (same max_length) picks differently from greedy somewhere.
+            if cases:
+                assert cases[0]["want"] != cases[1]["want"], (rank, cut)
+    assert len(lengths) >= 3, lengths  # rows end at varied lengths
     bleu = results[leaders[0]]["bleu"]
     assert bleu is not None and bleu["got"] == bleu["want"], bleu
     assert 0.0 < bleu["want"]["eval_bleu"] < 100.0, bleu
-    del beams_differ
+    assert all(r["bleu"] is None for i, r in enumerate(results) if i != leaders[0])
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +205,9 @@ def state() -> dict[str, torch.Tensor]:
 
 @pytest.mark.dist
 @pytest.mark.parametrize("shape", [(2, 1, 2), (2, 2, 2)])
-def test_generation_3d_equals_single_device(shape: tuple[int, int, int], state: dict[str, torch.Tensor]) -> None:
+def test_generation_3d_equals_single_device(
+    shape: tuple[int, int, int], state: dict[str, torch.Tensor]
+) -> None:
     world = shape[0] * shape[1] * shape[2]
     results = run_distributed(generate_worker, world, args=(shape, state), timeout=240)
     check(results, shape)
