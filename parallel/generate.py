@@ -21,13 +21,16 @@ S source length, H d_model, V vocabulary.
               number of steps, so all tp and p2p traffic matched
 
 Tensor-parallel layers run as trained (heads split, row-parallel all-reduce); the
-KV caches hold this rank's heads only. Nothing per token reads the device except
+KV caches hold this rank's heads only. Sequence parallelism is suspended while
+decoding (`parallel.tp.apply.sequence_parallel_suspended`): one token per step
+cannot be split along T, and the forward values do not depend on it. Nothing per token reads the device except
 what the search needs (its finished check on the leader, the command on the others).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -37,12 +40,14 @@ from models.generate import (
     DECODER_KINDS,
     IncrementalDecoder,
     SearchSettings,
+    Special,
     search,
     special_tokens,
 )
 from models.m2m100 import BlockSpec, Seq2SeqBatch, State
 from parallel.p2p import PendingSend, Transfer, exchange, wait_sends
 from parallel.parallelize import ParallelModel
+from parallel.tp.apply import sequence_parallel_suspended
 
 STOP, STEP, REORDER_AND_STEP = 0, 1, 2  # leader -> followers commands (element 0 of the message)
 
@@ -209,8 +214,8 @@ def pipeline_generate(
     with the same batch. Dropout is whatever mode `pm.model` is in (eval for decoding).
 
     Args:
-        pm: this rank's parallel model (sequence parallelism off: one token per step
-            cannot be split along T).
+        pm: this rank's parallel model (sequence parallelism, if on, is suspended for the
+            call: one token per step cannot be split along T).
         input_ids: (B, S) `__src__ tokens </s>` right-padded.
         attention_mask: (B, S) 1 on real tokens.
         forced_bos_token_id: one tag, one per row, or None (see `generate`).
@@ -220,16 +225,22 @@ def pipeline_generate(
         (B, T) token ids on the last stage's ranks (every tp rank), None on the others.
 
     Raises:
-        ValueError: bad settings or tag list, or a sequence-parallel model.
+        ValueError: bad settings or tag list.
     """
     settings.validate()
-    if pm.tp_info is not None and pm.tp_info.sequence_parallel:
-        raise ValueError(
-            "pipeline_generate needs sequence_parallel=False (decoding feeds one token per step)"
-        )
     k, b = settings.num_beams, int(input_ids.shape[0])
     special = special_tokens(pm.model.config, forced_bos_token_id, b, k, pm.device)
     ids, mask = input_ids.to(pm.device), attention_mask.to(pm.device)
+    sp = pm.tp_info is not None and pm.tp_info.sequence_parallel
+    with sequence_parallel_suspended(pm.model) if sp else nullcontext():
+        return _generate(pm, ids, mask, special, settings)
+
+
+def _generate(
+    pm: ParallelModel, ids: Tensor, mask: Tensor, special: Special, settings: SearchSettings
+) -> Tensor | None:
+    """Encode, then the leader searches while the other pp ranks follow (see the module docstring)."""
+    k, b = settings.num_beams, int(ids.shape[0])
     empty = ids[:, :0]
     encoder_out = encode(pm, Seq2SeqBatch(ids, mask, empty, empty))  # (B, S, H)
     # Beams of a row sit next to each other, as in `generate`.

@@ -13,9 +13,8 @@ so no rank ever holds more than its own shard of the weights:
     detokenizes and scores them. The batches are those single-device evaluation
     decodes, so the hypotheses, and BLEU, are the same.
 
-Sequence parallelism splits every layer's input along T, which one token per
-decoding step cannot be: those runs still gather a single-device copy of the
-weights onto the logging rank (`gather_full_state`).
+(Before, the logging rank gathered a single-device copy of the weights and decoded
+alone, which fails for models that do not fit one device.)
 """
 
 from __future__ import annotations
@@ -23,12 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from models.config import ModelConfig
 from models.generate import SearchSettings
-from models.m2m100 import M2M100Translation
 from parallel.generate import pipeline_generate
 from parallel.mesh import ParallelMesh
 from parallel.parallelize import ParallelModel
@@ -37,35 +33,11 @@ from trainer.data import EvalBatch
 from trainer.evaluate import (
     SAMPLES_KEY,
     DirectionTexts,
-    Translator,
     build_batches,
     hypotheses_in_order,
     score_directions,
-    translate,
 )
 from trainer.tokenizer import Tokenizer
-
-
-def gather_full_state(pm: ParallelModel, mesh: ParallelMesh, dst: int) -> dict[str, torch.Tensor] | None:
-    """Collective: the single-device state dict on global rank `dst` (None elsewhere)."""
-    if mesh.size("tp") > 1:
-        from parallel.tp.apply import gather_full_state_dict
-
-        state = gather_full_state_dict(pm.model, mesh.group("tp"))
-    else:
-        state = {k: v.detach() for k, v in pm.model.state_dict().items()}
-    if dist.get_world_size() == 1:
-        return state
-    mine = {k: v.cpu() for k, v in state.items()} if mesh.dp_rank == 0 and mesh.tp_rank == 0 else None
-    got: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
-    dist.gather_object(mine, got, dst=dst)
-    if got is None:
-        return None
-    full: dict[str, torch.Tensor] = {}
-    for part in got:
-        if part:
-            full.update(part)
-    return full
 
 
 class Evaluator:
@@ -79,10 +51,9 @@ class Evaluator:
         batches: dict[str, list[EvalBatch]],
         args: TrainingArguments,
         log_rank: int,
-        model_config: ModelConfig,
     ) -> None:
         self.pm, self.mesh, self.tok, self.batches = pm, mesh, tokenizer, batches
-        self.args, self.log_rank, self.model_config = args, log_rank, model_config
+        self.args, self.log_rank = args, log_rank
         self.device = next(pm.model.parameters()).device
         self.texts = [
             DirectionTexts(
@@ -112,7 +83,7 @@ class Evaluator:
         self.pm.model.eval()
         metrics: dict[str, Any] = self.losses()
         if self.texts:
-            result = score_directions(self._translator(), self.texts)
+            result = score_directions(self.translate_3d, self.texts)
             samples = result.pop(SAMPLES_KEY, [])
             if dist.get_rank() == self.log_rank:
                 metrics.update(result)
@@ -121,33 +92,6 @@ class Evaluator:
         dist.barrier()
         self.pm.model.train()
         return metrics
-
-    def _translator(self) -> Translator:
-        """The 3D translator, or (sequence parallelism) one device's on a gathered copy."""
-        tp_info = self.pm.tp_info
-        if tp_info is None or not tp_info.sequence_parallel:
-            return self.translate_3d
-        state = gather_full_state(self.pm, self.mesh, self.log_rank)
-        if state is None:
-            return lambda sources, src_lang, tgt_lang: None
-        model = M2M100Translation(self.model_config).to(self.device)
-        model.load_state_dict(state)
-        model.eval()
-        a = self.args
-
-        def on_one_device(sources: Sequence[str], src_lang: str, tgt_lang: str) -> list[str]:
-            return translate(
-                model,
-                self.tok,
-                sources,
-                src_lang,
-                tgt_lang,
-                a.generation_num_beams,
-                a.generation_max_length,
-                a.per_device_eval_batch_size,
-            )
-
-        return on_one_device
 
     def translate_3d(self, sources: Sequence[str], src_lang: str, tgt_lang: str) -> list[str] | None:
         """Collective: translate on the 3D model, dp replicas sharing the batches (see the module

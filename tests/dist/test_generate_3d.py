@@ -10,6 +10,7 @@ lengths, and beams diverge. Then, on a (pp, dp, tp) mesh, for three pipeline cut
     [2, 3, 2, 2]  v=2: stages 0, 2 on pp rank 0 and 1, 3 on pp rank 1, so each
                   token crosses rank 1 -> 0 -> 1 through the decoder
 
+and the last one again with sequence parallelism (suspended while decoding),
 the token ids of greedy and beam search (num_beams 3, a forced target tag per
 row, padded sources of varied lengths, a max_length that cuts some rows) equal
 `generate` on the full model, with each dp replica decoding its own batch; and
@@ -46,7 +47,13 @@ TINY = dict(
 )
 TAGS = {"en": 4, "de": 5, "fr": 6}
 FIRST_WORD = 7
-CUTS = [([5, 4], "1f1b", 1), ([2, 7], "1f1b", 1), ([2, 3, 2, 2], "interleaved_1f1b", 2)]
+# (balance, schedule, v, sequence_parallel)
+CUTS = [
+    ([5, 4], "1f1b", 1, False),
+    ([2, 7], "1f1b", 1, False),
+    ([2, 3, 2, 2], "interleaved_1f1b", 2, False),
+    ([2, 3, 2, 2], "interleaved_1f1b", 2, True),
+]
 
 
 class WordTokenizer:
@@ -146,13 +153,18 @@ def bleu_parity(base: Any, pm: Any, mesh: Any, log_rank: int) -> dict[str, Any] 
         batch = copy_batch(cfg, words, [TAGS[lang]] * len(words))
         batches[f"en-{lang}"] = [EvalBatch(f"en-{lang}", batch, texts, ref_texts, TAGS[lang])]
     args = SimpleNamespace(generation_num_beams=3, generation_max_length=12, per_device_eval_batch_size=3)
-    evaluator = Evaluator(pm, mesh, tok, batches, args, log_rank, cfg)  # type: ignore[arg-type]
+    evaluator = Evaluator(pm, mesh, tok, batches, args, log_rank)  # type: ignore[arg-type]
     got = evaluator.run(step=0)
     if dist.get_rank() != log_rank:
         return None
     want = evaluate_directions(base, evaluator.texts, tok, num_beams=3, max_length=12, batch_size=3)
     want.pop("eval_samples")
     return {"got": {k: v for k, v in got.items() if not k.startswith("eval_loss")}, "want": want}
+
+
+def sp_count(model: Any) -> int:
+    """Sequence-parallel tp linears (decoding suspends them; training needs them back)."""
+    return sum(bool(getattr(m, "sequence_parallel", False)) for m in model.modules())
 
 
 def generate_worker(
@@ -168,12 +180,16 @@ def generate_worker(
     base.eval()
     pp, dp, tp = shape
     mesh = build_mesh(ParallelDims(pp=pp, dp=dp, tp=tp, world_size=world))
-    result: dict[str, Any] = {"tokens": {}, "bleu": None}
-    for balance, schedule, v in CUTS:
-        pm = build_parallel_model(copy.deepcopy(base), mesh, balance, 2, schedule, v, "none", 0.0)
+    result: dict[str, Any] = {"tokens": {}, "bleu": None, "sp_restored": True}
+    for balance, schedule, v, sp in CUTS:
+        pm = build_parallel_model(
+            copy.deepcopy(base), mesh, balance, 2, schedule, v, "none", 0.0, sequence_parallel=sp
+        )
         pm.model.eval()
-        result["tokens"][str(balance)] = token_parity(base, pm, mesh.dp_rank)
-        if balance == CUTS[0][0]:
+        sp_layers = sp_count(pm.model)
+        result["tokens"][f"{balance}{' sp' if sp else ''}"] = token_parity(base, pm, mesh.dp_rank)
+        result["sp_restored"] &= sp_count(pm.model) == sp_layers and (sp_layers > 0) == sp
+        if (balance, sp) == (CUTS[0][0], False):
             result["bleu"] = bleu_parity(base, pm, mesh, coords_to_rank((pp - 1, 0, 0), mesh.dims.shape))
     return result
 
@@ -196,6 +212,7 @@ def check(results: list[dict[str, Any]], shape: tuple[int, int, int]) -> None:
     assert bleu is not None and bleu["got"] == bleu["want"], bleu
     assert 0.0 < bleu["want"]["eval_bleu"] < 100.0, bleu
     assert all(r["bleu"] is None for i, r in enumerate(results) if i != leaders[0])
+    assert all(r["sp_restored"] for r in results)
 
 
 @pytest.fixture(scope="module")
