@@ -404,7 +404,7 @@ def build_tracker(ctx: RunContext, step: int) -> Tracker:
 def build_evaluator(ctx: RunContext) -> Evaluator:
     """Evaluation over the validation batches of every direction; metrics land on the logging rank."""
     batches = eval_batches(ctx.data, ctx.tok, ctx.cfg.training.per_device_eval_batch_size)
-    return Evaluator(ctx.pm, ctx.mesh, ctx.tok, batches, ctx.cfg.training, ctx.log_rank, ctx.mc)
+    return Evaluator(ctx.pm, ctx.mesh, ctx.tok, batches, ctx.cfg.training, ctx.log_rank)
 
 
 def train_loop(ctx: RunContext, tracker: Tracker, evaluator: Evaluator, step: int) -> LoopTotals:
