@@ -46,6 +46,7 @@ from trainer.data import (
     training_texts,
 )
 from trainer.evaluation_runner import Evaluator
+from trainer.faults import FaultInjection
 from trainer.flops import peak_flops, step_flops
 from trainer.loop import LogWindow, StepStats, bubble_stats, build_optimizer, build_scheduler, train_step
 from trainer.partitioning import choose_balance
@@ -224,6 +225,7 @@ class RunContext:
     scheduler: Any
     log_rank: int  # the last stage's dp=0/tp=0 rank: it holds the loss and writes the metrics
     t_start: float  # perf_counter() before data loading; the summary's wall_time_s counts from here
+    fault: FaultInjection | None = None  # TRAINER_FAULT_INJECT, the failure tests' hook
 
     @property
     def is_logger(self) -> bool:
@@ -272,6 +274,7 @@ def setup_run(cfg: JobConfig) -> RunContext:
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = validate_early(cfg, world)
+    fault = FaultInjection.from_env()
     if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
     out = prepare_output_dir(cfg, rank)
@@ -312,6 +315,7 @@ def setup_run(cfg: JobConfig) -> RunContext:
         scheduler=scheduler,
         log_rank=log_rank,
         t_start=t_start,
+        fault=fault,
     )
 
 
@@ -360,6 +364,7 @@ def resume_state(ctx: RunContext) -> int:
         The step to continue from: the checkpoint's, or 0 when there is nothing to resume.
     """
     resume = ckpt.resolve_resume(ctx.cfg.training.resume_from_checkpoint, ctx.out)
+    log_restart(ctx.cfg.training.resume_from_checkpoint, resume)
     if resume is None:
         return 0
     state = ckpt.load_checkpoint(
@@ -377,6 +382,32 @@ def resume_state(ctx: RunContext) -> int:
     step = int(state["step"])
     logger.info("resumed from %s at step %d", resume, step)
     return step
+
+
+def log_restart(resume_from_checkpoint: str | None, resume: Path | None) -> None:
+    """On a group restarted by `torchrun --max-restarts`, say where this attempt starts.
+
+    A restart never resumes on its own: the config decides. Resuming without
+    `resume_from_checkpoint` would pick up whatever checkpoint lies in output_dir,
+    which need not be this run's; so a restart without it trains from step 0 again,
+    and says so loudly.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0:
+        return
+    limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+    if resume is not None:
+        logger.warning("restart %d of %s: resuming from %s", attempt, limit, resume)
+    elif resume_from_checkpoint:
+        logger.warning("restart %d of %s: no committed checkpoint yet; training from step 0", attempt, limit)
+    else:
+        logger.warning(
+            "restart %d of %s: resume_from_checkpoint is not set, so this attempt trains from step 0 "
+            "again; pass --resume_from_checkpoint latest --save_steps K to continue from the last "
+            "committed checkpoint",
+            attempt,
+            limit,
+        )
 
 
 def build_tracker(ctx: RunContext, step: int) -> Tracker:
@@ -421,6 +452,8 @@ def train_loop(ctx: RunContext, tracker: Tracker, evaluator: Evaluator, step: in
     timeline_step = min(args.max_steps, max(2, args.logging_steps))
     while step < args.max_steps:
         step += 1
+        if ctx.fault is not None:
+            ctx.fault.maybe_fire(step, dist.get_rank())
         log_now = step % args.logging_steps == 0 or step == args.max_steps
         gb = next(ctx.sampler)
         start = time.perf_counter()
