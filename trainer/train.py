@@ -393,7 +393,7 @@ def log_restart(resume_from_checkpoint: str | None, resume: Path | None) -> None
     and says so loudly.
     """
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt == 0:
+    if attempt == 0 or dist.get_rank() != 0:
         return
     limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
     if resume is not None:
