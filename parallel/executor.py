@@ -303,23 +303,23 @@ class PipelineExecutor:
             out = st.outputs.pop((s, mb)) if self.forward_only else st.outputs[(s, mb)]
             tensors = [out[k].detach() for k in boundary_keys(blocks[s][-1])]
             return p2p.Transfer(
-                True, self._peer(self.topo.next_rank), tensors, p2p.message_tag(0, s + 1, mb, m)
+                True, self._peer(self.topo.next_rank), tensors, p2p.message_tag(0, s + 1, mb, m), a
             )
         if a.type is ActionType.RECV_FORWARD:
             prev = blocks[s - 1][-1]
             bufs = p2p.empty_buffers(boundary_shapes(prev, batch, self.d_model), self.dtype, self.device)
             st.received[(s, mb)] = dict(zip(boundary_keys(prev), bufs))
-            return p2p.Transfer(False, self._peer(self.topo.prev_rank), bufs, p2p.message_tag(0, s, mb, m))
+            return p2p.Transfer(False, self._peer(self.topo.prev_rank), bufs, p2p.message_tag(0, s, mb, m), a)
         if a.type is ActionType.SEND_BACKWARD:
             grads = st.grads_to_send.pop((s, mb))
             return p2p.Transfer(
-                True, self._peer(self.topo.prev_rank), grads, p2p.message_tag(1, s - 1, mb, m)
+                True, self._peer(self.topo.prev_rank), grads, p2p.message_tag(1, s - 1, mb, m), a
             )
         assert a.type is ActionType.RECV_BACKWARD
         last = blocks[s][-1]
         bufs = p2p.empty_buffers(boundary_shapes(last, batch, self.d_model), self.dtype, self.device)
         st.pending_grads[(s, mb)] = bufs
-        return p2p.Transfer(False, self._peer(self.topo.next_rank), bufs, p2p.message_tag(1, s, mb, m))
+        return p2p.Transfer(False, self._peer(self.topo.next_rank), bufs, p2p.message_tag(1, s, mb, m), a)
 
     @staticmethod
     def _peer(rank: int | None) -> int:

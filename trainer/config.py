@@ -164,6 +164,13 @@ class ParallelArguments:
     )
     allow_tp_across_nodes: bool = field(default=False, metadata={"help": "Permit tp > LOCAL_WORLD_SIZE."})
     dist_timeout_s: int = field(default=600, metadata={"help": "Collective timeout in seconds."})
+    hang_warning_s: float = field(
+        default=0.0,
+        metadata={
+            "help": "Warn (naming the rank and what it waits for) when one communication wait lasts "
+            "this many seconds; 0 = min(60, dist_timeout_s / 2), negative = no warning."
+        },
+    )
 
     def __post_init__(self) -> None:
         _check_choice("pipeline_schedule", self.pipeline_schedule, SCHEDULE_CHOICES)

@@ -33,6 +33,7 @@ from models.m2m100 import M2M100Translation
 from parallel.mesh import ParallelDims, ParallelMesh, build_mesh, coords_to_rank, init_distributed
 from parallel.parallelize import ParallelModel, build_parallel_model
 from parallel.simulate import bubble_theory
+from parallel.watchdog import RankIdentity, default_warn_after, start_watchdog
 from trainer import checkpoint as ckpt
 from trainer.config import ConfigError, JobConfig, parse_config
 from trainer.data import (
@@ -292,6 +293,9 @@ def setup_run(cfg: JobConfig) -> RunContext:
     mc = model_config_for(cfg, tok)
     dims.validate(mc)
     mesh = build_mesh(dims, device.type)
+    p = cfg.parallel
+    warn_after = p.hang_warning_s or default_warn_after(p.dist_timeout_s)
+    start_watchdog(RankIdentity(rank, dims.shape), warn_after, p.dist_timeout_s)
     sampler = build_sampler(cfg, dims.dp, data, tok)
     balance, partition_text = choose_balance(cfg, mc, mesh, sampler, device)
     pm = build_model(cfg, mc, mesh, balance, device)
