@@ -190,7 +190,8 @@ def collective(name: str, group: dist.ProcessGroup | None) -> What:
     """`what` for a collective: e.g. "the dp all-reduce of gradient bucket 0 over global ranks [0, 2]"."""
 
     def describe(_: RankIdentity | None) -> str:
-        ranks = dist.get_process_group_ranks(group) if group is not None else "all ranks"
-        return f"the {name} over global ranks {ranks}"
+        if group is None:
+            return f"the {name} over all ranks"
+        return f"the {name} over global ranks {dist.get_process_group_ranks(group)}"
 
     return describe

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from parallel import watchdog
 from parallel.executor import FlushResult
 from parallel.parallelize import ParallelModel
 from trainer.config import TrainingArguments
@@ -96,7 +97,8 @@ def train_step(
     """
     flushes = global_batch.shard(dp_rank)
     if timed and dist.is_initialized():
-        dist.barrier()
+        with watchdog.waiting(watchdog.collective(f"barrier that starts step {step}", None)):
+            dist.barrier()
     results = pm.train_step(flushes, loss_scale=1.0 / global_batch.num_tokens, timed=timed)
     grad_norm = pm.grads.clip_(max_grad_norm)
     optimizer.step()
@@ -153,7 +155,9 @@ class LogWindow:
         start = time.perf_counter()
         loss_sum = self.loss_sum
         if self.pm.mesh.size("dp") > 1:
-            dist.all_reduce(loss_sum, group=self.pm.mesh.group("dp"))
+            dp_group = self.pm.mesh.group("dp")
+            with watchdog.waiting(watchdog.collective("dp all-reduce of the logged loss", dp_group)):
+                dist.all_reduce(loss_sum, group=dp_group)
         loss, grad_norm = torch.stack([loss_sum, st.grad_norm.float()]).tolist()  # the one sync
         wall = self.seconds + time.perf_counter() - start
         tokens = self.tokens + self.src_tokens
@@ -194,7 +198,8 @@ def bubble_stats(pm: ParallelModel, flushes: list[FlushResult]) -> dict[str, flo
     row = torch.zeros(3 * p, dtype=torch.float64, device=pm.device)  # NCCL reduces device tensors only
     r = pm.mesh.pp_rank
     row[r], row[p + r], row[2 * p + r] = busy, wall, float(peak)
-    dist.all_reduce(row, group=pm.mesh.group("pp"))
+    with watchdog.waiting(watchdog.collective("pp all-reduce of the bubble stats", pm.mesh.group("pp"))):
+        dist.all_reduce(row, group=pm.mesh.group("pp"))
     busy_all, wall_all, peak_all = row[:p].tolist(), row[p : 2 * p].tolist(), row[2 * p :].tolist()
     makespan = max(wall_all)
     out = {
