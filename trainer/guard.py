@@ -65,7 +65,7 @@ class Preempted(Exception):
     def __init__(self, step: int, signum: int, checkpoint: str) -> None:
         name = signal.Signals(signum).name
         super().__init__(
-            f"preempted by {name} at step {step}: saved {checkpoint}; resume with "
+            f"{name} at step {step}: saved {checkpoint}; resume with "
             f"--resume_from_checkpoint latest (exit code {EXIT_PREEMPTED})"
         )
         self.step, self.signum, self.checkpoint = step, signum, checkpoint

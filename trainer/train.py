@@ -546,7 +546,7 @@ def preempt(ctx: RunContext, step: int, signum: int) -> Preempted:
     """Checkpoint `step` (collective) and return the `Preempted` for the caller to raise."""
     save(ctx, step)
     err = Preempted(step, signum, str(ckpt.checkpoint_dir(ctx.out, step)))
-    logger.warning("%s", err)
+    logger.warning("preempted: %s", err)
     return err
 
 
