@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,12 +32,13 @@ from tests.dist.train_workers import base_config, mesh_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
+SMALL_DATA = {"builtin_size": 300, "max_train_samples": 128, "max_eval_samples": 8}  # setup dominates
 
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory) -> tuple[dict[str, Any], Path]:
     tmp = tmp_path_factory.mktemp("guard")
-    base = {**base_config(str(tmp)), **mesh_overrides(pp=2, m=2), "max_steps": 6, "builtin_size": 300}
+    base = {**base_config(str(tmp)), **mesh_overrides(pp=2, m=2), **SMALL_DATA, "max_steps": 6}
     base["warmup_steps"] = 0  # step 1 updates the weights (lr 0 at a warmup step would not)
     results = run_distributed(guard_cases, 2, args=(base,), timeout=400, collective_timeout=120)
     return results[1], tmp  # rank 1 is the last stage: the logging rank
@@ -116,7 +118,8 @@ def _env() -> dict[str, str]:
 
 
 def _train_args(out: Path, *extra: str) -> list[str]:
-    return ["-m", "trainer.train", "--config", "configs/tiny.yaml", "--do_eval", "false", "--builtin_size", "300",
+    small = [str(x) for kv in SMALL_DATA.items() for x in (f"--{kv[0]}", kv[1])]
+    return ["-m", "trainer.train", "--config", "configs/tiny.yaml", "--do_eval", "false", *small,
             "--output_dir", str(out), *extra]  # fmt: skip
 
 
@@ -152,7 +155,11 @@ def test_exit_codes_through_main_and_torchrun(tmp_path) -> None:
     assert diverge.returncode == 3, err[-3000:]
     assert last.startswith("error: DivergenceError: step ") and "non-finite loss" in last, last
     assert preempt.returncode == 1, log[-3000:]  # torchrun reports failed workers with 1
-    assert log.count("exitcode  : 75") == 2, log[-3000:]
+    # The first worker to exit is the root cause; torchrun then SIGTERMs the other, which may
+    # still be tearing down after its own save and exit with 75 or be ended by that signal.
+    codes = [int(c) for c in re.findall(r"exitcode\s*: (-?\d+)", log)]
+    root = log.split("Root Cause", 1)[-1]
+    assert re.search(r"exitcode\s*: 75\b", root) and set(codes) <= {75, -15}, log[-3000:]
     saved = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if (p / "COMMITTED").is_file())
     assert len(saved) == 1 and saved[0] >= 2 and f"SIGUSR1 at step {saved[0]}" in log, (saved, log[-3000:])
 
