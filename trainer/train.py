@@ -253,6 +253,7 @@ class LoopTotals:
     tokens: int = 0  # source + target tokens over all steps
     time_in_steps: float = 0.0
     bubbles: list[float] = field(default_factory=list)  # measured bubble_fraction per logged step (pp > 1)
+    skipped_steps: int = 0  # updates the guard dropped (nan_policy=skip)
 
 
 def run(cfg: JobConfig) -> dict[str, Any]:
@@ -275,7 +276,11 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     # during the final eval and save is not acted on: the run completes and exits 0.
     with PreemptionSignals() as signals:
         guard = StepGuard(args.nan_policy, args.nan_max_consecutive_skips, ctx.pm.device, signals)
-        totals = train_loop(ctx, tracker, evaluator, step, guard)
+        try:
+            totals = train_loop(ctx, tracker, evaluator, step, guard)
+        except (Preempted, DivergenceError):
+            tracker.close()  # rows are already on disk; this ends the W&B run and the progress bar
+            raise
         return finish_run(ctx, tracker, evaluator, totals, before)
 
 
@@ -470,7 +475,7 @@ def train_loop(
         if st.preempt_signal:
             raise preempt(ctx, step, st.preempt_signal)
         maybe_eval_and_save(ctx, tracker, evaluator, step, guard)
-    totals.step = step
+    totals.step, totals.skipped_steps = step, guard.skipped
     totals.tokens, totals.time_in_steps = window.total_tokens, window.total_s
     return totals
 
@@ -573,6 +578,7 @@ def finish_run(
         **({"before": before} if before is not None else {}),
         "after": after,
         "steps": step,
+        "skipped_steps": totals.skipped_steps,
         "wall_time_s": time.perf_counter() - ctx.t_start,
         "tokens_per_sec": totals.tokens / totals.time_in_steps if totals.time_in_steps else 0.0,
         "bubble_fraction": float(np.mean(totals.bubbles)) if totals.bubbles else None,
