@@ -181,6 +181,22 @@ def guard_cases(rank: int, world: int, base: dict[str, Any]) -> dict[str, Any]:
     summary, _ = run("preempt", resume_from_checkpoint="latest", overwrite_output_dir=False)
     out["resumed"] = [(r["step"], r["loss"]) for r in _history(tracker_rows)]
 
+    # 3b. SIGTERM to rank 0 only while the step-2 evaluation runs: it finishes, then step 2 is saved.
+    from trainer.evaluation_runner import Evaluator
+
+    evaluate = Evaluator.run
+
+    def signalled_evaluate(self: Any, step: int, tracker: Any = None) -> dict[str, Any]:
+        if dist.get_rank() == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return evaluate(self, step, tracker)
+
+    Evaluator.run = signalled_evaluate  # type: ignore[method-assign]
+    err, _ = run("preempt-eval", eval_steps=2, max_steps=4)
+    Evaluator.run = evaluate  # type: ignore[method-assign]
+    out["preempt_eval"] = (type(err).__name__, getattr(err, "step", None), str(err),
+                           [(r["step"], "eval_loss" in r) for r in tracker_rows])  # fmt: skip
+
     # 4. nan_policy=skip: a loss NaN seen by the last stage only (step 2), then grad NaNs seen by
     #    the first stage only at steps 4, 5, 6 with at most 2 in a row: steps 2, 4, 5 are skipped,
     #    step 6 stops.

@@ -74,6 +74,14 @@ def test_sigterm_on_one_rank_saves_and_resume_matches(cases) -> None:
         assert abs(loss - straight[s]) <= 1e-5 * abs(straight[s]), (s, loss, straight[s])
 
 
+def test_sigterm_during_evaluation_saves_right_after_it(cases) -> None:
+    res, tmp = cases
+    name, step, msg, rows = res["preempt_eval"]
+    assert (name, step) == ("Preempted", 2), msg
+    assert rows == [(1, False), (2, False), (2, True)]  # the evaluation finished; step 3 never ran
+    assert (tmp / "run-preempt-eval" / "checkpoint-2" / "COMMITTED").is_file()
+
+
 def test_skip_policy_leaves_weights_unchanged_and_stops_after_the_limit(cases) -> None:
     name, msg, unchanged, rows = cases[0]["skip"]
     assert name == "DivergenceError" and msg.startswith("step 6: non-finite grad norm in 3 consecutive"), msg
