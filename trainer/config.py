@@ -25,6 +25,7 @@ REMAT_CHOICES = ("none", "full", "stage", "selective")
 PARTITION_CHOICES = ("uniform", "parameters", "time", "memory")
 SHARDING_CHOICES = ("none", "zero1")
 REPORT_CHOICES = ("none", "wandb")
+NAN_POLICIES = ("stop", "skip")
 SCHEDULER_CHOICES = ("linear", "cosine", "constant", "constant_with_warmup", "inverse_sqrt", "polynomial")
 
 
@@ -221,6 +222,18 @@ class TrainingArguments:
     adam_beta2: float = field(default=0.98, metadata={"help": "AdamW beta2."})
     adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Global grad-norm clip; 0 disables."})
+    nan_policy: str = field(
+        default="stop",
+        metadata={
+            "help": f"One of {list(NAN_POLICIES)}. On a non-finite loss or grad norm, 'stop' exits "
+            "with code 3 naming the step (nothing applied or saved); 'skip' drops the step's update "
+            "(no AdamW or lr-scheduler step; its batch is consumed) and counts it (skipped_steps)."
+        },
+    )
+    nan_max_consecutive_skips: int = field(
+        default=5,
+        metadata={"help": "nan_policy=skip: stop (exit code 3) after more non-finite steps in a row."},
+    )
     label_smoothing_factor: float = field(default=0.0, metadata={"help": "Label smoothing epsilon."})
     per_device_train_batch_size: int = field(default=16, metadata={"help": "Sentence pairs per micro-batch."})
     per_device_eval_batch_size: int = field(default=32, metadata={"help": "Sentence pairs per eval batch."})
@@ -255,6 +268,7 @@ class TrainingArguments:
     def __post_init__(self) -> None:
         _check_choice("report_to", self.report_to, REPORT_CHOICES)
         _check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULER_CHOICES)
+        _check_choice("nan_policy", self.nan_policy, NAN_POLICIES)
         for name in (
             "max_steps",
             "per_device_train_batch_size",
@@ -262,6 +276,7 @@ class TrainingArguments:
             "gradient_accumulation_steps",
             "logging_steps",
             "generation_num_beams",
+            "nan_max_consecutive_skips",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")

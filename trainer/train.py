@@ -8,7 +8,8 @@ in its own module, and `run` is a short sequence of named steps:
                      partition -> model (HF import, parallelize) -> optimizer/scheduler
     resume_state     checkpoint -> model, optimizer, scheduler, sampler; the step
     build_tracker, build_evaluator, eval before training
-    train_loop       per step: train_step -> log_row -> timeline (once) -> maybe_eval_and_save
+    train_loop       per step: train_step (guarded) -> log_row -> timeline (once) -> preempted? save + exit
+                     -> maybe_eval_and_save
     finish_run       final eval -> checkpoint -> run_summary.json
 """
 
@@ -49,6 +50,15 @@ from trainer.data import (
 from trainer.evaluation_runner import Evaluator
 from trainer.faults import FaultInjection
 from trainer.flops import peak_flops, step_flops
+from trainer.guard import (
+    EXIT_DIVERGED,
+    EXIT_PREEMPTED,
+    DivergenceError,
+    Preempted,
+    PreemptionSignals,
+    StepGuard,
+    assert_finite_state,
+)
 from trainer.loop import LogWindow, StepStats, bubble_stats, build_optimizer, build_scheduler, train_step
 from trainer.partitioning import choose_balance
 from trainer.timeline import write_timeline
@@ -246,6 +256,7 @@ class LoopTotals:
     tokens: int = 0  # source + target tokens over all steps
     time_in_steps: float = 0.0
     bubbles: list[float] = field(default_factory=list)  # measured bubble_fraction per logged step (pp > 1)
+    skipped_steps: int = 0  # updates the guard dropped (nan_policy=skip)
 
 
 def run(cfg: JobConfig) -> dict[str, Any]:
@@ -263,8 +274,17 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     if cfg.training.do_eval and step == 0:
         before = evaluator.run(step)
         tracker.log({"step": step, **before})
-    totals = train_loop(ctx, tracker, evaluator, step)
-    return finish_run(ctx, tracker, evaluator, totals, before)
+    args = cfg.training
+    # SIGTERM/SIGUSR1 from here on: save at the next step boundary (trainer/guard.py). A signal
+    # during the final eval and save is not acted on: the run completes and exits 0.
+    with PreemptionSignals() as signals:
+        guard = StepGuard(args.nan_policy, args.nan_max_consecutive_skips, ctx.pm.device, signals)
+        try:
+            totals = train_loop(ctx, tracker, evaluator, step, guard)
+        except (Preempted, DivergenceError):
+            tracker.close()  # rows are already on disk; this ends the W&B run and the progress bar
+            raise
+        return finish_run(ctx, tracker, evaluator, totals, before)
 
 
 def setup_run(cfg: JobConfig) -> RunContext:
@@ -442,11 +462,17 @@ def build_evaluator(ctx: RunContext) -> Evaluator:
     return Evaluator(ctx.pm, ctx.mesh, ctx.tok, batches, ctx.cfg.training, ctx.log_rank)
 
 
-def train_loop(ctx: RunContext, tracker: Tracker, evaluator: Evaluator, step: int) -> LoopTotals:
+def train_loop(
+    ctx: RunContext, tracker: Tracker, evaluator: Evaluator, step: int, guard: StepGuard
+) -> LoopTotals:
     """Steps `step + 1 .. max_steps`: train, log, draw the timeline once, evaluate and save between.
 
     Collective: every rank runs the same steps and, at the same steps, the same
     bubble_stats, timeline gather, evaluation and checkpoint, in that order.
+
+    Raises:
+        DivergenceError: the guard stopped training (nan_policy).
+        Preempted: a preemption signal arrived; the step it was agreed at is checkpointed.
     """
     args, pm, pp = ctx.cfg.training, ctx.pm, ctx.dims.pp
     theory = ctx.bubble_theory if pp > 1 else None
@@ -470,20 +496,23 @@ def train_loop(ctx: RunContext, tracker: Tracker, evaluator: Evaluator, step: in
             args.max_grad_norm,
             step,
             timed=log_now or step == timeline_step,
+            guard=guard,
         )
         flops = step_flops(ctx.mc, *ctx.sampler.example_lengths(gb)) if window.peak_flops else 0.0
         window.add(st, time.perf_counter() - start, flops)
         tracker.advance()
         if log_now:
-            row = log_row(tracker, pm, st, gb.epoch, theory, window)
+            row = log_row(tracker, pm, st, gb.epoch, theory, window, guard.skipped)
             if pp > 1:
                 totals.bubbles.append(row["bubble_fraction"])
         if step == timeline_step and pp > 1:
             png = write_timeline(pm, st.flushes, ctx.out, ctx.is_logger, step)
             if png:
                 tracker.log_image(step, "pipeline_timeline", png)
-        maybe_eval_and_save(ctx, tracker, evaluator, step)
-    totals.step = step
+        if st.preempt_signal:
+            raise preempt(ctx, step, st.preempt_signal)
+        maybe_eval_and_save(ctx, tracker, evaluator, step, guard)
+    totals.step, totals.skipped_steps = step, guard.skipped
     totals.tokens, totals.time_in_steps = window.total_tokens, window.total_s
     return totals
 
@@ -501,6 +530,7 @@ def log_row(
     epoch: int,
     theory: float | None,
     window: LogWindow,
+    skipped_steps: int = 0,
 ) -> dict[str, Any]:
     """Build and log one training row (collective over dp and pp: call on every rank).
 
@@ -509,6 +539,7 @@ def log_row(
         epoch: the sampler's epoch of this step's global batch.
         theory: the schedule's bubble fraction, logged beside the measured one; None when pp == 1.
         window: the steps since the last row: loss, tokens/s, step time and MFU are its averages.
+        skipped_steps: steps whose update the guard has skipped so far (nan_policy=skip).
 
     Returns:
         The row (built on every rank; written only by the logging rank's tracker).
@@ -518,6 +549,7 @@ def log_row(
         "lr": st.lr,
         **window.read(st),
         "epoch": epoch,
+        "skipped_steps": skipped_steps,
         **bubble_stats(pm, st.flushes),
     }
     if theory is not None:
@@ -528,16 +560,36 @@ def log_row(
     return row
 
 
-def maybe_eval_and_save(ctx: RunContext, tracker: Tracker, evaluator: Evaluator, step: int) -> None:
-    """Evaluate every eval_steps and checkpoint every save_steps (collective: all ranks, same step)."""
+def maybe_eval_and_save(
+    ctx: RunContext, tracker: Tracker, evaluator: Evaluator, step: int, guard: StepGuard
+) -> None:
+    """Evaluate every eval_steps and checkpoint every save_steps (collective: all ranks, same step).
+
+    An evaluation runs to its end; a preemption signal that arrived during it is agreed
+    on right after (one extra read per evaluation) and saved then, not a step later.
+
+    Raises:
+        Preempted: a preemption signal arrived during the evaluation (step `step` is saved).
+    """
     args = ctx.cfg.training
     if step >= args.max_steps:  # the last step's eval and checkpoint are finish_run's
         return
     if args.eval_steps and step % args.eval_steps == 0:
         tracker.log({"step": step, **evaluator.run(step, tracker)})
         ctx.pm.model.train()
+        signum = guard.preemption_agreed()
+        if signum:
+            raise preempt(ctx, step, signum)
     if args.save_steps and step % args.save_steps == 0:
         save(ctx, step)
+
+
+def preempt(ctx: RunContext, step: int, signum: int) -> Preempted:
+    """Checkpoint `step` (collective) and return the `Preempted` for the caller to raise."""
+    save(ctx, step)
+    err = Preempted(step, signum, str(ckpt.checkpoint_dir(ctx.out, step)))
+    logger.warning("preempted: %s", err)
+    return err
 
 
 def finish_run(
@@ -563,6 +615,7 @@ def finish_run(
         **({"before": before} if before is not None else {}),
         "after": after,
         "steps": step,
+        "skipped_steps": totals.skipped_steps,
         "wall_time_s": time.perf_counter() - ctx.t_start,
         "tokens_per_sec": totals.tokens / totals.time_in_steps if totals.time_in_steps else 0.0,
         "bubble_fraction": float(np.mean(totals.bubbles)) if totals.bubbles else None,
@@ -592,7 +645,13 @@ def state_mesh_matches(path: Path, dims: ParallelDims) -> bool:
 
 
 def save(ctx: RunContext, step: int) -> None:
-    """Checkpoint model, optimizer, scheduler and sampler at `step` (collective)."""
+    """Checkpoint model, optimizer, scheduler and sampler at `step` (collective).
+
+    Raises:
+        DivergenceError: some rank holds a non-finite parameter or optimizer state; nothing is written.
+    """
+    path = ckpt.checkpoint_dir(ctx.out, step)
+    assert_finite_state(ctx.pm.model, ctx.optimizer, path.name)
     state = {
         "step": step,
         "scheduler": ctx.scheduler.state_dict(),
@@ -602,7 +661,7 @@ def save(ctx: RunContext, step: int) -> None:
         "model_config": ctx.pm.model.config.to_dict(),
     }
     ckpt.save_checkpoint(
-        ckpt.checkpoint_dir(ctx.out, step),
+        path,
         [ctx.pm.model],
         ctx.optimizer,
         state,
@@ -648,8 +707,11 @@ def _print_summary(s: dict[str, Any]) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, ValueError, FileNotFoundError) as e:  # bad input: one clear line, not a traceback
+    except Preempted as e:  # a committed checkpoint was written: requeue and resume (trainer/guard.py)
+        print(f"preempted: {e}", file=sys.stderr)
+        sys.exit(EXIT_PREEMPTED)
+    except (ConfigError, ValueError, FileNotFoundError, DivergenceError) as e:  # one clear line
         if os.environ.get("TRAINER_TRACEBACK"):
             raise
         print(f"error: {type(e).__name__}: {e} (TRAINER_TRACEBACK=1 for the traceback)", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_DIVERGED if isinstance(e, DivergenceError) else 2)
