@@ -157,7 +157,7 @@ def host_reads_in_step(rank: int, world: int, meshes: list[tuple[int, int, int, 
         torch.manual_seed(0)
         model = M2M100Translation(cfg)
         mesh = build_mesh(ParallelDims(pp=pp, dp=dp, tp=tp, world_size=world))
-        v = 2 if schedule == "interleaved_1f1b" else 1
+        v = 2 if schedule in ("interleaved_1f1b", "zbv") else 1
         balance = uniform_partition(len(model.blocks), pp * v)
         pm = build_parallel_model(model, mesh, balance, 4, schedule, v, "none", 0.1, sequence_parallel=sp)
         batch = random_batch(cfg, 8 * dp, seed=4)
