@@ -183,11 +183,14 @@ def _zbv_order(p: int, m: int) -> Schedule:
 
     Warm-up: 2(p-r)-1 chunk-0 forwards, then r (F chunk 1, F chunk 0) pairs, then p-r
     (F I W) on chunk 1; steady state: (F I W) on chunk 0 then on chunk 1; cool-down:
-    r (I chunk 0, I chunk 1) pairs, p-r (I W) on chunk 0, and the held-back W's. With
-    F = I = W per chunk the pipe has no bubble once m >= 2p - 1. For fewer
-    micro-batches the order is built for 2p - 1 and the missing ones are dropped
-    (as PyTorch does): a subsequence of a valid order stays valid, only the
-    bubble grows. Stage 0 and stage 2p-1 share rank 0.
+    r (I chunk 0, I chunk 1) pairs, p-r (I W) on chunk 0, and the held-back W's.
+    With F = I = W and m >= 2p - 1 the only idle time is the V's fill, p-1 chunk
+    forwards per rank (half of ZB-H1's; `parallel.simulate.bubble_theory`), and
+    every rank peaks at 2p chunks in flight, the activations 1F1B holds on its
+    first rank. The steady state pairs each I with its W, so unequal costs bring
+    gaps back (PyTorch: zero bubble "only if F == I == W"). For fewer micro-batches
+    the order is built for 2p - 1 and the missing ones are dropped (as PyTorch
+    does): a subsequence of a valid order stays valid, only the bubble grows.
     """
     padded = max(m, 2 * p - 1)
     return [[a for a in _zbv_rank(r, p, padded) if a.microbatch < m] for r in range(p)]
