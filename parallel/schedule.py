@@ -187,10 +187,13 @@ def _zbv_order(p: int, m: int) -> Schedule:
     With F = I = W and m >= 2p - 1 the only idle time is the V's fill, p-1 chunk
     forwards per rank (half of ZB-H1's; `parallel.simulate.bubble_theory`), and
     every rank peaks at 2p chunks in flight, the activations 1F1B holds on its
-    first rank. The steady state pairs each I with its W, so unequal costs bring
-    gaps back (PyTorch: zero bubble "only if F == I == W"). For fewer micro-batches
-    the order is built for 2p - 1 and the missing ones are dropped (as PyTorch
-    does): a subsequence of a valid order stays valid, only the bubble grows.
+    first rank. For fewer micro-batches the order is built for 2p - 1 and the
+    missing ones are dropped (as PyTorch does): a subsequence of a valid order
+    stays valid, only the bubble grows. Caveat (simulator): when I != W,
+    `_attach_comm`, which times messages by a unit-cost ideal run, posts some of
+    ZB-V's sends after a later compute and the idle then grows with m (p=4, m=16,
+    I = 2F: bubble 0.123, vs 0.045 with each send right after its producer);
+    ZB-H1's sends are not delayed so.
     """
     padded = max(m, 2 * p - 1)
     return [[a for a in _zbv_rank(r, p, padded) if a.microbatch < m] for r in range(p)]
