@@ -112,9 +112,9 @@ class Placement:
     """Which pipeline rank holds which of the n = p * v stages; one per schedule.
 
     Interleaved (Megatron, every schedule but ZB-V): rank r holds r, r + p, r + 2p, ...;
-    with v == 1 stage == rank. V-shaped (ZB-V; Qi et al. 2024, "Pipeline Parallelism
-    with Controllable Memory", sec 4): odd chunks run back up the ranks, so with v = 2
-    rank r holds stages r and 2p - 1 - r::
+    with v == 1 stage == rank. V-shaped (ZB-V; Qi et al. 2024, "Zero Bubble Pipeline
+    Parallelism", sec 6, and their "Pipeline Parallelism with Controllable Memory"):
+    odd chunks run back up the ranks, so with v = 2 rank r holds stages r and 2p - 1 - r::
 
         stage           0 1 2 3 4 5 6 7        (p = 4, v = 2)
         interleaved     0 1 2 3 0 1 2 3
