@@ -4,7 +4,7 @@
 (one dp replica); the search itself (`models.generate.search`: forced BOS, beams,
 finished hypotheses) runs unchanged on the last stage and drives a
 `PipelineDecoderStep`, which the other stages follow. Legend: p pipeline ranks,
-n = p v stages (stage s on pp rank s % p), B rows, K beams, N = B K decoder rows,
+n = p v stages (stage s on pp rank `plan.placement.rank_of(s)`), B rows, K beams, N = B K decoder rows,
 S source length, H d_model, V vocabulary.
 
     encoder   stage by stage as in training: hidden (B, S, H) sent p2p to the next
@@ -88,7 +88,7 @@ def encode(pm: ParallelModel, batch: Seq2SeqBatch) -> Tensor:
 
     Collective over the pp axis (p2p between consecutive encoder stages, one broadcast).
     """
-    me, p = pm.mesh.pp_rank, pm.plan.p
+    me, p, rank_of = pm.mesh.pp_rank, pm.plan.p, pm.plan.placement.rank_of
     b, s = batch.input_ids.shape
     shape = (b, s, pm.model.config.d_model)
     runs = _stage_runs(pm.plan.stage_blocks, decoder=False)
@@ -96,13 +96,15 @@ def encode(pm: ParallelModel, batch: Seq2SeqBatch) -> Tensor:
     pending: list[PendingSend] = []
     for i, (stage, blocks) in enumerate(runs):
         if i > 0:
-            hidden, sends = _hop(pm, state.get("hidden"), runs[i - 1][0] % p, stage % p, shape, stage)
+            hidden, sends = _hop(
+                pm, state.get("hidden"), rank_of(runs[i - 1][0]), rank_of(stage), shape, stage
+            )
             pending += sends
             state = {} if hidden is None else {"hidden": hidden}
-        if stage % p == me:
+        if rank_of(stage) == me:
             state = pm.model.run_blocks(state, batch, blocks)
     wait_sends(pending)
-    owner = runs[-1][0] % p  # the stage with the encoder norm
+    owner = rank_of(runs[-1][0])  # the stage with the encoder norm
     out = state["encoder_out"] if owner == me else torch.empty(shape, dtype=_dtype(pm), device=pm.device)
     if p > 1:
         dist.broadcast(out, src=pm.mesh.pp_peer(owner), group=pm.mesh.group("pp"))
@@ -124,13 +126,13 @@ class PipelineDecoderStep:
 
     def __init__(self, pm: ParallelModel, encoder_out: Tensor, src_mask: Tensor) -> None:
         self.pm, self.device = pm, pm.device
-        self.p, self.me = pm.plan.p, pm.mesh.pp_rank
-        self.leader = (pm.plan.n_stages - 1) % self.p
+        self.p, self.me, self.rank_of = pm.plan.p, pm.mesh.pp_rank, pm.plan.placement.rank_of
+        self.leader = pm.plan.last_stage_rank
         self.runs = _stage_runs(pm.plan.stage_blocks, decoder=True)
         self.decoders = {
             stage: IncrementalDecoder(pm.model, blocks, encoder_out, src_mask)
             for stage, blocks in self.runs
-            if stage % self.p == self.me
+            if self.rank_of(stage) == self.me
         }
         self.n = int(encoder_out.shape[0])
         self.rows: Tensor | None = None  # reorder requested by the search, sent with the next step
@@ -186,7 +188,9 @@ class PipelineDecoderStep:
         pending: list[PendingSend] = []
         for i, (stage, _) in enumerate(self.runs):
             if i > 0:
-                x, sends = _hop(self.pm, x, self.runs[i - 1][0] % self.p, stage % self.p, shape, stage)
+                x, sends = _hop(
+                    self.pm, x, self.rank_of(self.runs[i - 1][0]), self.rank_of(stage), shape, stage
+                )
                 pending += sends
             if stage in self.decoders:
                 assert x is not None

@@ -4,8 +4,9 @@ The executor hands over each maximal run of consecutive comm actions of its
 schedule; they are posted together with `batch_isend_irecv` and the receives
 waited on, which is (a relaxation of) the semantics
 `parallel.validate.validate_schedule` proves deadlock-free.
-Neighbours are ring neighbours on the pp axis (stage s on pp rank s % p), given
-as global ranks so the default process group carries the messages.
+The peer of a message is the pp rank holding the other stage (the schedule's
+`Placement`: stage s on s % p, or ZB-V's V), given as a global rank so the
+default process group carries the messages.
 Every blocking wait goes through `parallel.watchdog.wait`, so a timeout names the
 waiting rank and the action it waited on, and the watchdog warns before that.
 """

@@ -20,7 +20,7 @@ import yaml
 
 from models.config import ModelConfig
 
-SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 REMAT_CHOICES = ("none", "full", "stage", "selective")
 PARTITION_CHOICES = ("uniform", "parameters", "time", "memory")
 SHARDING_CHOICES = ("none", "zero1")
@@ -204,7 +204,10 @@ class ParallelArguments:
 
     @property
     def virtual_stages(self) -> int:
-        return self.virtual_pipeline_stages if self.pipeline_schedule == "interleaved_1f1b" else 1
+        """Stages per pp rank: virtual_pipeline_stages for interleaved_1f1b, 2 for zbv (its V), else 1."""
+        if self.pipeline_schedule == "interleaved_1f1b":
+            return self.virtual_pipeline_stages
+        return 2 if self.pipeline_schedule == "zbv" else 1
 
 
 @dataclass

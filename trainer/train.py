@@ -245,7 +245,7 @@ class RunContext:
     @property
     def bubble_theory(self) -> float:
         p = self.cfg.parallel
-        return bubble_theory(self.dims.pp, p.num_microbatches, p.virtual_stages)
+        return bubble_theory(self.dims.pp, p.num_microbatches, p.virtual_stages, p.pipeline_schedule)
 
 
 @dataclass
@@ -321,7 +321,7 @@ def setup_run(cfg: JobConfig) -> RunContext:
     pm = build_model(cfg, mc, mesh, balance, device)
     optimizer = build_optimizer(pm.model, cfg.training, only=pm.optimizer_params())
     scheduler = build_scheduler(optimizer, cfg.training)
-    log_rank = coords_to_rank((dims.pp - 1, 0, 0), dims.shape)
+    log_rank = coords_to_rank((pm.plan.last_stage_rank, 0, 0), dims.shape)
     if rank == 0:
         record_setup(cfg, out, dims, mc, partition_text, data.skipped)
     return RunContext(

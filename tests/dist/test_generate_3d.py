@@ -2,15 +2,17 @@
 
 Every rank builds the same small model (fixed seed) and trains it a few steps on a
 copy task, so that decoding is not degenerate: outputs end in `</s>` at varied
-lengths, and beams diverge. Then, on a (pp, dp, tp) mesh, for three pipeline cuts
+lengths, and beams diverge. Then, on a (pp, dp, tp) mesh, for four pipeline cuts
 
     [5, 4]        src_embed enc0 enc1 enc_norm tgt_embed | dec0 dec1 dec2 head
     [2, 7]        src_embed enc0 | enc1 enc_norm tgt_embed dec0 dec1 dec2 head
                   (the encoder crosses ranks; pp rank 0 holds no decoder block)
     [2, 3, 2, 2]  v=2: stages 0, 2 on pp rank 0 and 1, 3 on pp rank 1, so each
                   token crosses rank 1 -> 0 -> 1 through the decoder
+    [2, 2, 3, 2]  zbv (the V): stages 0, 3 on pp rank 0 and 1, 2 on pp rank 1, so the
+                  head, and the search, live on pp rank 0
 
-and the last one again with sequence parallelism (suspended while decoding),
+and the interleaved one again with sequence parallelism (suspended while decoding),
 the token ids of greedy and beam search (num_beams 3, a forced target tag per
 row, padded sources of varied lengths, a max_length that cuts some rows) equal
 `generate` on the full model, with each dp replica decoding its own batch; and
@@ -53,6 +55,7 @@ CUTS = [
     ([2, 7], "1f1b", 1, False),
     ([2, 3, 2, 2], "interleaved_1f1b", 2, False),
     ([2, 3, 2, 2], "interleaved_1f1b", 2, True),
+    ([2, 2, 3, 2], "zbv", 2, False),  # the V: stages 0 and 3 on pp rank 0, which leads the search
 ]
 
 
@@ -187,7 +190,8 @@ def generate_worker(
         )
         pm.model.eval()
         sp_layers = sp_count(pm.model)
-        result["tokens"][f"{balance}{' sp' if sp else ''}"] = token_parity(base, pm, mesh.dp_rank)
+        cut = f"{schedule} {balance}{' sp' if sp else ''}"
+        result["tokens"][cut] = (pm.plan.last_stage_rank, token_parity(base, pm, mesh.dp_rank))
         result["sp_restored"] &= sp_count(pm.model) == sp_layers and (sp_layers > 0) == sp
         if (balance, sp) == (CUTS[0][0], False):
             result["bleu"] = bleu_parity(base, pm, mesh, coords_to_rank((pp - 1, 0, 0), mesh.dims.shape))
@@ -199,8 +203,8 @@ def check(results: list[dict[str, Any]], shape: tuple[int, int, int]) -> None:
     leaders = [r for r in range(pp * dp * tp) if r // (dp * tp) == pp - 1]  # the last stage's ranks
     lengths: set[int] = set()
     for rank, res in enumerate(results):
-        for cut, cases in res["tokens"].items():
-            assert bool(cases) == (rank in leaders), (rank, cut)
+        for cut, (leader_pp, cases) in res["tokens"].items():
+            assert bool(cases) == (rank // (dp * tp) == leader_pp), (rank, cut)
             for case in cases:
                 assert case["got"] == case["want"], (rank, cut, case)
                 lengths.update(len([t for t in row if t != 1]) for row in case["want"])
