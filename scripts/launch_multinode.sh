@@ -45,6 +45,10 @@
 # restarted group never reads the dead attempt's keys, on any number of nodes
 # (pytorch/pytorch#135712; see parallel/mesh.py::elastic_attempt_store for plain torchrun).
 #
+# Preemption: SIGTERM and SIGUSR1 make the trainer save a checkpoint at the next step
+# boundary and exit 75; this script has torchrun forward SIGUSR1 (where torchrun
+# supports --signals-to-handle) instead of dying on it.
+#
 # Placement: ranks are numbered node by node (rank = GROUP_RANK * NPROC_PER_NODE +
 # LOCAL_RANK), and the mesh puts tp innermost, so choose tp <= NPROC_PER_NODE
 # (the trainer refuses tp > LOCAL_WORLD_SIZE) and put pp across nodes.
@@ -106,9 +110,17 @@ else
                --rdzv-id "$JOB_ID" --rdzv-conf "$RDZV_CONF")
 fi
 
+# SIGUSR1 (SLURM's --signal) is forwarded to the workers, which save a checkpoint at
+# the next step boundary and exit 75; torchrun's default list lacks it and would die.
+signal_args=()
+if "$TORCHRUN" --help 2>/dev/null | grep -q -- "--signals-to-handle"; then
+    signal_args=(--signals-to-handle "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+fi
+
 exec "$TORCHRUN" \
     --nnodes "$NNODES" \
     --nproc-per-node "$NPROC_PER_NODE" \
     "${rdzv_args[@]}" \
     --max-restarts "$MAX_RESTARTS" \
+    "${signal_args[@]}" \
     -m trainer.train "$@"
