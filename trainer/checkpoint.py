@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -222,12 +223,15 @@ def save_checkpoint(
         records = _write_rank_files(path, parts, optimizer, trainer_state, to_logical, rank)
     except (Exception, CheckpointException) as e:  # agreed below: no rank may leave the others waiting
         failure, local = describe_write_failure(path, e, rank), e
-    gathered = _all_gather((records, failure))
-    failure = next((f for _, f in gathered if f), None)
+    gathered = _all_gather((records, failure, _failed_here(local, rank)))
+    # A failing rank's own account first: only it can see (or probe) its OSError.
+    failure = next((f for _, f, own in gathered if f and own), None) or next(
+        (f for _, f, _ in gathered if f), None
+    )
     if failure is None and rank == 0:
         try:
             _commit(
-                path, int(trainer_state.get("step", -1)), {k: v for r, _ in gathered for k, v in r.items()}
+                path, int(trainer_state.get("step", -1)), {k: v for r, _, _ in gathered for k, v in r.items()}
             )
         except OSError as e:
             failure, local = describe_write_failure(path, e, rank), e
@@ -281,22 +285,33 @@ _ERRNO_MEANING = {
 def describe_write_failure(path: Path, exc: BaseException, rank: int) -> str:
     """One line for a failed save: what failed, on which rank, the free space, what is left.
 
+    DCP's writer reports a failed write as torch.save's "unexpected pos 704 vs 598", and
+    the OSError behind it survives only as that exception's context on the failing rank
+    (pickling across ranks drops it). So the failing rank looks for the OSError in the
+    chain and, if it is gone, probes with a fresh write beside the checkpoint.
+
     Args:
         path: the checkpoint directory being written.
         exc: what this rank caught: an OSError, or DCP's CheckpointException, which
             carries every failing rank's exception.
-        rank: this rank (used when `exc` is not DCP's).
+        rank: this rank.
     """
     failures = exc.failures if isinstance(exc, CheckpointException) else {rank: (exc, None)}
-    ranked = [(r, e) for r, (e, _) in sorted(failures.items())]
-    where, err = ([(r, e) for r, e in ranked if isinstance(e, OSError)] or ranked or [(rank, exc)])[0]
-    if isinstance(err, OSError) and err.errno is not None:
-        what = _ERRNO_MEANING.get(err.errno, "a write failed")
-        code = errno.errorcode.get(err.errno, str(err.errno))
-        cause = f"{what} ({code}: {err.strerror}{f', {err.filename}' if err.filename else ''})"
+    where = rank if rank in failures else min(failures)
+    err = failures[where][0]
+    os_err = _os_error_in(err)
+    probed = os_err is None and where == rank
+    if probed:
+        os_err = _probe_write(path)
+    first = next((ln.strip() for ln in reversed(str(err).splitlines()) if ln.strip()), type(err).__name__)
+    if os_err is not None and os_err.errno is not None:
+        what = _ERRNO_MEANING.get(os_err.errno, "a write failed")
+        code = errno.errorcode.get(os_err.errno, str(os_err.errno))
+        cause = f"{what} ({code}: {os_err.strerror}{f', {os_err.filename}' if os_err.filename else ''})"
+        if probed:
+            cause += f", found by a probe write after {type(err).__name__}: {first[:120]}"
     else:
-        lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
-        cause = f"{type(err).__name__}: {lines[-1][:200] if lines else ''}"
+        cause = f"{type(err).__name__}: {first[:200]}"
     try:
         free = f"{shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free"
     except OSError:
@@ -306,6 +321,40 @@ def describe_write_failure(path: Path, exc: BaseException, rank: int) -> str:
         f"saving checkpoint {path} failed on rank {where}: {cause}; {free} in {path.parent}; "
         f"the partial checkpoint was removed; last committed: {kept[-1].name if kept else 'none'}"
     )
+
+
+def _failed_here(exc: BaseException | None, rank: int) -> bool:
+    if exc is None:
+        return False
+    return rank in exc.failures if isinstance(exc, CheckpointException) else True
+
+
+def _os_error_in(exc: BaseException) -> OSError | None:
+    """The first OSError along `exc`'s cause/context chain (itself included)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, OSError):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def _probe_write(path: Path, size: int = 4 << 20) -> OSError | None:
+    """Write and fsync `size` bytes beside the checkpoint; the OSError if that fails (file removed)."""
+    probe = path.parent / f".write-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            for _ in range(size >> 20):
+                f.write(b"\0" * (1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+        return None
+    except OSError as e:
+        return e
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 def _all_gather(obj: Any) -> list[Any]:
