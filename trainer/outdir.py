@@ -40,10 +40,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
-from trainer.config import ConfigError, TrainingArguments
+if TYPE_CHECKING:
+    from trainer.config import TrainingArguments
+# torch and trainer.config (transformers) are imported where used: taking or checking the
+# lock from another process (a test, a scheduler's pre-check) needs only the standard library.
 
 LOCK_NAME = ".lock"
 RESTART_LOCK_WAIT_S = 30.0
@@ -131,6 +133,8 @@ def prepare_fresh_start(out: Path, args: TrainingArguments) -> None:
     Raises:
         ConfigError: `out` holds files and overwrite_output_dir is off.
     """
+    from trainer.config import ConfigError
+
     present = [p for p in out.iterdir() if p.name != LOCK_NAME]
     if not present:
         return
@@ -159,6 +163,8 @@ def claim_output_dir(args: TrainingArguments, rank: int) -> Iterator[Path]:
         OutputDirBusyError: another run holds the directory (on every rank).
         ConfigError: a fresh run on a non-empty directory without overwrite_output_dir (on every rank).
     """
+    import torch.distributed as dist
+
     out = Path(args.output_dir)
     lock = OutputDirLock(out)
     error: BaseException | None = None
