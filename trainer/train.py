@@ -516,6 +516,8 @@ def finish_run(
         "timeline_png": str(out / "timeline.png") if pp > 1 else None,
         "timeline_trace": str(out / "timeline_trace.json") if pp > 1 else None,
         "data_skipped": ctx.data.skipped,
+        "output_dir": str(out),
+        "last_checkpoint": str(ckpt.checkpoint_dir(out, step)),
     }
     if ctx.is_logger:
         (out / "run_summary.json").write_text(json.dumps(summary, indent=1, default=str))
@@ -581,6 +583,12 @@ def _print_summary(s: dict[str, Any]) -> None:
         )
         lines.append(f"timeline             {s['timeline_png']}")
     lines.append(f"wall time            {s['wall_time_s']:.1f} s over {s['steps']} steps")
+    lines.append(f"output_dir           {s['output_dir']}")
+    lines.append(f"last checkpoint      {s['last_checkpoint']}")
+    export_dir = str(Path(s["output_dir"]) / "hf_export")
+    lines.append(
+        f"export               python -m trainer.export --checkpoint {s['last_checkpoint']} --output {export_dir}"
+    )
     print("\n".join(lines), flush=True)
 
 
