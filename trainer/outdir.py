@@ -19,8 +19,11 @@ torchrun restart (TORCHELASTIC_RESTART_COUNT unset or 0). A fresh run refuses a
 non-empty directory unless `overwrite_output_dir`; with it, the earlier run's
 outputs (RUN_OUTPUTS and every `checkpoint-<step>/`) are removed before anything
 else, so `resume_from_checkpoint: latest` can never pick another run's checkpoint.
-Other files (a user's notes, a `wandb/` directory) are left alone. A restart of the
-same run has the same flags but is not fresh: it keeps its checkpoints.
+Other files (a user's notes, an export, `wandb/`, whose runs have their own ids)
+are left alone. A restart of the same run has the same flags but is not fresh: it
+keeps its checkpoints. (A run id recorded in each checkpoint, so that `latest`
+picks only "this run's", was considered and left out: after the fresh-start
+clean-up every checkpoint in the directory is this run's or one it resumed from.)
 
 The decision is rank 0's; it is broadcast, so a refused run raises the same error on
 every rank instead of leaving the others waiting in a collective.
@@ -58,6 +61,7 @@ RUN_OUTPUTS = (
     "config.yaml",
     "model_config.json",
     "tokenizer",
+    "runs",  # TensorBoard: one directory, so an earlier run's event files would mix into the new curves
 )
 _CKPT_RE = re.compile(r"^checkpoint-\d+$")
 
