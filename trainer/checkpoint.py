@@ -304,6 +304,7 @@ def describe_write_failure(path: Path, exc: BaseException, rank: int) -> str:
     if probed:
         os_err = _probe_write(path)
     first = next((ln.strip() for ln in reversed(str(err).splitlines()) if ln.strip()), type(err).__name__)
+    first = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", first)  # c10's prefix says nothing here
     if os_err is not None and os_err.errno is not None:
         what = _ERRNO_MEANING.get(os_err.errno, "a write failed")
         code = errno.errorcode.get(os_err.errno, str(os_err.errno))
