@@ -202,9 +202,10 @@ def save_checkpoint(
 ) -> None:
     """Write checkpoint `path` (collective: every rank calls it); the checksummed marker last.
 
-        rank 0 clears path -> every rank: DCP shards, rng file, hashes of its files (rank 0:
-        trainer_state.json) -> all_gather (records, failure) -> rank 0: hashes the rest,
-        writes COMMITTED, applies save_total_limit -> broadcast of rank 0's outcome
+        rank 0 clears path -> every rank: DCP shards, its rng file, the hashes of its files
+        (rank 0: trainer_state.json too) -> all_gather (records, failure) -> rank 0: hashes
+        the rest, writes COMMITTED -> broadcast of the outcome -> on success only, rank 0
+        applies save_total_limit; on failure, rank 0 removes `path` and every rank raises
 
     A crash leaves no directory with a marker; a failed write anywhere is seen by all.
 
@@ -224,10 +225,7 @@ def save_checkpoint(
     except (Exception, CheckpointException) as e:  # agreed below: no rank may leave the others waiting
         failure, local = describe_write_failure(path, e, rank), e
     gathered = _all_gather((records, failure, _failed_here(local, rank)))
-    # A failing rank's own account first: only it can see (or probe) its OSError.
-    failure = next((f for _, f, own in gathered if f and own), None) or next(
-        (f for _, f, _ in gathered if f), None
-    )
+    failure = _first_failure([(f, own) for _, f, own in gathered])
     if failure is None and rank == 0:
         try:
             _commit(
@@ -245,6 +243,13 @@ def save_checkpoint(
         for old in list_checkpoints(path.parent)[:-save_total_limit]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
+
+
+def _first_failure(reports: list[tuple[str | None, bool]]) -> str | None:
+    """The lowest failing rank's own account, else any rank's: only a failing rank sees its OSError."""
+    own = [f for f, mine in reports if f and mine]
+    other = [f for f, _ in reports if f]
+    return (own or other)[0] if other else None
 
 
 def _write_rank_files(
@@ -303,16 +308,7 @@ def describe_write_failure(path: Path, exc: BaseException, rank: int) -> str:
     probed = os_err is None and where == rank
     if probed:
         os_err = _probe_write(path)
-    first = next((ln.strip() for ln in reversed(str(err).splitlines()) if ln.strip()), type(err).__name__)
-    first = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", first)  # c10's prefix says nothing here
-    if os_err is not None and os_err.errno is not None:
-        what = _ERRNO_MEANING.get(os_err.errno, "a write failed")
-        code = errno.errorcode.get(os_err.errno, str(os_err.errno))
-        cause = f"{what} ({code}: {os_err.strerror}{f', {os_err.filename}' if os_err.filename else ''})"
-        if probed:
-            cause += f", found by a probe write after {type(err).__name__}: {first[:120]}"
-    else:
-        cause = f"{type(err).__name__}: {first[:200]}"
+    cause = _cause(err, os_err, probed)
     try:
         free = f"{shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free"
     except OSError:
@@ -322,6 +318,18 @@ def describe_write_failure(path: Path, exc: BaseException, rank: int) -> str:
         f"saving checkpoint {path} failed on rank {where}: {cause}; {free} in {path.parent}; "
         f"the partial checkpoint was removed; last committed: {kept[-1].name if kept else 'none'}"
     )
+
+
+def _cause(err: BaseException, os_err: OSError | None, probed: bool) -> str:
+    """What went wrong, in words: the errno's meaning when there is one, else the error's last line."""
+    last = next((ln.strip() for ln in reversed(str(err).splitlines()) if ln.strip()), type(err).__name__)
+    last = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", last)  # c10's prefix says nothing here
+    if os_err is None or os_err.errno is None:
+        return f"{type(err).__name__}: {last[:200]}"
+    what = _ERRNO_MEANING.get(os_err.errno, "a write failed")
+    code = errno.errorcode.get(os_err.errno, str(os_err.errno))
+    cause = f"{what} ({code}: {os_err.strerror}{f', {os_err.filename}' if os_err.filename else ''})"
+    return cause + (f", found by a probe write after {type(err).__name__}: {last[:120]}" if probed else "")
 
 
 def _failed_here(exc: BaseException | None, rank: int) -> bool:
