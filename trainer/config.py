@@ -215,7 +215,13 @@ class TrainingArguments:
     """The optimisation loop, evaluation, checkpoints and tracking (TrainingArguments names)."""
 
     output_dir: str = field(default="outputs/run", metadata={"help": "Where everything is written."})
-    overwrite_output_dir: bool = field(default=False, metadata={"help": "Reuse a non-empty output_dir."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Reuse a non-empty output_dir: a fresh start (no resume, not a torchrun restart) "
+            "first removes the earlier run's checkpoints, metrics, summary, tokenizer, configs and logs."
+        },
+    )
     max_steps: int = field(default=100, metadata={"help": "Optimizer steps."})
     learning_rate: float = field(default=5e-4, metadata={"help": "Peak learning rate."})
     warmup_steps: int = field(default=0, metadata={"help": "Linear warmup steps."})

@@ -4,7 +4,8 @@ Also `python -m trainer.train ...` for one process. Wiring only; each piece live
 in its own module, and `run` is a short sequence of named steps:
 
     main             config -> process group -> run -> tear down
-    setup_run        validate -> output dir -> data + tokenizer -> mesh -> sampler ->
+    run              validate -> claim output dir (lock, fresh-start cleanup) -> setup_run -> ...
+    setup_run        data + tokenizer -> mesh -> sampler ->
                      partition -> model (HF import, parallelize) -> optimizer/scheduler
     resume_state     checkpoint -> model, optimizer, scheduler, sampler; the step
     build_tracker, build_evaluator, eval before training
@@ -60,6 +61,7 @@ from trainer.guard import (
     assert_finite_state,
 )
 from trainer.loop import LogWindow, StepStats, bubble_stats, build_optimizer, build_scheduler, train_step
+from trainer.outdir import claim_output_dir
 from trainer.partitioning import choose_balance
 from trainer.timeline import write_timeline
 from trainer.tokenizer import Tokenizer, load_or_train_tokenizer
@@ -72,27 +74,6 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def prepare_output_dir(cfg: JobConfig, rank: int) -> Path:
-    """Create output_dir; refuse a non-empty one unless resuming or overwrite_output_dir."""
-    out = Path(cfg.training.output_dir)
-    args = cfg.training
-    if (
-        rank == 0
-        and out.is_dir()
-        and any(out.iterdir())
-        and not (args.overwrite_output_dir or args.resume_from_checkpoint)
-    ):
-        raise ConfigError(
-            f"output_dir={str(out)!r} is not empty; set overwrite_output_dir or "
-            f"resume_from_checkpoint (e.g. 'latest')"
-        )
-    if rank == 0 and args.overwrite_output_dir and not args.resume_from_checkpoint:
-        for name in ("metrics.jsonl", "run_summary.json"):
-            (out / name).unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    return out
 
 
 def setup_tokenizer(cfg: JobConfig, raw: Any, out: Path, rank: int) -> Tokenizer:
@@ -264,41 +245,44 @@ def run(cfg: JobConfig) -> dict[str, Any]:
 
     On the logging rank the summary also holds `history`, every row written to metrics.jsonl.
 
-        setup_run -> resume_state -> tracker, evaluator -> [eval before] -> train_loop -> finish_run
+        validate_early -> claim_output_dir -> setup_run -> resume_state -> tracker, evaluator
+        -> [eval before] -> train_loop -> finish_run
+
+    Rank 0 holds output_dir's lock until this returns or raises (trainer.outdir).
     """
-    ctx = setup_run(cfg)
-    step = resume_state(ctx)
-    tracker = build_tracker(ctx, step)
-    evaluator = build_evaluator(ctx)
-    before: dict[str, Any] | None = None
-    if cfg.training.do_eval and step == 0:
-        before = evaluator.run(step)
-        tracker.log({"step": step, **before})
-    args = cfg.training
-    # SIGTERM/SIGUSR1 from here on: save at the next step boundary (trainer/guard.py). A signal
-    # during the final eval and save is not acted on: the run completes and exits 0.
-    with PreemptionSignals() as signals:
-        guard = StepGuard(args.nan_policy, args.nan_max_consecutive_skips, ctx.pm.device, signals)
-        try:
-            totals = train_loop(ctx, tracker, evaluator, step, guard)
-        except (Preempted, DivergenceError):
-            tracker.close()  # rows are already on disk; this ends the W&B run and the progress bar
-            raise
-        return finish_run(ctx, tracker, evaluator, totals, before)
+    dims = validate_early(cfg, dist.get_world_size())
+    with claim_output_dir(cfg.training, dist.get_rank()) as out:
+        ctx = setup_run(cfg, dims, out)
+        step = resume_state(ctx)
+        tracker = build_tracker(ctx, step)
+        evaluator = build_evaluator(ctx)
+        before: dict[str, Any] | None = None
+        if cfg.training.do_eval and step == 0:
+            before = evaluator.run(step)
+            tracker.log({"step": step, **before})
+        args = cfg.training
+        # SIGTERM/SIGUSR1 from here on: save at the next step boundary (trainer/guard.py). A signal
+        # during the final eval and save is not acted on: the run completes and exits 0.
+        with PreemptionSignals() as signals:
+            guard = StepGuard(args.nan_policy, args.nan_max_consecutive_skips, ctx.pm.device, signals)
+            try:
+                totals = train_loop(ctx, tracker, evaluator, step, guard)
+            except (Preempted, DivergenceError):
+                tracker.close()  # rows are already on disk; this ends the W&B run and the progress bar
+                raise
+            return finish_run(ctx, tracker, evaluator, totals, before)
 
 
-def setup_run(cfg: JobConfig) -> RunContext:
-    """Validate, then build data, tokenizer, mesh, sampler, partition, model and optimizer.
+def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path) -> RunContext:
+    """Build data, tokenizer, mesh, sampler, partition, model and optimizer (config validated, `out` claimed).
 
     Collective (tokenizer barrier, mesh groups, partition profiling). Rank 0 also writes
     config.yaml and model_config.json and logs the mesh and partition.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dims = validate_early(cfg, world)
+    rank = dist.get_rank()
     fault = FaultInjection.from_env()
     if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
-    out = prepare_output_dir(cfg, rank)
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
@@ -710,8 +694,11 @@ if __name__ == "__main__":
     except Preempted as e:  # a committed checkpoint was written: requeue and resume (trainer/guard.py)
         print(f"preempted: {e}", file=sys.stderr)
         sys.exit(EXIT_PREEMPTED)
-    except (ConfigError, ValueError, FileNotFoundError, DivergenceError) as e:  # one clear line
+    except (ConfigError, ValueError, FileNotFoundError, DivergenceError, ckpt.CheckpointWriteError) as e:
+        # bad input (2), divergence (3) or a failed checkpoint write (1): one clear line, not a traceback
         if os.environ.get("TRAINER_TRACEBACK"):
             raise
         print(f"error: {type(e).__name__}: {e} (TRAINER_TRACEBACK=1 for the traceback)", file=sys.stderr)
-        sys.exit(EXIT_DIVERGED if isinstance(e, DivergenceError) else 2)
+        if isinstance(e, DivergenceError):
+            sys.exit(EXIT_DIVERGED)
+        sys.exit(1 if isinstance(e, ckpt.CheckpointWriteError) else 2)
