@@ -105,34 +105,52 @@ class ParallelDims:
             self, with `dp` resolved.
 
         Raises:
-            ValueError: with the offending numbers, e.g. `pp(2) * dp(2) * tp(2) = 8 != WORLD_SIZE(4)`.
+            ValueError: naming the flag (ParallelArguments name), its value and the valid ones, e.g.
+                `tensor_parallel_size=3 does not divide 4 ranks; valid: 1, 2, 4`.
         """
-        for name in ("pp", "tp", "world_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for name, value in (("pipeline_parallel_size", self.pp), ("tensor_parallel_size", self.tp),
+                            ("world_size", self.world_size)):  # fmt: skip
+            if value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
         if self.dp == -1:
-            if self.world_size % (self.pp * self.tp) != 0:
-                raise ValueError(
-                    f"cannot infer dp: WORLD_SIZE({self.world_size}) is not divisible by "
-                    f"pp({self.pp}) * tp({self.tp}) = {self.pp * self.tp}"
-                )
+            self._check_divides_world()
             self.dp = self.world_size // (self.pp * self.tp)
         if self.dp < 1:
-            raise ValueError(f"dp={self.dp} must be >= 1 or -1 (inferred)")
+            raise ValueError(f"data_parallel_size={self.dp} must be >= 1 or -1 (inferred)")
         if self.pp * self.dp * self.tp != self.world_size:
+            self._check_divides_world()
             raise ValueError(
-                f"pp({self.pp}) * dp({self.dp}) * tp({self.tp}) = {self.pp * self.dp * self.tp} "
-                f"!= WORLD_SIZE({self.world_size})"
+                f"pipeline_parallel_size({self.pp}) * data_parallel_size({self.dp}) * "
+                f"tensor_parallel_size({self.tp}) = {self.pp * self.dp * self.tp} != WORLD_SIZE"
+                f"({self.world_size}); valid: data_parallel_size={self.world_size // (self.pp * self.tp)} "
+                f"or -1 (inferred)"
             )
         lws = self.local_world_size
         if lws is not None and self.tp > lws and not self.allow_tp_across_nodes:
             raise ValueError(
-                f"tp({self.tp}) > LOCAL_WORLD_SIZE({lws}): tensor parallelism would cross nodes; "
-                f"use tp <= {lws} or set allow_tp_across_nodes"
+                f"tensor_parallel_size={self.tp} > LOCAL_WORLD_SIZE({lws}): tensor parallelism would "
+                f"cross nodes; valid: tensor_parallel_size <= {lws}, or set allow_tp_across_nodes"
             )
         if model_config is not None:
             check_tp_divides_model(model_config, self.tp)
         return self
+
+    def _check_divides_world(self) -> None:
+        """Raise naming the flag (the ParallelArguments name) whose size does not divide the ranks."""
+        world, pp, tp = self.world_size, self.pp, self.tp
+        ranks = f"{world} rank{'s' if world > 1 else ''}"
+        if world % pp:
+            raise ValueError(
+                f"pipeline_parallel_size={pp} does not divide {ranks}; valid: {_divisors(world)}"
+            )
+        per_stage = world // pp
+        if per_stage % tp:
+            where = ranks if pp == 1 else (
+                f"the {per_stage} ranks of a pipeline stage (WORLD_SIZE({world}) / pipeline_parallel_size({pp}))"
+            )  # fmt: skip
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide {where}; valid: {_divisors(per_stage)}"
+            )
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -157,8 +175,14 @@ def check_tp_divides_model(config: ModelConfig, tp: int) -> None:
     ):
         value = int(getattr(config, name))
         if value % tp != 0:
-            valid = [k for k in range(1, value + 1) if value % k == 0]
-            raise ValueError(f"tp({tp}) does not divide {name}({value}); valid tp sizes: {valid}")
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide {name}({value}); valid: {_divisors(value)}"
+            )
+
+
+def _divisors(n: int) -> str:
+    """`12 -> "1, 2, 3, 4, 6, 12"`: the sizes an axis over n ranks (or heads, ...) may take."""
+    return ", ".join(str(k) for k in range(1, n + 1) if n % k == 0)
 
 
 def rank_to_coords(rank: int, shape: tuple[int, int, int]) -> tuple[int, int, int]:

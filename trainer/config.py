@@ -11,6 +11,7 @@ Each component receives only its own section.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -36,6 +37,38 @@ class ConfigError(ValueError):
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
+
+
+def _check_range(
+    section: Any,
+    names: tuple[str, ...],
+    low: float,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = False,
+    optional: bool = False,
+) -> None:
+    """Raise ConfigError unless each named field of `section` lies in the range (None passes if `optional`).
+
+    The message names the field, its value and the valid range, e.g.
+    `learning_rate=-1.0 must be >= 0`, `adam_beta2=1.0 must be in [0, 1)`.
+    """
+    for name in names:
+        value = getattr(section, name)
+        if value is None and optional:
+            continue
+        ok = (
+            value is not None
+            and math.isfinite(value)
+            and (value > low if low_open else value >= low)
+            and (value < high if high_open else value <= high)
+        )
+        if not ok:
+            if math.isinf(high):
+                valid = f"{'>' if low_open else '>='} {low:g}"
+            else:
+                valid = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+            raise ConfigError(f"{name}={value!r} must be {valid}{' or null' if optional else ''}")
 
 
 @dataclass
@@ -76,6 +109,15 @@ class ModelArguments:
         }
         return ModelConfig(vocab_size=vocab_size, **arch, **special_ids)  # type: ignore[arg-type]
 
+    def __post_init__(self) -> None:
+        # Sizes, heads vs d_model, activation and dropouts: ModelConfig.validate is their one home.
+        _check_range(self, ("vocab_size",), 8)  # 4 specials + at least a few pieces and tags
+        _check_range(self, ("init_std",), 0, low_open=True)
+        try:
+            self.model_config(self.vocab_size, {})
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
 
 @dataclass
 class DataArguments:
@@ -113,9 +155,22 @@ class DataArguments:
     )
     spm_character_coverage: float = field(default=1.0, metadata={"help": "SentencePiece character coverage."})
     spm_input_sentence_size: int = field(default=200000, metadata={"help": "Sentences sampled to train SPM."})
+    max_bad_record_fraction: float = field(
+        default=0.01,
+        metadata={
+            "help": "Unreadable lines (malformed JSON, not UTF-8) in a data file are skipped and counted; "
+            "above this share of the file's lines the run fails naming the first ones."
+        },
+    )
 
     def __post_init__(self) -> None:
         _check_choice("spm_model_type", self.spm_model_type, ("unigram", "bpe"))
+        _check_range(self, ("builtin_size", "max_source_length", "max_target_length"), 1)
+        _check_range(self, ("spm_input_sentence_size",), 1)
+        _check_range(self, ("max_train_samples", "max_eval_samples", "max_tokens_per_microbatch"), 1,
+                     optional=True)  # fmt: skip
+        _check_range(self, ("spm_character_coverage",), 0, 1, low_open=True)
+        _check_range(self, ("max_bad_record_fraction",), 0, 1)
         if isinstance(self.language_pairs, str):
             self.language_pairs = [p for p in self.language_pairs.replace(",", " ").split() if p]
         for pair in self.language_pairs:
@@ -185,14 +240,18 @@ class ParallelArguments:
                     f"partition_method={self.partition_method!r} is not valid; choose one of "
                     f"{list(PARTITION_CHOICES)} or a comma list of block counts like '5,4,4,5'"
                 ) from None
-        for name in (
+        names = (
             "pipeline_parallel_size",
             "tensor_parallel_size",
             "num_microbatches",
             "virtual_pipeline_stages",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        )
+        _check_range(self, names, 1)
+        _check_range(self, ("dist_timeout_s",), 1)
+        if not math.isfinite(self.hang_warning_s):  # any finite value: negative = no warning
+            raise ConfigError(
+                f"hang_warning_s={self.hang_warning_s!r} must be a finite number (negative: no warning)"
+            )
         if self.data_parallel_size == 0 or self.data_parallel_size < -1:
             raise ConfigError(f"data_parallel_size={self.data_parallel_size} must be >= 1 or -1 (inferred)")
 
@@ -278,19 +337,17 @@ class TrainingArguments:
         _check_choice("report_to", self.report_to, REPORT_CHOICES)
         _check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULER_CHOICES)
         _check_choice("nan_policy", self.nan_policy, NAN_POLICIES)
-        for name in (
-            "max_steps",
-            "per_device_train_batch_size",
-            "per_device_eval_batch_size",
-            "gradient_accumulation_steps",
-            "logging_steps",
-            "generation_num_beams",
-            "nan_max_consecutive_skips",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        if not 0.0 <= self.label_smoothing_factor < 1.0:
-            raise ConfigError(f"label_smoothing_factor={self.label_smoothing_factor} must be in [0, 1)")
+        positive = ("max_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
+                    "gradient_accumulation_steps", "logging_steps", "generation_num_beams",
+                    "generation_max_length", "nan_max_consecutive_skips")  # fmt: skip
+        _check_range(self, positive, 1)
+        _check_range(self, ("warmup_steps", "eval_steps", "save_steps"), 0)  # 0: none / only at the end
+        _check_range(self, ("learning_rate", "weight_decay", "mfu_peak_tflops"), 0)
+        _check_range(self, ("max_grad_norm",), 0)  # 0 disables clipping
+        _check_range(self, ("adam_beta1", "adam_beta2", "label_smoothing_factor"), 0, 1, high_open=True)
+        _check_range(self, ("adam_epsilon",), 0, low_open=True)
+        _check_range(self, ("save_total_limit",), 1, optional=True)
+        _check_range(self, ("seed",), 0, 2**32 - 1)  # numpy's seed range
 
 
 @dataclass

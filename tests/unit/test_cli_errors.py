@@ -16,13 +16,17 @@ CASES = {
     "unknown-flag": (["--foo", "1"], "unknown flag(s) ['--foo']"),
     "bad-schedule": (["--pipeline_schedule", "bogus"], "pipeline_schedule='bogus' is not valid"),
     "bad-remat": (["--activation_checkpointing", "some"], "activation_checkpointing='some' is not valid"),
-    "mesh-vs-world": (["--tensor_parallel_size", "2"], "WORLD_SIZE(1) is not divisible by pp(1) * tp(2)"),
+    "mesh-vs-world": (
+        ["--tensor_parallel_size", "2"],
+        "tensor_parallel_size=2 does not divide 1 rank; valid: 1",
+    ),
     "mesh-product": (
-        ["--tensor_parallel_size", "2", "--data_parallel_size", "2"],
-        "pp(1) * dp(2) * tp(2) = 4 != WORLD_SIZE(1)",
+        ["--data_parallel_size", "2"],
+        "pipeline_parallel_size(1) * data_parallel_size(2) * tensor_parallel_size(1) = 2 != WORLD_SIZE(1)",
     ),
     "nan-policy": (["--nan_policy", "ignore"], "nan_policy='ignore' is not valid"),
     "heads": (["--encoder_attention_heads", "3"], "d_model=64 is not divisible by encoder_attention_heads=3"),
+    "negative-lr": (["--learning_rate", "-1"], "learning_rate=-1.0 must be >= 0"),  # was: late, in AdamW
     "balance": (["--partition_method", "3,3"], "balance [3, 3]"),
     "missing-file": (
         ["--dataset_name", "", "--train_file", "/nonexistent/train.jsonl"],

@@ -12,8 +12,12 @@ from parallel.mesh import ParallelDims, check_tp_divides_model, coords_to_rank, 
 from trainer.config import ParallelArguments
 
 
-def test_mesh_not_multiplying_to_world_names_every_size() -> None:
-    with pytest.raises(ValueError, match=r"pp\(2\) \* dp\(2\) \* tp\(2\) = 8 != WORLD_SIZE\(4\)"):
+def test_mesh_not_multiplying_to_world_names_every_flag() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"pipeline_parallel_size\(2\) \* data_parallel_size\(2\) \* tensor_parallel_size\(2\) = 8 "
+        r"!= WORLD_SIZE\(4\); valid: data_parallel_size=1 or -1",
+    ):
         ParallelDims(pp=2, dp=2, tp=2, world_size=4).validate()
 
 
@@ -22,20 +26,41 @@ def test_dp_inferred_from_world() -> None:
     assert dims.dp == 2 and dims.shape == (2, 2, 2)
 
 
-def test_dp_not_inferable() -> None:
-    with pytest.raises(ValueError, match=r"WORLD_SIZE\(6\) is not divisible by pp\(2\) \* tp\(2\) = 4"):
-        ParallelDims(pp=2, dp=-1, tp=2, world_size=6).validate()
+@pytest.mark.parametrize(
+    "pp,tp,world,message",
+    [
+        (1, 3, 4, "tensor_parallel_size=3 does not divide 4 ranks; valid: 1, 2, 4"),
+        (3, 1, 4, "pipeline_parallel_size=3 does not divide 4 ranks; valid: 1, 2, 4"),
+        (
+            2,
+            4,
+            12,
+            r"tensor_parallel_size=4 does not divide the 6 ranks of a pipeline stage .*; valid: 1, 2, 3, 6",
+        ),
+    ],
+)
+def test_size_not_dividing_the_ranks_names_the_flag_and_valid_sizes(
+    pp: int, tp: int, world: int, message: str
+) -> None:
+    """Was: `cannot infer dp: WORLD_SIZE(4) is not divisible by pp(1) * tp(3)`: no flag, no valid values."""
+    with pytest.raises(ValueError, match=message):
+        ParallelDims(pp=pp, dp=-1, tp=tp, world_size=world).validate()
+    with pytest.raises(ValueError, match=message):  # an explicit dp does not hide the real cause
+        ParallelDims(pp=pp, dp=1, tp=tp, world_size=world).validate()
 
 
-@pytest.mark.parametrize("name", ["pp", "tp", "world_size"])
-def test_non_positive_sizes(name: str) -> None:
+@pytest.mark.parametrize(
+    "name,flag",
+    [("pp", "pipeline_parallel_size"), ("tp", "tensor_parallel_size"), ("world_size", "world_size")],
+)
+def test_non_positive_sizes(name: str, flag: str) -> None:
     kwargs: dict[str, Any] = {"pp": 1, "dp": 1, "tp": 1, "world_size": 1, name: 0}
-    with pytest.raises(ValueError, match=f"{name}=0 must be >= 1"):
+    with pytest.raises(ValueError, match=f"{flag}=0 must be >= 1"):
         ParallelDims(**kwargs).validate()
 
 
 def test_tp_across_nodes_refused_unless_allowed() -> None:
-    with pytest.raises(ValueError, match=r"tp\(8\) > LOCAL_WORLD_SIZE\(4\)"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=8 > LOCAL_WORLD_SIZE\(4\).*<= 4"):
         ParallelDims(pp=1, dp=1, tp=8, world_size=8, local_world_size=4).validate()
     ParallelDims(pp=1, dp=1, tp=8, world_size=8, local_world_size=4, allow_tp_across_nodes=True).validate()
 
@@ -49,7 +74,10 @@ def test_tp_must_divide_heads_ffn_and_d_model() -> None:
         decoder_ffn_dim=96,
         vocab_size=101,
     )
-    with pytest.raises(ValueError, match=r"tp\(4\) does not divide encoder_attention_heads\(6\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=4 does not divide encoder_attention_heads\(6\); valid: 1, 2, 3, 6",
+    ):
         ParallelDims(pp=1, dp=1, tp=4, world_size=4).validate(cfg)
     cfg = ModelConfig(
         d_model=32,
@@ -59,7 +87,7 @@ def test_tp_must_divide_heads_ffn_and_d_model() -> None:
         decoder_ffn_dim=60,
         vocab_size=101,
     )
-    with pytest.raises(ValueError, match=r"tp\(8\) does not divide decoder_ffn_dim\(60\)"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=8 does not divide decoder_ffn_dim\(60\)"):
         check_tp_divides_model(cfg, 8)
     # The vocabulary (101) need not be divisible: it is padded.
     check_tp_divides_model(cfg, 4)  # 60 and 101 are fine for tp=4
