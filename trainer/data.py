@@ -19,7 +19,8 @@ With `max_tokens_per_microbatch` (T) a slot is instead filled greedily, in lengt
 while rows x longest <= T; a global batch is K such slots. The sequence then depends on
 (data, seed, T, K): meshes with the same K compare step by step.
 
-Bad records are skipped and counted (`SKIP_REASONS`); bad files / languages / configs
+Bad records are skipped and counted (`SKIP_REASONS`; unreadable lines of local files,
+`UNREADABLE`, up to `max_bad_record_fraction` of a file); bad files / languages / configs
 raise `DataError` with one line naming the value and what is valid.
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -42,8 +44,9 @@ from trainer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-# Skip codes stored in the `skip` column; 0 keeps the record.
+# Skip codes stored in the `skip` column; 0 keeps the record. These count pairs (record x direction).
 SKIP_REASONS = ("missing_side", "empty_text", "source_too_long", "target_too_long")
+UNREADABLE = "unreadable_line"  # counts lines of a local file (not UTF-8, malformed JSON), dropped on reading
 TABLE_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet")
 CHUNK_GLOBAL_BATCHES = 64  # a length-sorting chunk holds this many global batches
 Direction = tuple[str, str]
@@ -80,43 +83,162 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def _read_table(path: str, what: str) -> Any:
-    """JSON (lines) or Parquet via `datasets.load_dataset`."""
+class BadLines:
+    """Unreadable lines of one data file (not UTF-8, malformed JSON): counted, the first few named.
+
+    Bad records in large data are skipped, not fatal (DESIGN "Bad input"); `check` fails the
+    run only when the file holds no usable line or more than `max_bad_record_fraction` of
+    its lines are bad, which points at a wrong format or encoding rather than a few torn lines.
+    """
+
+    EXAMPLES = 5  # lines named in the log / the error
+
+    def __init__(self, what: str, path: str | Path) -> None:
+        self.what, self.path = what, str(path)
+        self.lines = 0  # lines that should hold a record (blank JSON lines excluded)
+        self.bad = 0
+        self.examples: list[str] = []
+
+    def add(self, lineno: int, why: str) -> None:
+        self.bad += 1
+        if len(self.examples) < self.EXAMPLES:
+            self.examples.append(f"line {lineno}: {why}")
+
+    def check(self, max_fraction: float) -> int:
+        """Raise if nothing is usable or too much is bad; otherwise log the skips.
+
+        Returns:
+            The number of bad lines (skipped).
+
+        Raises:
+            DataError: naming the file, the counts and the first bad lines.
+        """
+        where = f"{self.what} {self.path!r}"
+        first = "; ".join(self.examples)
+        if self.lines == 0:
+            raise DataError(f"{where} is empty: it holds no record")
+        if self.bad == self.lines:
+            raise DataError(f"{where} has no usable record: all {self.lines} lines are unreadable ({first})")
+        if self.bad > max_fraction * self.lines:
+            raise DataError(
+                f"{where}: {self.bad} of {self.lines} lines ({self.bad / self.lines:.1%}) are unreadable, "
+                f"above max_bad_record_fraction={max_fraction} ({first})"
+            )
+        if self.bad:
+            logger.warning("%s: skipped %d unreadable line(s) of %d (%s)", where, self.bad, self.lines, first)
+        return self.bad
+
+
+def _open(path: Path) -> Any:
+    return gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")
+
+
+def _decoded_lines(path: Path, what: str) -> Iterator[tuple[int, str | None, str]]:
+    """(line number from 1, text without the newline or None, why None) of each line of `path`."""
+    try:
+        with _open(path) as f:
+            for lineno, raw in enumerate(f, start=1):
+                try:
+                    yield lineno, raw.decode("utf-8").rstrip("\r\n"), ""
+                except UnicodeDecodeError as e:
+                    yield lineno, None, f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+    except (OSError, EOFError) as e:  # unreadable / truncated gzip
+        raise DataError(f"cannot read {what} {str(path)!r}: {_first_line(e)}") from None
+
+
+def _is_utf8(path: Path) -> bool:
+    """One streaming pass at C speed: datasets' JSON reader does not check the encoding."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with _open(path) as f:
+            while chunk := f.read(1 << 24):
+                decoder.decode(chunk)
+            decoder.decode(b"", final=True)
+    except (UnicodeDecodeError, OSError, EOFError):
+        return False
+    return True
+
+
+def _read_json_lines(path: Path, what: str, max_bad: float) -> tuple[Any, int]:
+    """JSON lines read one by one: unreadable lines are skipped and counted (see `BadLines`)."""
+    import datasets
+
+    bad, records = BadLines(what, path), []
+    for lineno, text, why in _decoded_lines(path, what):
+        if text is not None and not text.strip():
+            continue  # a blank line is no record (as in datasets' JSON reader)
+        bad.lines += 1
+        if text is None:
+            bad.add(lineno, why)
+            continue
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as e:
+            bad.add(lineno, f"not valid JSON ({e.msg} at column {e.colno})")
+            continue
+        if not isinstance(record, dict):
+            bad.add(lineno, f"a JSON {type(record).__name__}, not an object")
+            continue
+        records.append(record)
+    n_bad = bad.check(max_bad)
+    try:
+        return datasets.Dataset.from_list(records), n_bad
+    except Exception as e:  # arrow cannot unify the records' types
+        raise DataError(f"{what} {str(path)!r} is not valid json: {_first_line(e)}") from None
+
+
+def _read_table(path: str, what: str, max_bad: float) -> tuple[Any, int]:
+    """JSON (lines) or Parquet via `datasets.load_dataset`; JSON that fails it, or is not UTF-8,
+    is read line by line so that bad lines are skipped and counted, not fatal.
+
+    Returns:
+        (records, number of unreadable lines skipped).
+    """
     import datasets
 
     if not Path(path).is_file():
         raise DataError(f"{what} {path!r} does not exist")
     builder = "parquet" if path.endswith(".parquet") else "json"
+    if builder == "json" and not _is_utf8(Path(path)):
+        return _read_json_lines(Path(path), what, max_bad)
     try:
-        return datasets.load_dataset(builder, data_files=path, split="train")
+        return datasets.load_dataset(builder, data_files=path, split="train"), 0
     except Exception as e:  # datasets raises many types (DatasetGenerationError, ArrowInvalid, ...)
+        if builder == "json":
+            return _read_json_lines(Path(path), what, max_bad)
         raise DataError(f"{what} {path!r} is not valid {builder}: {_first_line(e)}") from None
 
 
-def _read_lines(path: Path) -> list[str]:
-    opener: Callable[..., Any] = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            return [line.rstrip("\r\n") for line in f]
-    except (OSError, UnicodeDecodeError, EOFError) as e:
-        raise DataError(f"cannot read text file {str(path)!r}: {_first_line(e)}") from None
+def _read_text_files(pattern: str, languages: Sequence[str], what: str, max_bad: float) -> tuple[Any, int]:
+    """Line-aligned files, one per language: `pattern` holds `{lang}`.
 
-
-def _read_text_files(pattern: str, languages: Sequence[str], what: str) -> Any:
-    """Line-aligned files, one per language: `pattern` holds `{lang}`."""
+    A line that is not UTF-8 drops that line number from every language (alignment kept).
+    """
     import datasets
 
-    columns: dict[str, list[str]] = {}
+    columns: dict[str, list[str | None]] = {}
+    skipped: set[int] = set()
     for lang in languages:
         path = Path(pattern.format(lang=lang))
         if not path.is_file():
             found = sorted(p.name for p in path.parent.glob(Path(pattern).name.replace("{lang}", "*")))
             raise DataError(f"{what}: no file {str(path)!r} for language {lang!r}; files there: {found}")
-        columns[lang] = _read_lines(path)
+        bad, lines = BadLines(what, path), []
+        for lineno, text, why in _decoded_lines(path, what):
+            bad.lines += 1
+            lines.append(text)
+            if text is None:
+                bad.add(lineno, why)
+                skipped.add(lineno - 1)
+        bad.check(max_bad)
+        columns[lang] = lines
     counts = {pattern.format(lang=lang): len(lines) for lang, lines in columns.items()}
     if len(set(counts.values())) > 1:
         raise DataError(f"{what}: text files are not line-aligned, line counts differ: {counts}")
-    return datasets.Dataset.from_dict(columns)
+    keep = [i for i in range(len(next(iter(columns.values())))) if i not in skipped]
+    return datasets.Dataset.from_dict({k: [v[i] for i in keep] for k, v in columns.items()}), len(skipped)
 
 
 def _json_translation(ds: Any, languages: Sequence[str], what: str) -> Any:
@@ -149,15 +271,17 @@ def _flat(ds: Any, languages: Sequence[str], what: str) -> Any:
     return ds.select_columns(list(languages))
 
 
-def _read_file(path: str, languages: Sequence[str], what: str) -> Any:
+def _read_file(path: str, languages: Sequence[str], what: str, max_bad: float) -> tuple[Any, int]:
+    """One column per language from a local file, and the number of unreadable lines skipped."""
     if "{lang}" in path:
-        return _read_text_files(path, languages, what)
+        return _read_text_files(path, languages, what, max_bad)
     if not path.endswith(TABLE_SUFFIXES):
         raise DataError(
             f"{what} {path!r}: unknown format; use one of {list(TABLE_SUFFIXES)} "
             "or a text path containing '{lang}' (e.g. data/train.{lang}.gz)"
         )
-    return _flat(_read_table(path, what), languages, what)
+    table, n_bad = _read_table(path, what, max_bad)
+    return _flat(table, languages, what), n_bad
 
 
 def _builtin(data_args: DataArguments, languages: Sequence[str], seed: int) -> tuple[Any, Any]:
@@ -192,19 +316,41 @@ def _hub(data_args: DataArguments, languages: Sequence[str]) -> tuple[Any, Any]:
     return _flat(splits["train"], languages, what), None if val is None else _flat(val, languages, what)
 
 
-def _load_flat(data_args: DataArguments, languages: Sequence[str], seed: int) -> tuple[Any, Any]:
-    """Training and validation records (one column per language); validation may be None."""
+def _load_flat(
+    data_args: DataArguments, languages: Sequence[str], seed: int
+) -> tuple[Any, Any, dict[str, int]]:
+    """Training and validation records (one column per language; validation may be None), and
+    the unreadable lines skipped in the local files, by split ("train", "validation")."""
+    unreadable = {"train": 0, "validation": 0}
+    max_bad = data_args.max_bad_record_fraction
     if data_args.dataset_name == "builtin":
         train, val = _builtin(data_args, languages, seed)
     elif data_args.dataset_name:
         train, val = _hub(data_args, languages)
     elif data_args.train_file:
-        train, val = _read_file(data_args.train_file, languages, "train_file"), None
+        (train, unreadable["train"]), val = (
+            _read_file(data_args.train_file, languages, "train_file", max_bad),
+            None,
+        )
     else:
         raise DataError("no training data: set train_file, or dataset_name (a `datasets` name or 'builtin')")
     if data_args.validation_file:
-        val = _read_file(data_args.validation_file, languages, "validation_file")
-    return train, val
+        val, unreadable["validation"] = _read_file(
+            data_args.validation_file, languages, "validation_file", max_bad
+        )
+    return train, val, unreadable
+
+
+def _source(data_args: DataArguments) -> str:
+    """Where the training data comes from, as the user named it."""
+    if data_args.dataset_name:
+        return f"dataset_name={data_args.dataset_name!r}"
+    return f"train_file={data_args.train_file!r}"
+
+
+def _bucket(skipped: dict[str, dict[str, int]], split: str) -> dict[str, int]:
+    """`skipped[split]`, created with every counter at 0 (unreadable lines first, then SKIP_REASONS)."""
+    return skipped.setdefault(split, {UNREADABLE: 0, **dict.fromkeys(SKIP_REASONS, 0)})
 
 
 def _pairs_batch(batch: dict[str, list[Any]], directions: Sequence[Direction]) -> dict[str, list[Any]]:
@@ -225,7 +371,7 @@ def _count_and_drop(ds: Any, split: str, skipped: dict[str, dict[str, int]]) -> 
     """Count the `skip` codes into `skipped[split]`, then keep rows with code 0."""
     codes = np.asarray(ds.with_format("numpy")["skip"], dtype=np.int64) if len(ds) else np.zeros(0, np.int64)
     counts = np.bincount(codes, minlength=len(SKIP_REASONS) + 1)
-    bucket = skipped.setdefault(split, dict.fromkeys(SKIP_REASONS, 0))
+    bucket = _bucket(skipped, split)
     for i, reason in enumerate(SKIP_REASONS, start=1):
         bucket[reason] += int(counts[i])
     if counts[1:].any():
@@ -258,24 +404,31 @@ def load_raw_datasets(data_args: DataArguments, seed: int) -> RawDatasets:
     Returns:
         `RawDatasets(train, validation, skipped)`: train mixes all directions; validation
         maps a direction name ("en-de") to its pairs (empty without validation data);
-        `skipped` counts pairs with a missing side or empty text per split.
+        `skipped` counts per split the unreadable lines of local files (`UNREADABLE`) and
+        the pairs with a missing side or empty text.
 
     Raises:
-        DataError: a missing / unreadable / malformed file, a language of the run absent
-            from the data, line counts that differ, or no training pair left.
+        DataError: a missing / empty file, more than `max_bad_record_fraction` of a file's
+            lines unreadable, a language of the run absent from the data, line counts that
+            differ, or no training pair left.
     """
     directions = data_args.directions()
     languages = run_languages(data_args)
-    train_flat, val_flat = _load_flat(data_args, languages, seed)
+    train_flat, val_flat, unreadable = _load_flat(data_args, languages, seed)
     if data_args.max_train_samples is not None:
         train_flat = train_flat.select(range(min(data_args.max_train_samples, len(train_flat))))
     skipped: dict[str, dict[str, int]] = {}
+    _bucket(skipped, "train")[UNREADABLE] = unreadable["train"]
     train = _to_pairs(train_flat, directions, "train", skipped)
     if len(train) == 0:
-        raise DataError(f"the training corpus is empty after filtering (skipped: {skipped['train']})")
+        raise DataError(
+            f"the training corpus ({_source(data_args)}) is empty after filtering: no usable record "
+            f"for {[direction_name(d) for d in directions]} (skipped: {skipped['train']})"
+        )
     validation: dict[str, Any] = {}
     for d in directions if val_flat is not None else []:
         name = direction_name(d)
+        _bucket(skipped, f"validation:{name}")[UNREADABLE] = unreadable["validation"]
         pairs = _to_pairs(val_flat, [d], f"validation:{name}", skipped)
         if data_args.max_eval_samples is not None:
             pairs = pairs.select(range(min(data_args.max_eval_samples, len(pairs))))
@@ -375,7 +528,7 @@ def tokenize_datasets(raw: RawDatasets, tokenizer: Tokenizer, data_args: DataArg
     train = tokenize_pairs(raw.train, tokenizer, data_args, "train", skipped)
     if len(train) == 0:
         raise DataError(
-            f"the training corpus is empty after filtering (skipped: {skipped['train']}); "
+            f"the training corpus ({_source(data_args)}) is empty after filtering (skipped: {skipped['train']}); "
             f"max_source_length={data_args.max_source_length}, max_target_length={data_args.max_target_length}"
         )
     validation = {

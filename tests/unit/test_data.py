@@ -140,11 +140,77 @@ def test_bad_records_are_counted(tmp_path: Path, corpus: dict, tok: SentencePiec
     data = tokenize_datasets(load_raw_datasets(args, seed=0), tok, args)
     assert len(data.train) == 20
     assert data.skipped["train"] == {
+        "unreadable_line": 0,
         "missing_side": 1,
         "empty_text": 1,
         "source_too_long": 1,
         "target_too_long": 1,
     }
+
+
+def test_unreadable_lines_are_skipped_counted_and_named(
+    tmp_path: Path, corpus: dict, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Was: one malformed line in 300 failed the run ("is not valid json: Expected object or value at
+    position 38", no line number); a non-UTF-8 byte raised a bare UnicodeDecodeError naming no file."""
+    lines = [json.dumps(r, ensure_ascii=False) for r in _records(corpus, 300, ["en", "de"])]
+    lines[150] = '{"translation": {"en": "torn'
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(lines) + "\n\n", encoding="utf-8")  # a trailing blank line is no record
+    with caplog.at_level("WARNING"):
+        raw = load_raw_datasets(_args(train_file=str(path), validation_file=str(path), source_lang="en",
+                                      target_lang="de"), seed=0)  # fmt: skip
+    assert len(raw.train) == 299 and raw.train[150]["source"] == corpus["train"]["en"][151]
+    assert (
+        raw.skipped["train"]["unreadable_line"] == 1
+        and raw.skipped["validation:en-de"]["unreadable_line"] == 1
+    )
+    assert (
+        f"train_file '{path}': skipped 1 unreadable line(s) of 300 (line 151: not valid JSON" in caplog.text
+    )
+
+    raw_bytes = [line.encode() for line in lines[:40]]
+    raw_bytes[20] = '{"translation": {"en": "café", "de": "x"}}'.encode("latin-1")
+    path.write_bytes(b"\n".join(raw_bytes) + b"\n")
+    message = (rf"train_file '{path}': 1 of 40 lines \(2\.5%\) are unreadable, above "
+               r"max_bad_record_fraction=0\.01 \(line 21: not UTF-8 \(byte 0xe9 at column 28\)\)")  # fmt: skip
+    with pytest.raises(DataError, match=message):
+        load_raw_datasets(_args(train_file=str(path), source_lang="en", target_lang="de"), seed=0)
+    raw = load_raw_datasets(_args(train_file=str(path), source_lang="en", target_lang="de",
+                                  max_bad_record_fraction=0.05), seed=0)  # fmt: skip
+    assert len(raw.train) == 39 and raw.skipped["train"]["unreadable_line"] == 1
+
+
+def test_text_files_drop_a_non_utf8_line_in_every_language(tmp_path: Path, corpus: dict) -> None:
+    for lang in ("en", "de"):
+        data = "\n".join(corpus["train"][lang][:200]).encode() + b"\n"
+        if lang == "de":
+            data = data.replace(corpus["train"]["de"][7].encode(), b"gr\xfc\xdfe")  # latin-1 on line 8
+        (tmp_path / f"t.{lang}").write_bytes(data)
+    raw = load_raw_datasets(
+        _args(train_file=str(tmp_path / "t.{lang}"), source_lang="en", target_lang="de"), 0
+    )
+    assert len(raw.train) == 199 and raw.skipped["train"]["unreadable_line"] == 1
+    assert raw.train[7]["source"] == corpus["train"]["en"][8]  # alignment kept
+
+
+def test_files_without_usable_records_name_the_file(tmp_path: Path) -> None:
+    def fails(match: str, text: bytes, name: str = "t.jsonl", **kw: object) -> None:
+        (tmp_path / name).write_bytes(text)
+        with pytest.raises(DataError, match=match):
+            args = {"train_file": str(tmp_path / name), "source_lang": "en", "target_lang": "de", **kw}
+            load_raw_datasets(_args(**args), seed=0)
+
+    # was: "is not valid json: StopIteration"
+    fails(r"train_file '.*t\.jsonl' is empty: it holds no record", b"")
+    fails(r"train_file '.*t\.jsonl' is empty", b"\n\n")
+    fails(r"t\.jsonl' has no usable record: all 2 lines are unreadable \(line 1: a JSON list, not an object; "
+          r"line 2: not valid JSON", b"[1]\n{\n", max_bad_record_fraction=1.0)  # fmt: skip
+    (tmp_path / "t.en").write_text("a\n")
+    fails(r"train_file '.*t\.de' is empty", b"", name="t.de", train_file=str(tmp_path / "t.{lang}"))
+    fails(r"cannot read train_file '.*t\.jsonl\.gz': Not a gzipped file", b"{}\n", name="t.jsonl.gz")
+    fails(r"\(train_file='.*v\.jsonl'\) is empty after filtering: no usable record for \['en-de'\]",
+          b'{"translation": {"en": "a", "de": " "}}\n{"translation": {"en": "b"}}\n', name="v.jsonl")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -160,7 +226,8 @@ def test_errors_name_the_bad_value(
     fails(r"train_file '/no/such\.jsonl' does not exist", train_file="/no/such.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"translation": {"en": "a", "de": "b"}}\n{not json\n')
-    fails(rf"train_file '{bad}' is not valid json", train_file=str(bad))
+    fails(rf"train_file '{bad}': 1 of 2 lines \(50\.0%\) are unreadable, above max_bad_record_fraction=0\.01 "
+          r"\(line 2: not valid JSON", train_file=str(bad))  # fmt: skip
     fails(r"unknown format; use one of", train_file=str(tmp_path / "x.csv"))
     only_en_fr = _write_jsonl(tmp_path / "enfr.jsonl", _records(corpus, 5, ["en", "fr"]))
     fails(r"has no 'de' text; languages in the data: \['en', 'fr'\]", train_file=str(only_en_fr))
@@ -173,7 +240,10 @@ def test_errors_name_the_bad_value(
     fails(r"not line-aligned, line counts differ: .*t\.de': 2.*t\.en': 3", train_file=str(short / "t.{lang}"))
     (short / "e.en").write_text(" \n\n")
     (short / "e.de").write_text("x\ny\n")
-    fails(r"training corpus is empty after filtering", train_file=str(short / "e.{lang}"))
+    fails(
+        r"training corpus \(train_file='.*e\.\{lang\}'\) is empty after filtering",
+        train_file=str(short / "e.{lang}"),
+    )
     fails(r"dataset_name='/no/such/dir' is a path that does not exist", dataset_name="/no/such/dir")
     fails(r"no training data", train_file=None)
     args = _args(train_file=str(short / "t.{lang}"), source_lang="en", target_lang="en", max_source_length=1)
