@@ -7,17 +7,23 @@ disabled one whose methods do nothing, so call sites need no rank checks.
 `metrics.jsonl` keeps the flat names of the contract (`loss`, `eval_bleu_en-de`);
 W&B and TensorBoard get them grouped the way the Hugging Face Trainer reports them:
 `train/loss`, `eval/bleu_en-de` (see `dashboard_key`).
+
+`metrics.jsonl` holds each step once: on opening, the logging rank cuts the rows of
+steps after the one this session starts from (a resumed run repeats them), atomically.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
 
 BACKENDS = ("wandb", "tensorboard")
 
@@ -57,11 +63,12 @@ class Tracker:
         self.bar: Any = None
         if not enabled:
             return
+        cut_metrics(self.path, initial_step)
         backends = [report_to] if isinstance(report_to, str) else list(report_to)
         if "wandb" in backends:
             self.wandb = _init_wandb(output_dir, run_name, project, config or {})
         if "tensorboard" in backends:
-            self.tensorboard = _init_tensorboard(output_dir, config or {})
+            self.tensorboard = _init_tensorboard(output_dir, config or {}, initial_step)
         if not disable_tqdm:
             self.bar = tqdm(total=max_steps, initial=initial_step, desc="train", dynamic_ncols=True)
 
@@ -117,8 +124,9 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _init_tensorboard(output_dir: str, config: dict[str, Any]) -> Any:
-    """A SummaryWriter on `output_dir/runs` (`tensorboard --logdir output_dir/runs`)."""
+def _init_tensorboard(output_dir: str, config: dict[str, Any], initial_step: int = 0) -> Any:
+    """A SummaryWriter on `output_dir/runs` (`tensorboard --logdir output_dir/runs`); resumed at
+    `initial_step`, TensorBoard hides the earlier session's events after it (`purge_step`)."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
@@ -126,9 +134,46 @@ def _init_tensorboard(output_dir: str, config: dict[str, Any]) -> Any:
             "report_to includes 'tensorboard', which needs the tensorboard package: "
             "pip install tensorboard (or drop it from report_to)"
         ) from e
-    writer = SummaryWriter(log_dir=str(Path(output_dir) / "runs"))
+    purge = initial_step + 1 if initial_step > 0 else None
+    writer = SummaryWriter(log_dir=str(Path(output_dir) / "runs"), purge_step=purge)
     writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in sorted(config.items())))
     return writer
+
+
+def cut_metrics(path: Path, step: int) -> int:
+    """Keep only the rows of steps up to `step` in `path` (none when `step` is 0: a run that
+    starts from scratch logs its step 0 again); a torn last line is dropped too.
+
+    The file is rewritten through a temporary file and a rename, so a crash leaves the old
+    or the new file, never a half-written one.
+
+    Args:
+        path: metrics.jsonl.
+        step: the step the session resumes from (rows at this step, train and eval, were
+            logged before its checkpoint was saved and are kept).
+
+    Returns:
+        The number of rows dropped.
+    """
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines()
+    keep = [line for line in lines if step > 0 and 0 <= _row_step(line) <= step]
+    if len(keep) == len(lines):
+        return 0
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+    logger.info("%s: dropped %d row(s) after step %d (resumed there)", path, len(lines) - len(keep), step)
+    return len(lines) - len(keep)
+
+
+def _row_step(line: str) -> int:
+    """The row's step, or -1 for a line that is not a complete row."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return -1
 
 
 def _init_wandb(output_dir: str, run_name: str | None, project: str, config: dict[str, Any]) -> Any:

@@ -4,7 +4,7 @@ Also `python -m trainer.train ...` for one process. Wiring only; each piece live
 in its own module, and `run` is a short sequence of named steps:
 
     main             config -> process group -> run -> tear down
-    run              validate -> claim output dir (lock, fresh-start cleanup) -> setup_run -> ...
+    run              validate -> resume point (checked) -> claim output dir (lock, fresh-start cleanup) -> setup_run -> ...
     setup_run        data + tokenizer -> mesh -> sampler ->
                      partition -> model (HF import, parallelize) -> optimizer/scheduler
     resume_state     checkpoint -> model, optimizer, scheduler, sampler; the step
@@ -63,6 +63,7 @@ from trainer.guard import (
 from trainer.loop import LogWindow, StepStats, bubble_stats, build_optimizer, build_scheduler, train_step
 from trainer.outdir import claim_output_dir
 from trainer.partitioning import choose_balance
+from trainer.resume import ResumePoint, adopt_tokenizer, find_resume, log_changes, run_identity
 from trainer.timeline import write_timeline
 from trainer.tokenizer import Tokenizer, load_or_train_tokenizer
 from trainer.tracking import Tracker
@@ -76,10 +77,15 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def setup_tokenizer(cfg: JobConfig, raw: Any, out: Path, rank: int) -> Tokenizer:
-    """Rank 0 trains (or loads) and saves the tokenizer; the others load what it saved."""
+def setup_tokenizer(cfg: JobConfig, raw: Any, out: Path, rank: int, resume: ResumePoint | None) -> Tokenizer:
+    """Rank 0 trains (or loads) and saves the tokenizer; the others load what it saved.
+
+    On resume every rank reads the checkpoint's run's tokenizer back: never retrained or rewritten.
+    """
     tok_dir = out / "tokenizer"
     languages = run_languages(cfg.data)
+    if resume is not None:
+        return Tokenizer.load(adopt_tokenizer(resume, out, rank), languages)
     if rank == 0:
         source = cfg.model.tokenizer_name or cfg.model.model_name_or_path
         tok = load_or_train_tokenizer(
@@ -218,6 +224,7 @@ class RunContext:
     log_rank: int  # the last stage's dp=0/tp=0 rank: it holds the loss and writes the metrics
     t_start: float  # perf_counter() before data loading; the summary's wall_time_s counts from here
     fault: FaultInjection | None = None  # TRAINER_FAULT_INJECT, the failure tests' hook
+    resume: ResumePoint | None = None  # the checkpoint this session continues, checked by find_resume
 
     @property
     def is_logger(self) -> bool:
@@ -245,14 +252,15 @@ def run(cfg: JobConfig) -> dict[str, Any]:
 
     On the logging rank the summary also holds `history`, every row written to metrics.jsonl.
 
-        validate_early -> claim_output_dir -> setup_run -> resume_state -> tracker, evaluator
+        validate_early -> find_resume -> claim_output_dir -> setup_run -> resume_state -> tracker, evaluator
         -> [eval before] -> train_loop -> finish_run
 
     Rank 0 holds output_dir's lock until this returns or raises (trainer.outdir).
     """
     dims = validate_early(cfg, dist.get_world_size())
+    resume = find_resume(cfg, dims)  # before the claim: a mismatch with the checkpoint's run writes nothing
     with claim_output_dir(cfg.training, dist.get_rank()) as out:
-        ctx = setup_run(cfg, dims, out)
+        ctx = setup_run(cfg, dims, out, resume)
         step = resume_state(ctx)
         tracker = build_tracker(ctx, step)
         evaluator = build_evaluator(ctx)
@@ -273,8 +281,9 @@ def run(cfg: JobConfig) -> dict[str, Any]:
             return finish_run(ctx, tracker, evaluator, totals, before)
 
 
-def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path) -> RunContext:
-    """Build data, tokenizer, mesh, sampler, partition, model and optimizer (config validated, `out` claimed).
+def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint | None = None) -> RunContext:
+    """Build data, tokenizer, mesh, sampler, partition, model and optimizer (config validated, `out` claimed;
+    `resume`, if any, checked against the checkpoint's run by `find_resume`).
 
     Collective (tokenizer barrier, mesh groups, partition profiling). Rank 0 also writes
     config.yaml and model_config.json and logs the mesh and partition.
@@ -292,9 +301,9 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path) -> RunContext:
     t_start = time.perf_counter()
 
     raw = load_raw_datasets(cfg.data, cfg.training.seed)
-    tok = setup_tokenizer(cfg, raw, out, rank)
+    tok = setup_tokenizer(cfg, raw, out, rank, resume)
     data = tokenize_datasets(raw, tok, cfg.data)
-    mc = model_config_for(cfg, tok)
+    mc = resume.model_config(cfg) if resume else model_config_for(cfg, tok)
     dims.validate(mc)
     mesh = build_mesh(dims, device.type)
     p = cfg.parallel
@@ -307,7 +316,7 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path) -> RunContext:
     scheduler = build_scheduler(optimizer, cfg.training)
     log_rank = coords_to_rank((pm.plan.last_stage_rank, 0, 0), dims.shape)
     if rank == 0:
-        record_setup(cfg, out, dims, mc, partition_text, data.skipped)
+        record_setup(cfg, out, dims, mc, partition_text, data.skipped, resume)
     return RunContext(
         cfg=cfg,
         dims=dims,
@@ -324,6 +333,7 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path) -> RunContext:
         log_rank=log_rank,
         t_start=t_start,
         fault=fault,
+        resume=resume,
     )
 
 
@@ -348,10 +358,19 @@ def record_setup(
     mc: ModelConfig,
     partition_text: str,
     skipped: dict[str, dict[str, int]],
+    resume: ResumePoint | None = None,
 ) -> None:
-    """Rank 0: config.yaml and model_config.json into output_dir; mesh, partition and size to the log."""
-    cfg.save(out / "config.yaml")
-    (out / "model_config.json").write_text(json.dumps(mc.to_dict(), indent=1))
+    """Rank 0: config.yaml and model_config.json into output_dir; mesh, partition and size to the log.
+
+    On resume they stay the run's: written only where absent (resuming into a new output_dir);
+    the settings changed on resume go to the log (and to later checkpoints' trainer_state.json).
+    """
+    if resume is not None:
+        log_changes(resume)
+    if resume is None or not (out / "config.yaml").is_file():
+        cfg.save(out / "config.yaml")
+    if resume is None or not (out / "model_config.json").is_file():
+        (out / "model_config.json").write_text(json.dumps(mc.to_dict(), indent=1))
     logger.info(
         "mesh pp=%d dp=%d tp=%d, schedule %s (v=%d), remat %s\n%s",
         dims.pp,
@@ -371,10 +390,10 @@ def resume_state(ctx: RunContext) -> int:
     Returns:
         The step to continue from: the checkpoint's, or 0 when there is nothing to resume.
     """
-    resume = ckpt.resolve_resume(ctx.cfg.training.resume_from_checkpoint, ctx.out)
-    log_restart(ctx.cfg.training.resume_from_checkpoint, resume)
-    if resume is None:
+    log_restart(ctx.cfg.training.resume_from_checkpoint, ctx.resume.path if ctx.resume else None)
+    if ctx.resume is None:
         return 0
+    resume = ctx.resume.path
     state = ckpt.load_checkpoint(
         resume,
         [ctx.pm.model],
@@ -643,6 +662,7 @@ def save(ctx: RunContext, step: int) -> None:
         "mesh": mesh_sizes(ctx.dims),
         "partition": ctx.balance,
         "model_config": ctx.pm.model.config.to_dict(),
+        **run_identity(ctx.cfg, ctx.out / "tokenizer"),  # what a resume checks it continues
     }
     ckpt.save_checkpoint(
         path,
