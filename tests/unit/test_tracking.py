@@ -65,3 +65,43 @@ def test_tensorboard_and_wandb_together(tmp_path, monkeypatch) -> None:
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 2.5), (2, 2.0)]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[1] == {"step": 2, "loss": 2.0, "eval_bleu": 3.0}  # the file keeps the flat names
+
+
+def test_resumed_tracker_cuts_the_steps_after_the_checkpoint(tmp_path) -> None:
+    """Was: a resumed run appended steps 3-4 again after the crashed run's 3-4 (each step twice)."""
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 0, "eval_loss": 9.0}, *({"step": s, "loss": 9.0 - s} for s in range(1, 6))]
+    rows.insert(3, {"step": 2, "eval_loss": 7.5})  # the eval row of the checkpoint's step stays
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6, "lo')  # torn by the crash
+    t = Tracker(str(tmp_path), enabled=True, disable_tqdm=True, initial_step=2)
+    t.log({"step": 3, "loss": 5.5})
+    t.close()
+    got = [json.loads(line) for line in path.read_text().splitlines()]
+    assert got == [*rows[:4], {"step": 3, "loss": 5.5}]
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temporary file left
+    Tracker(str(tmp_path), enabled=False, initial_step=1)  # only the logging rank touches the file
+    assert len(path.read_text().splitlines()) == 5
+    Tracker(str(tmp_path), enabled=True, disable_tqdm=True, initial_step=0)  # a fresh start: step 0 again
+    assert path.read_text() == ""
+
+
+def test_resumed_tensorboard_purges_the_steps_after_the_checkpoint(tmp_path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = Tracker(str(tmp_path), enabled=True, report_to="tensorboard", disable_tqdm=True)
+    for step in (1, 2, 3, 4):
+        first.log({"step": step, "loss": 10.0 + step})
+    first.close()
+    resumed = Tracker(str(tmp_path), enabled=True, report_to="tensorboard", disable_tqdm=True, initial_step=2)
+    for step in (3, 4):
+        resumed.log({"step": step, "loss": float(step)})
+    resumed.close()
+    acc = EventAccumulator(str(tmp_path / "runs"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [
+        (1, 11.0),
+        (2, 12.0),
+        (3, 3.0),
+        (4, 4.0),
+    ]
