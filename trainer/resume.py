@@ -175,7 +175,8 @@ def find_resume(cfg: JobConfig, dims: ParallelDims) -> ResumePoint | None:
 
     Raises:
         ConfigError: a must-match field, the global batch or the tokenizer files differ from
-            the checkpoint's run (message: field, the run's value, the new one).
+            the checkpoint's run (message: field, the run's value, the new one), or max_steps
+            is below the checkpoint's step.
         FileNotFoundError: the named checkpoint does not exist or is incomplete.
     """
     path = ckpt.resolve_resume(cfg.training.resume_from_checkpoint, cfg.training.output_dir)
@@ -183,6 +184,11 @@ def find_resume(cfg: JobConfig, dims: ParallelDims) -> ResumePoint | None:
         return None
     state = json.loads((path / "trainer_state.json").read_text())
     point = ResumePoint(path, state)
+    if cfg.training.max_steps < point.step:
+        raise ConfigError(
+            f"max_steps={cfg.training.max_steps} is below the step of resume_from_checkpoint={path} "
+            f"({point.step}); valid: max_steps >= {point.step}"
+        )
     saved = state.get("config") or _read_run_config(point.run_dir)
     if saved is not None:
         point.changes = compare_configs(saved, cfg.to_dict(), str(path))

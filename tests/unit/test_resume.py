@@ -134,6 +134,14 @@ def test_resume_into_another_output_dir(tmp_path: Path) -> None:
         find_resume(cfg, _dims(cfg, 1))
 
 
+def test_max_steps_below_the_checkpoint_step(tmp_path: Path) -> None:
+    cfg = _cfg(_run_dir(tmp_path), max_steps=1)
+    with pytest.raises(
+        ConfigError, match=r"max_steps=1 is below the step of .*checkpoint-2 \(2\); valid: max_steps >= 2"
+    ):
+        find_resume(cfg, _dims(cfg, 1))
+
+
 def test_nothing_to_resume(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path / "empty")
     assert find_resume(cfg, _dims(cfg, 1)) is None
