@@ -4,7 +4,8 @@ Also `python -m trainer.train ...` for one process. Wiring only; each piece live
 in its own module, and `run` is a short sequence of named steps:
 
     main             config -> process group -> run -> tear down
-    run              validate -> resume point (checked) -> claim output dir (lock, fresh-start cleanup) -> setup_run -> ...
+    run              validate -> resume point (checked) -> claim output dir (lock, fresh-start
+                     cleanup) -> setup_run -> ...
     setup_run        data + tokenizer -> mesh -> sampler ->
                      partition -> model (HF import, parallelize) -> optimizer/scheduler
     resume_state     checkpoint -> model, optimizer, scheduler, sampler; the step
@@ -282,8 +283,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
 
 
 def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint | None = None) -> RunContext:
-    """Build data, tokenizer, mesh, sampler, partition, model and optimizer (config validated, `out` claimed;
-    `resume`, if any, checked against the checkpoint's run by `find_resume`).
+    """Build data, tokenizer, mesh, sampler, partition, model and optimizer (config validated,
+    `out` claimed, `resume` checked against the checkpoint's run by `find_resume`).
 
     Collective (tokenizer barrier, mesh groups, partition profiling). Rank 0 also writes
     config.yaml and model_config.json and logs the mesh and partition.
