@@ -26,7 +26,8 @@ clear error on all ranks and leaves output_dir as it was.
         generation settings, validation data, file paths of the same training data (its
         example count is checked by the sampler), optimizer betas / eps / weight decay and
         clipping (applied from the resumed step on; DCP restores only the moment tensors),
-        regularisation (dropout, label smoothing), precision / compile, tracking, output_dir.
+        regularisation (dropout, label smoothing), the divergence guard (nan_policy), precision /
+        compile, timeouts, tracking, output_dir.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ MAY_CHANGE = (
     "data_parallel_sharding",
     "allow_tp_across_nodes",
     "dist_timeout_s",
+    "hang_warning_s",
     "output_dir",
     "overwrite_output_dir",
     "max_steps",
@@ -117,6 +119,8 @@ MAY_CHANGE = (
     "adam_beta2",
     "adam_epsilon",
     "max_grad_norm",
+    "nan_policy",
+    "nan_max_consecutive_skips",
     "label_smoothing_factor",
     "per_device_eval_batch_size",
     "logging_steps",
