@@ -3,7 +3,8 @@
     python -m trainer.train --config configs/tiny.yaml --max_steps 20 --tensor_parallel_size 2
 
 The file (YAML or JSON) gives defaults, CLI flags override it, unknown keys in
-either are an error naming the key. Field names follow `Seq2SeqTrainingArguments`
+either are an error naming the key; `--field null` unsets a value the file set
+(e.g. `--dataset_name null --train_file my.jsonl` over a config with a dataset). Field names follow `Seq2SeqTrainingArguments`
 and `run_translation.py` where one exists; model fields follow `M2M100Config`.
 Each component receives only its own section.
 """
@@ -25,7 +26,7 @@ SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 REMAT_CHOICES = ("none", "full", "stage", "selective")
 PARTITION_CHOICES = ("uniform", "parameters", "time", "memory")
 SHARDING_CHOICES = ("none", "zero1")
-REPORT_CHOICES = ("none", "wandb")
+REPORT_CHOICES = ("wandb", "tensorboard")  # report_to: any of these, "all" or "none"
 NAN_POLICIES = ("stop", "skip")
 SCHEDULER_CHOICES = ("linear", "cosine", "constant", "constant_with_warmup", "inverse_sqrt", "polynomial")
 
@@ -71,9 +72,32 @@ def _check_range(
             raise ConfigError(f"{name}={value!r} must be {valid}{' or null' if optional else ''}")
 
 
+def _resolve_report_to(value: Any) -> list[str]:
+    """`report_to` as the HF Trainer takes it (a name, a list, "all", "none") -> backend names."""
+    names = [value] if isinstance(value, str) else list(value or [])
+    names = [n for v in names for n in str(v).replace(",", " ").split()]
+    if names in ([], ["none"]):
+        return []
+    if names == ["all"]:
+        import importlib.util
+
+        return [n for n in REPORT_CHOICES if importlib.util.find_spec(n) is not None]
+    for name in names:
+        if name not in REPORT_CHOICES:
+            raise ConfigError(
+                f"report_to={value!r}: {name!r} is not valid; choose from {list(REPORT_CHOICES)}, "
+                f"'all' or 'none'"
+            )
+    return list(dict.fromkeys(names))
+
+
 @dataclass
 class ModelArguments:
     """Architecture (M2M100Config names) or an existing checkpoint to start from."""
+
+    _argument_group_name = (
+        "model: architecture (M2M100Config names) or a checkpoint to fine-tune"  # a section of `--help`
+    )
 
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "Hugging Face M2M100/NLLB directory to load and fine-tune."}
@@ -123,6 +147,8 @@ class ModelArguments:
 class DataArguments:
     """Where the parallel text comes from and how it is cut into batches."""
 
+    _argument_group_name = "data: corpora, directions, lengths, tokenizer training"  # a section of `--help`
+
     dataset_name: str | None = field(
         default=None, metadata={"help": "'builtin' for the embedded corpus, or any `datasets` name."}
     )
@@ -171,11 +197,30 @@ class DataArguments:
                      optional=True)  # fmt: skip
         _check_range(self, ("spm_character_coverage",), 0, 1, low_open=True)
         _check_range(self, ("max_bad_record_fraction",), 0, 1)
+        if self.language_pairs is None:  # `--language_pairs null`
+            self.language_pairs = []
         if isinstance(self.language_pairs, str):
             self.language_pairs = [p for p in self.language_pairs.replace(",", " ").split() if p]
         for pair in self.language_pairs:
             if pair.count("-") != 1 or not all(pair.split("-")):
                 raise ConfigError(f"language_pairs entry {pair!r} is not of the form src-tgt (e.g. en-de)")
+        self._check_sources()
+
+    def _check_sources(self) -> None:
+        """One data source and one way of naming the directions, or an error naming both."""
+        if self.dataset_name and (self.train_file or self.validation_file):
+            given = "train_file" if self.train_file else "validation_file"
+            raise ConfigError(
+                f"dataset_name={self.dataset_name!r} and {given}={getattr(self, given)!r} are both set; "
+                f"use one (on the command line `--dataset_name null` unsets a config file's dataset)"
+            )
+        one = [f"{self.source_lang}-{self.target_lang}"]
+        if self.language_pairs and (self.source_lang or self.target_lang) and self.language_pairs != one:
+            raise ConfigError(
+                f"source_lang={self.source_lang!r} / target_lang={self.target_lang!r} conflict with "
+                f"language_pairs={self.language_pairs}; set one of them (`--language_pairs null` or "
+                f"`--source_lang null --target_lang null` unsets a config file's value)"
+            )
 
     def directions(self) -> list[tuple[str, str]]:
         """The translation directions of the run."""
@@ -189,6 +234,8 @@ class DataArguments:
 @dataclass
 class ParallelArguments:
     """The (pp, dp, tp) mesh and the pipeline engine's knobs."""
+
+    _argument_group_name = "parallel: the (pp, dp, tp) mesh and the pipeline engine"  # a section of `--help`
 
     pipeline_parallel_size: int = field(default=1, metadata={"help": "Pipeline stages (pp axis, outermost)."})
     tensor_parallel_size: int = field(
@@ -273,6 +320,10 @@ class ParallelArguments:
 class TrainingArguments:
     """The optimisation loop, evaluation, checkpoints and tracking (TrainingArguments names)."""
 
+    _argument_group_name = (
+        "training: optimisation, evaluation, checkpoints, failures, tracking"  # a section of `--help`
+    )
+
     output_dir: str = field(default="outputs/run", metadata={"help": "Where everything is written."})
     overwrite_output_dir: bool = field(
         default=False,
@@ -328,13 +379,19 @@ class TrainingArguments:
     )
     generation_num_beams: int = field(default=1, metadata={"help": "Beams for evaluation decoding."})
     generation_max_length: int = field(default=64, metadata={"help": "Longest generated translation."})
-    report_to: str = field(default="none", metadata={"help": f"One of {list(REPORT_CHOICES)}."})
+    report_to: list[str] = field(
+        default_factory=lambda: ["none"],
+        metadata={
+            "help": f"Trackers beside metrics.jsonl: any of {list(REPORT_CHOICES)}, 'all' (those installed) "
+            "or 'none'; one name or a list, as in the HF Trainer."
+        },
+    )
     run_name: str | None = field(default=None, metadata={"help": "Run name for tracking."})
     wandb_project: str = field(default="polyglot3d", metadata={"help": "W&B project."})
     disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
 
     def __post_init__(self) -> None:
-        _check_choice("report_to", self.report_to, REPORT_CHOICES)
+        self.report_to = _resolve_report_to(self.report_to)
         _check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULER_CHOICES)
         _check_choice("nan_policy", self.nan_policy, NAN_POLICIES)
         positive = ("max_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
@@ -412,7 +469,8 @@ def parse_config(argv: list[str] | None = None) -> JobConfig:
         raise ConfigError(
             f"unknown config key(s) {unknown}; see `python -m trainer.train --help` for valid keys"
         )
-    parser = HfArgumentParser(SECTIONS)  # type: ignore[arg-type]
+    parser = HfArgumentParser(SECTIONS, usage=USAGE, description=DESCRIPTION)  # type: ignore[arg-type]
+    file_values.update(_take_nulls(argv, known))
     parser.set_defaults(**{k: _as_default(v) for k, v in file_values.items()})
     flags = [a.split("=", 1)[0][2:] for a in argv if a.startswith("--")]
     bad = sorted({f for f in flags if f not in known and f != "help"})
@@ -423,6 +481,40 @@ def parse_config(argv: list[str] | None = None) -> JobConfig:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return JobConfig(model, data, parallel, training)
+
+
+USAGE = (
+    "python -m trainer.train --config FILE.yaml [--field value ...]\n"
+    "       torchrun --nproc-per-node N -m trainer.train --config FILE.yaml [--field value ...]"
+)
+DESCRIPTION = (
+    "Train an M2M100/NLLB translation model on a (pp, dp, tp) mesh. --config FILE (YAML or JSON, "
+    "flat field: value pairs, e.g. configs/tiny.yaml) gives every field below; flags override it; "
+    "`--field null` unsets a value the file set. Fields follow the HF TrainingArguments names."
+)
+
+
+def _take_nulls(argv: list[str], known: set[str]) -> dict[str, None]:
+    """Remove `--field null` / `--field=null` from `argv` (in place); returns {field: None}.
+
+    argparse would read "null" as the string "null" (or fail on a number); on the command
+    line it means: unset what the config file set, as `field: null` would in the file.
+    """
+    out: dict[str, None] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        if name in known and eq and value == "null":
+            out[name] = None
+            del argv[i]
+            continue
+        if name in known and not eq and i + 1 < len(argv) and argv[i + 1] == "null":
+            out[name] = None
+            del argv[i : i + 2]
+            continue
+        i += 1
+    return out
 
 
 def _as_default(value: Any) -> Any:
