@@ -150,7 +150,7 @@ def profile_block_phases(
         act = meter.held.get(spec, 0)
         meter.reset()
         times = [statistics.median(s[k] for s in samples[1:]) if timed else 0.0 for k in range(4)]
-        phases.append(BlockPhases(*times, activation_bytes=int(act)))
+        phases.append(BlockPhases(times[0], times[1], times[2], times[3], int(act)))
         state = {k: v.detach() for k, v in out.items() if k != "logits"}
     model.zero_grad(set_to_none=True)
     return phases
