@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from models.config import ModelConfig
+from models.m2m100 import BlockKind
 from parallel.mesh import ParallelDims
 from parallel.profile import BlockPhases
 from trainer.config import SCHEDULE_CHOICES, ConfigError, JobConfig, parse_config
@@ -208,6 +209,7 @@ class CostSource:
         self.fetch_s: dict[tuple[int, ...], float] = {}
         self._shapes: dict[tuple[int, ...], Shape] = {}
         self._costs: dict[tuple[Shape, str], KindCosts] = {}
+        self._acts: dict[tuple[int, int, str], dict[BlockKind, int]] = {}
 
     def _load(self, cfg: JobConfig, opts: argparse.Namespace) -> ModelConfig:
         """The architecture; with data at hand (and no --seq_len), its tokenizer's vocabulary too."""
@@ -285,10 +287,19 @@ class CostSource:
             if self.device is None:
                 self._costs[key] = measure_kind_costs(self.mc, shape, remat, bf16, self.opts.repeats)
             else:
-                one = measure_kind_costs(self.mc, replace(shape, b=1), remat, bf16, timed=False)
-                acts = {k: ph.activation_bytes * shape.b for k, ph in one.items()}
+                one = self._one_sentence_bytes(shape.s, shape.t, remat)
+                scale = shape.b * (0.5 if bf16 else 1.0)  # bf16 keeps 2-byte activations
+                acts = {k: int(n * scale) for k, n in one.items()}
                 self._costs[key] = table_kind_costs(self.mc, shape, remat, self.device, acts)
         return self._costs[key]
+
+    def _one_sentence_bytes(self, s: int, t: int, remat: str) -> dict[BlockKind, int]:
+        """Activation bytes per block kind of one sentence, measured here in fp32 (table mode)."""
+        key = (s, t, remat)
+        if key not in self._acts:
+            one = measure_kind_costs(self.mc, Shape(1, s, t), remat, bf16=False, timed=False)
+            self._acts[key] = {k: ph.activation_bytes for k, ph in one.items()}
+        return self._acts[key]
 
     def block_costs(self, shape: Shape, remat: str, tp: int, ctx: CostContext) -> list[BlockPhases]:
         """Every block's costs on one tp rank (`plan_cost.block_costs`)."""
