@@ -108,7 +108,8 @@ def test_memory_model_counts_the_parameters_each_rank_holds() -> None:
     per_block, table = block_param_counts(mc)
     model = M2M100Translation(mc)
     assert sum(per_block) + table == sum(p.numel() for p in model.parameters()) == mc.num_parameters()
-    balance = (2, 2, 3, 2)  # 9 blocks, 2 ranks x 2 virtual stages: rank 0 holds both embeddings, rank 1 the head
+    # 9 blocks, 2 ranks x 2 virtual stages: rank 0 holds both embeddings, rank 1 the head
+    balance = (2, 2, 3, 2)
     layout = Layout(2, 1, 1, 2, 1, 2, "interleaved_1f1b", 2, "none", "explicit", balance)
     ctx = CostContext(mc, LinkModel(1e-5, 1e9, 1e-5, 1e9), 2, False, False, False, 1e-9)
     kinds = measure_kind_costs(mc, Shape(2, 5, 6), "none", bf16=False, repeats=1)
@@ -158,4 +159,3 @@ def test_memory_limit_drops_layouts_with_the_reason(tmp_path: Path) -> None:
     dropped = [x for x in result["rejected"] if x["reason"].startswith("does not fit")]
     assert dropped and "GiB per rank" in dropped[0]["reason"]
     assert result["costs"] == "device table: H100"
-
