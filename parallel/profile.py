@@ -143,7 +143,7 @@ def profile_block_phases(
         run = functools.partial(_run_block, model, spec, inputs, batch, autocast_dtype)
         samples = []
         for _ in range(repeats + 1 if timed else 0):
-            samples.append(_time_phases(model, spec, run, meter, store))
+            samples.append(_time_phases(model, spec, inputs, run, meter, store))
         meter.reset()
         with meter.record(spec, inputs):
             out, _ = run()
@@ -177,13 +177,15 @@ def _run_block(
     return out, [t for t in out.values() if t.requires_grad]
 
 
-def _time_phases(model, spec, run, meter, store) -> tuple[float, float, float, float]:  # type: ignore[no-untyped-def]
-    """(F, B, I, W) seconds of one micro-batch through one block."""
+def _time_phases(model, spec, inputs, run, meter, store) -> tuple[float, float, float, float]:  # type: ignore[no-untyped-def]
+    """(F, B, I, W) seconds of one micro-batch through one block; forwards metered, as in a timed flush."""
     device = next(model.parameters()).device
     model.zero_grad(set_to_none=True)
+    meter.reset()
     _sync(device)
     t0 = time.perf_counter()
-    _, roots = run()
+    with meter.record(spec, inputs):
+        _, roots = run()
     _sync(device)
     t1 = time.perf_counter()
     grads = None if spec.kind is BlockKind.HEAD else [torch.randn_like(t) for t in roots]
@@ -191,7 +193,8 @@ def _time_phases(model, spec, run, meter, store) -> tuple[float, float, float, f
     torch.autograd.backward(roots, grads)
     _sync(device)
     t2 = time.perf_counter()
-    _, roots = run()
+    with meter.record(spec, inputs):
+        _, roots = run()
     _sync(device)
     t3 = time.perf_counter()
     with store.deferring(spec):

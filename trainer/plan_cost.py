@@ -73,10 +73,12 @@ class LinkModel:
 class DeviceSpec:
     """One accelerator kind for FLOP-based costs (`table_kind_costs`).
 
-    efficiency: share of peak FLOP/s the model's blocks reach; block_overhead_s: host time of
+    efficiency: share of peak FLOP/s the blocks' matmuls reach; block_overhead_s: host time of
     one block's forward + backward on one micro-batch, the floor when kernels are small.
-    Both are fitted to the H100 runs in benchmarks/gpu_h100.md (run 4: 1.2B, 16 x 256, m=1,
-    0.189 s/step; 418M, 8 micro-batches of 4, 0.69 s/step).
+    Both are fitted (least squares on relative error) to the four single-H100 eager runs of
+    benchmarks/gpu_h100.md run 4: 1.2B 16 x 256 m=1 (0.189 s/step, predicted 0.179),
+    418M 32 x 256 m=1 (0.101 / 0.103), 418M 4 x 8 (0.317 / 0.339), 418M 8 x 4 (0.691 / 0.664).
+    The other devices reuse the H100's fit with their own peak, memory and links.
     """
 
     name: str
@@ -94,8 +96,8 @@ _DEVICES: dict[str, tuple[float, float, float, float]] = {
     "H200": (139.8, 4.8e12, 360e9, 45e9),
     "A100": (79.2, 2.0e12, 230e9, 22e9),  # SXM 80GB, NVLink 3, one 200 Gb/s NIC per GPU
 }
-H100_EFFICIENCY = 0.21
-H100_BLOCK_OVERHEAD_S = 2.4e-3
+H100_EFFICIENCY = 0.62
+H100_BLOCK_OVERHEAD_S = 2.9e-3
 
 
 def device_spec(name: str, bf16: bool) -> DeviceSpec:
