@@ -19,6 +19,7 @@ Everything rejected is listed with its reason (in plan.json and counted in the p
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from models.config import ModelConfig
 from models.m2m100 import BlockKind
 from parallel.mesh import ParallelDims
 from parallel.profile import BlockPhases
+from parallel.simulate import StageCosts
 from trainer.config import SCHEDULE_CHOICES, ConfigError, JobConfig, parse_config
 from trainer.plan_cost import (
     GIB,
@@ -50,10 +52,12 @@ from trainer.plan_cost import (
     block_param_counts,
     choose_balance,
     device_spec,
+    lower_bound,
     measure_kind_costs,
     measure_link,
     measure_optimizer_s_per_param,
     predict,
+    stage_costs,
     table_kind_costs,
     tp_shape,
 )
@@ -312,7 +316,12 @@ class CostSource:
 
 
 def plan(cfg: JobConfig, base_args: list[str], opts: argparse.Namespace) -> dict[str, Any]:
-    """Enumerate, predict, filter and rank; returns what plan.json holds."""
+    """Enumerate, predict, filter and rank; returns what plan.json holds.
+
+    Candidates are simulated in order of their lower bound (`plan_cost.lower_bound`); once
+    `opts.keep` fitting candidates are known, one whose bound exceeds the keep-th best
+    prediction cannot enter the table and is counted as pruned instead of simulated.
+    """
     world, gpn = opts.world_size, opts.gpus_per_node or opts.world_size
     device = device_spec(opts.device, cfg.training.bf16) if opts.device else None
     source = CostSource(cfg, opts, device)
@@ -326,7 +335,8 @@ def plan(cfg: JobConfig, base_args: list[str], opts: argparse.Namespace) -> dict
     budget = batch_budget(cfg, world)
     valid, rejected_meshes = meshes(world, gpn, source.mc)
     rejected: list[dict[str, str]] = [{"layout": m, "reason": r} for m, r in rejected_meshes]
-    candidates: list[Candidate] = []
+    pending: list[tuple[float, Layout, StageCosts, CostContext]] = []
+    accepts = TrainerCheck(cfg, world)
     for dims in valid:
         cuts = list(batch_cuts(budget, dims.dp, opts.max_microbatches))
         if not cuts:
@@ -334,13 +344,105 @@ def plan(cfg: JobConfig, base_args: list[str], opts: argparse.Namespace) -> dict
                              "reason": f"the global batch ({budget.total}) has no cut over dp={dims.dp}"})  # fmt: skip
         for m, g, mb in cuts:
             shape = source.shape(mb, m, g, dims.dp, budget.token_mode)
-            ctx.fetch_s_per_microbatch = source.fetch_s.get((mb, m, g, dims.dp, int(budget.token_mode)), 0.0)
-            for layout in _layouts(dims, m, g, mb, budget.token_mode, source, shape, ctx, rejected):
-                _consider(
-                    layout, source, shape, ctx, base_args, world, memory_gib, opts, candidates, rejected
+            fetch = source.fetch_s.get((mb, m, g, dims.dp, int(budget.token_mode)), 0.0)
+            cut_ctx = replace(ctx, fetch_s_per_microbatch=fetch)
+            for layout in _layouts(dims, m, g, mb, budget.token_mode, source, shape, cut_ctx, rejected):
+                error = accepts(layout)
+                if error:
+                    rejected.append({"layout": _describe(layout), "reason": f"trainer rejects it: {error}"})
+                    continue
+                sc = stage_costs(
+                    layout, source.block_costs(shape, layout.remat, layout.tp, cut_ctx), shape, cut_ctx
                 )
-    candidates.sort(key=lambda c: (c.prediction.step_time_s, c.prediction.peak_memory_bytes))
-    return _report(cfg, opts, device, link, memory_gib, candidates, rejected)
+                pending.append((lower_bound(layout, sc, cut_ctx), layout, sc, cut_ctx))
+    candidates, pruned = _simulate_best(pending, memory_gib, opts, rejected)
+    for c in candidates[: opts.top]:  # the printed rows: their flags through the trainer's own parser
+        c.args = layout_args(c.layout, base_args)
+        check_args(c.args, world)
+    for c in candidates[opts.top :]:
+        c.args = layout_args(c.layout, base_args)
+    return _report(cfg, opts, device, link, memory_gib, candidates, rejected, pruned)
+
+
+def _simulate_best(
+    pending: list[tuple[float, Layout, StageCosts, CostContext]], memory_gib: float | None,
+    opts: argparse.Namespace, rejected: list[dict[str, str]],
+) -> tuple[list[Candidate], int]:  # fmt: skip
+    """Simulate in lower-bound order until no remaining layout can enter the best `opts.keep`."""
+    limit = memory_gib * GIB * opts.memory_headroom if memory_gib else None
+    best: list[float] = []  # max-heap (negated) of the keep best fitting step times
+    out: list[Candidate] = []
+    pruned = 0
+    for bound, layout, sc, ctx in sorted(pending, key=lambda x: x[0]):
+        if len(best) >= opts.keep and bound > -best[0]:
+            pruned += 1
+            continue
+        pred = predict(layout, sc, ctx)
+        if limit is not None and pred.peak_memory_bytes > limit:
+            rejected.append({"layout": _describe(layout), "reason": (
+                f"does not fit: needs {pred.peak_memory_bytes / GIB:.1f} GiB per rank > "
+                f"{opts.memory_headroom:.0%} of {memory_gib:g} GiB")})  # fmt: skip
+            continue
+        out.append(Candidate(layout, pred, []))
+        heapq.heappush(best, -pred.step_time_s)
+        if len(best) > opts.keep:
+            heapq.heappop(best)
+    out.sort(key=lambda c: (c.prediction.step_time_s, c.prediction.peak_memory_bytes))
+    return out, pruned
+
+
+class TrainerCheck:
+    """`trainer.train.validate_early` on a layout, as the trainer would see its flags.
+
+    The config is the job's with the layout's fields replaced (the dataclasses re-run their
+    own checks); the mesh and schedule part is checked once per (mesh, m, g, schedule, v),
+    the balance by `validate_balance`, which is what validate_early runs on it.
+    """
+
+    def __init__(self, cfg: JobConfig, world: int) -> None:
+        self.cfg, self.world = cfg, world
+        self._seen: dict[tuple[Any, ...], str] = {}
+
+    def __call__(self, layout: Layout) -> str:
+        """The trainer's error message for `layout`, or "" when it accepts it."""
+        from parallel.partition import validate_balance
+        from trainer.train import validate_early
+
+        key = (
+            layout.pp,
+            layout.tp,
+            layout.dp,
+            layout.m,
+            layout.g,
+            layout.microbatch,
+            layout.schedule,
+            layout.v,
+        )
+        if key not in self._seen:
+            try:
+                validate_early(self._config(layout), self.world)
+                self._seen[key] = ""
+            except ValueError as e:
+                self._seen[key] = str(e)
+        if self._seen[key] or len(layout.balance) < 2:
+            return self._seen[key]
+        try:
+            validate_balance(list(layout.balance), sum(layout.balance), layout.pp * layout.v)
+        except ValueError as e:
+            return str(e)
+        return ""
+
+    def _config(self, layout: Layout) -> JobConfig:
+        c = self.cfg
+        parallel = replace(
+            c.parallel, pipeline_parallel_size=layout.pp, tensor_parallel_size=layout.tp,
+            data_parallel_size=layout.dp, num_microbatches=layout.m, pipeline_schedule=layout.schedule,
+            virtual_pipeline_stages=max(layout.v, 2), partition_method="uniform",
+        )  # fmt: skip
+        b = c.training.per_device_train_batch_size if layout.token_mode else layout.microbatch
+        training = replace(c.training, gradient_accumulation_steps=layout.g, per_device_train_batch_size=b)
+        data = replace(c.data, max_tokens_per_microbatch=layout.microbatch) if layout.token_mode else c.data
+        return replace(c, parallel=parallel, training=training, data=data)
 
 
 def _local_link(opts: argparse.Namespace) -> LinkModel:
@@ -375,27 +477,6 @@ def _layouts(
                     yield replace(base, balance=balance)
 
 
-def _consider(
-    layout: Layout, source: CostSource, shape: Shape, ctx: CostContext, base_args: list[str], world: int,
-    memory_gib: float | None, opts: argparse.Namespace, out: list[Candidate], rejected: list[dict[str, str]],
-) -> None:  # fmt: skip
-    args = layout_args(layout, base_args)
-    try:
-        check_args(args, world)
-    except (ValueError, SystemExit) as e:
-        rejected.append({"layout": _describe(layout), "reason": f"trainer rejects it: {e}"})
-        return
-    costs = source.block_costs(shape, layout.remat, layout.tp, ctx)
-    pred = predict(layout, costs, shape, ctx)
-    limit = memory_gib * GIB * opts.memory_headroom if memory_gib else None
-    if limit is not None and pred.peak_memory_bytes > limit:
-        rejected.append({"layout": _describe(layout), "reason": (
-            f"does not fit: needs {pred.peak_memory_bytes / GIB:.1f} GiB per rank > "
-            f"{opts.memory_headroom:.0%} of {memory_gib:g} GiB")})  # fmt: skip
-        return
-    out.append(Candidate(layout, pred, args))
-
-
 def _describe(layout: Layout) -> str:
     mb = f"{layout.microbatch} tok" if layout.token_mode else f"b={layout.microbatch}"
     return (
@@ -422,7 +503,7 @@ def _reason(c: Candidate, best: Candidate, memory_gib: float | None) -> str:
 
 def _report(
     cfg: JobConfig, opts: argparse.Namespace, device: DeviceSpec | None, link: LinkModel,
-    memory_gib: float | None, candidates: list[Candidate], rejected: list[dict[str, str]],
+    memory_gib: float | None, candidates: list[Candidate], rejected: list[dict[str, str]], pruned: int,
 ) -> dict[str, Any]:  # fmt: skip
     best = candidates[0] if candidates else None
     rows = []
@@ -451,6 +532,7 @@ def _report(
         "link": asdict(link),
         "candidates": rows,
         "rejected_counts": dict(Counter(_reason_kind(r["reason"]) for r in rejected)),
+        "pruned": pruned,
         "rejected": rejected,
     }
 
@@ -479,7 +561,10 @@ def format_table(result: dict[str, Any], top: int) -> str:
             f"{row['predicted_step_time_s']:>9.4g} {row['predicted_bubble_fraction']:>6.1%} "
             f"{row['predicted_peak_memory_bytes'] / GIB:>8.2f}  {row['reason']}"
         )
-    lines.append(f"{len(result['candidates'])} layouts fit; rejected: {result['rejected_counts'] or 'none'}")
+    lines.append(
+        f"{len(result['candidates'])} layouts fit; {result['pruned']} not simulated (their lower bound is "
+        f"slower than the best kept); rejected: {result['rejected_counts'] or 'none'}"
+    )
     return "\n".join(lines)
 
 
@@ -580,6 +665,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--validate_dir", default=None, help="Output dirs of the validation runs.")
     ap.add_argument("--seq_len", type=int, default=None, help="Fixed sentence length instead of the data's.")
     ap.add_argument("--max_microbatches", type=int, default=64)
+    ap.add_argument("--keep", type=int, default=50, help="Fitting layouts simulated before pruning by bound.")
     ap.add_argument("--schedules", type=_names, default=None, help="Only these schedules (comma list).")
     ap.add_argument("--remat", type=_names, default=None, help="Only these remat policies (comma list).")
     ap.add_argument("--repeats", type=int, default=5, help="Timed repetitions per block.")
@@ -587,7 +673,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--link_latency_us", type=float, default=50.0)
     ap.add_argument("--inter_node_gbps", type=float, default=None)
     opts, rest = ap.parse_known_args(argv)
-    for name in ("world_size", "top", "max_microbatches", "repeats", "validate_steps"):
+    for name in ("world_size", "top", "keep", "max_microbatches", "repeats", "validate_steps"):
         if getattr(opts, name) < 1:
             ap.error(f"--{name}={getattr(opts, name)} must be >= 1")
     for flag, given, known in (("schedules", opts.schedules, [n for n, _ in SCHEDULE_SPACE]),

@@ -23,6 +23,7 @@ stages per rank, b sentences per micro-batch, s / t padded source / target token
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Sequence
@@ -34,7 +35,7 @@ from models.config import ModelConfig
 from models.m2m100 import IGNORE_INDEX, BlockKind, M2M100Translation, Seq2SeqBatch, block_specs
 from parallel.partition import resolve_partition
 from parallel.profile import BlockPhases, profile_block_phases
-from parallel.schedule import build_schedule, stage_to_rank
+from parallel.schedule import Action, build_schedule, stage_to_rank
 from parallel.simulate import StageCosts, simulate
 from trainer.flops import PEAK_FLOPS
 
@@ -370,41 +371,69 @@ def _boundary_bytes(mc: ModelConfig, shape: Shape, block_index: int) -> float:
     return 0.0 if kind is BlockKind.SRC_EMBED else 4.0 * shape.b * tokens * mc.d_model
 
 
-def predict(layout: Layout, costs: Sequence[BlockPhases], shape: Shape, ctx: CostContext) -> Prediction:
-    """Predicted step time and per-rank memory of `layout` (see the module docstring).
+def stage_costs(layout: Layout, costs: Sequence[BlockPhases], shape: Shape, ctx: CostContext) -> StageCosts:
+    """The simulator's per-stage costs of `layout`: block costs summed by the balance, the p2p link.
 
-    Raises:
-        ValueError: the balance does not fit the model, or the schedule rejects (p, m, v).
+    Non-zero-bubble schedules run the full B (`backward_input` = B, `backward_weight` = 0);
+    "stage" remat recomputes the stage's forward in its backward and keeps only its input.
     """
-    mc, p, v, m = ctx.mc, layout.pp, layout.v, layout.m
-    n = p * v
+    mc, n = ctx.mc, layout.pp * layout.v
     starts = [sum(layout.balance[:i]) for i in range(n)]
     ranges = [range(st, st + k) for st, k in zip(starts, layout.balance)]
     zb = layout.schedule in ("zero_bubble", "zbv")
     fwd = [sum(costs[i].forward_s for i in r) for r in ranges]
-    bwd = [sum(costs[i].backward_s for i in r) for r in ranges]
-    bin_ = [sum(costs[i].backward_input_s for i in r) for r in ranges] if zb else bwd
-    bw = [sum(costs[i].backward_weight_s for i in r) for r in ranges] if zb else [0.0] * n
+    bin_ = [sum((costs[i].backward_input_s if zb else costs[i].backward_s) for i in r) for r in ranges]
+    bw = [sum(costs[i].backward_weight_s for i in r) if zb else 0.0 for r in ranges]
     act = [float(sum(costs[i].activation_bytes for i in r)) for r in ranges]
-    if layout.remat == "stage":  # keep only the stage input; recompute the stage in backward
+    if layout.remat == "stage":
         bin_ = [b + f for b, f in zip(bin_, fwd)]
         act = [max(_boundary_bytes(mc, shape, r.start), 1.0) for r in ranges]
     node = max(1, ctx.gpus_per_node)
     slab = layout.dp * layout.tp  # global ranks between pp neighbours
-    pp_inter = any((r * slab) // node != ((r + 1) * slab) // node for r in range(p - 1))
+    pp_inter = any((r * slab) // node != ((r + 1) * slab) // node for r in range(layout.pp - 1))
     link = max((ctx.link.p2p(_boundary_bytes(mc, shape, st), pp_inter) for st in starts[1:]), default=0.0)
-    sim = simulate(build_schedule(layout.schedule, p, m, v), p, m, v, StageCosts(fwd, bin_, bw, link, act))
-    params_block, table = block_param_counts(mc, layout.tp)
-    rank_params = _rank_params(params_block, table, layout, mc)
+    return StageCosts(fwd, bin_, bw, link, act)
+
+
+def _outside_pipeline(layout: Layout, ctx: CostContext) -> tuple[list[int], float, float, float]:
+    """(parameters per pp rank, grad reduce s, optimizer s, data fetch s): a step's costs besides its flushes."""
+    params_block, table = block_param_counts(ctx.mc, layout.tp)
+    rank_params = _rank_params(params_block, table, layout, ctx.mc)
     grad_reduce = _grad_reduce_s(max(rank_params), table, layout, ctx)
     optimizer = ctx.optimizer_s_per_param * max(rank_params) / (layout.dp if ctx.zero1 else 1)
-    data = ctx.fetch_s_per_microbatch * m * layout.g
+    return rank_params, grad_reduce, optimizer, ctx.fetch_s_per_microbatch * layout.m * layout.g
+
+
+def lower_bound(layout: Layout, sc: StageCosts, ctx: CostContext) -> float:
+    """A step time `predict` cannot undercut: the busiest rank's compute, no bubble, no p2p."""
+    n = layout.pp * layout.v
+    busy = [0.0] * layout.pp
+    for s in range(n):
+        busy[stage_to_rank(s, layout.pp)] += sc.forward[s] + sc.backward_input[s] + sc.backward_weight[s]
+    _, reduce_s, optimizer_s, data_s = _outside_pipeline(layout, ctx)
+    return layout.g * layout.m * max(busy) + reduce_s + optimizer_s + data_s
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(name: str, p: int, m: int, v: int) -> list[list[Action]]:
+    return build_schedule(name, p, m, v)
+
+
+def predict(layout: Layout, sc: StageCosts, ctx: CostContext) -> Prediction:
+    """Predicted step time and per-rank memory of `layout` from its `stage_costs` (module docstring).
+
+    Raises:
+        ValueError: the costs do not match the stages, or the schedule rejects (p, m, v).
+    """
+    p, v, m = layout.pp, layout.v, layout.m
+    sim = simulate(_schedule(layout.schedule, p, m, v), p, m, v, sc)
+    rank_params, grad_reduce, optimizer, data = _outside_pipeline(layout, ctx)
     step = layout.g * sim.makespan + grad_reduce + optimizer + data
     mems = [_rank_memory(n_p, a, layout, ctx) for n_p, a in zip(rank_params, sim.peak_activation_bytes)]
     worst = max(range(p), key=lambda r: sum(mems[r].values()))
-    stage_time = [f + b + w for f, b, w in zip(fwd, bin_, bw)]
+    stage_time = [f + b + w for f, b, w in zip(sc.forward, sc.backward_input, sc.backward_weight)]
     return Prediction(
-        step, sim.makespan, sim.bubble_fraction, link, grad_reduce, optimizer, data,
+        step, sim.makespan, sim.bubble_fraction, sc.link, grad_reduce, optimizer, data,
         sum(mems[worst].values()), mems[worst], rank_params, list(sim.peak_activation_bytes), stage_time,
     )  # fmt: skip
 

@@ -8,6 +8,7 @@ shared by the tests that read its plan.json.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from trainer.plan_cost import (
     device_spec,
     measure_kind_costs,
     predict,
+    stage_costs,
     tp_shape,
 )
 from trainer.train import validate_early
@@ -40,7 +42,7 @@ def tiny_plan(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("plan") / "plan.json"
     planner.main(
         ["--config", TINY, "--world_size", "2", "--seq_len", "12", "--link_gbps", "1", "--repeats", "1",
-         "--remat", "none,full", "--output", str(out), "--max_microbatches", "4"]
+         "--remat", "none,full", "--output", str(out), "--max_microbatches", "4", "--keep", "1000"]
     )  # fmt: skip
     return json.loads(out.read_text())
 
@@ -114,7 +116,7 @@ def test_memory_model_counts_the_parameters_each_rank_holds() -> None:
     ctx = CostContext(mc, LinkModel(1e-5, 1e9, 1e-5, 1e9), 2, False, False, False, 1e-9)
     kinds = measure_kind_costs(mc, Shape(2, 5, 6), "none", bf16=False, repeats=1)
     costs = block_costs(kinds, kinds, 1.0, mc, Shape(2, 5, 6), 1, ctx)
-    pred = predict(layout, costs, Shape(2, 5, 6), ctx)
+    pred = predict(layout, stage_costs(layout, costs, Shape(2, 5, 6), ctx), ctx)
     plan = make_plan(model.blocks, balance, 2, 2, 2, "interleaved_1f1b")
     for rank in range(2):
         held = M2M100Translation(mc).keep_only(plan.rank_blocks(rank))
@@ -123,10 +125,9 @@ def test_memory_model_counts_the_parameters_each_rank_holds() -> None:
     assert worst["parameters"] == worst["gradients"] == 4 * max(pred.params_per_pp_rank)
     assert worst["optimizer"] == 8 * max(pred.params_per_pp_rank)
     assert pred.peak_memory_bytes == sum(worst.values())
-    zero1 = predict(
-        Layout(2, 1, 2, 2, 1, 2, "interleaved_1f1b", 2, "none", "explicit", balance),
-        costs, Shape(2, 5, 6), CostContext(mc, ctx.link, 4, False, True, False, 1e-9),
-    )  # fmt: skip
+    zero1_layout = replace(layout, dp=2)
+    zero1_ctx = replace(ctx, zero1=True, gpus_per_node=4)
+    zero1 = predict(zero1_layout, stage_costs(zero1_layout, costs, Shape(2, 5, 6), zero1_ctx), zero1_ctx)
     assert zero1.memory["optimizer"] == worst["optimizer"] / 2
 
 
