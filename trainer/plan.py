@@ -285,6 +285,8 @@ class CostSource:
         )
 
     def kind_costs(self, shape: Shape, remat: str) -> KindCosts:
+        """Per-kind costs of one micro-batch under `remat` ("stage" is costed as "none" here)."""
+        remat = "none" if remat == "stage" else remat
         key = (shape, remat)
         if key not in self._costs:
             bf16 = self.cfg.training.bf16
@@ -361,7 +363,8 @@ def plan(cfg: JobConfig, base_args: list[str], opts: argparse.Namespace) -> dict
         check_args(c.args, world)
     for c in candidates[opts.top :]:
         c.args = layout_args(c.layout, base_args)
-    return _report(cfg, opts, device, link, memory_gib, candidates, rejected, pruned)
+    own = own_layout(cfg, base_args, source, ctx, world, gpn)
+    return _report(cfg, opts, device, link, memory_gib, candidates, rejected, pruned, own)
 
 
 def _simulate_best(
@@ -504,25 +507,15 @@ def _reason(c: Candidate, best: Candidate, memory_gib: float | None) -> str:
 def _report(
     cfg: JobConfig, opts: argparse.Namespace, device: DeviceSpec | None, link: LinkModel,
     memory_gib: float | None, candidates: list[Candidate], rejected: list[dict[str, str]], pruned: int,
+    own: Candidate | str,
 ) -> dict[str, Any]:  # fmt: skip
     best = candidates[0] if candidates else None
-    rows = []
-    for i, c in enumerate(candidates):
-        p = c.prediction
-        rows.append({
-            "rank": i + 1,
-            "args": c.args,
-            "layout": asdict(c.layout),
-            "predicted_step_time_s": p.step_time_s,
-            "predicted_peak_memory_bytes": p.peak_memory_bytes,
-            "predicted_bubble_fraction": p.bubble_fraction,
-            "predicted_time_split_s": {"pipeline": p.makespan_s * c.layout.g, "grad_reduce": p.grad_reduce_s,
-                                       "optimizer": p.optimizer_s, "data": p.data_s, "p2p_message": p.link_s},
-            "predicted_memory_bytes": p.memory,
-            "predicted_peak_activation_bytes_per_pp_rank": p.peak_activation_bytes_per_pp_rank,
-            "parameters_per_pp_rank": p.params_per_pp_rank,
-            "reason": _reason(c, best, memory_gib) if best else "",
-        })  # fmt: skip
+    rows = [_row(i + 1, c, best, memory_gib) for i, c in enumerate(candidates)]
+    if isinstance(own, Candidate):
+        faster = sum(c.prediction.step_time_s < own.prediction.step_time_s for c in candidates)
+        own_row: dict[str, Any] = _row(faster + 1, own, best or own, memory_gib)
+    else:
+        own_row = {"error": own}
     return {
         "config": opts.config,
         "world_size": opts.world_size,
@@ -531,10 +524,57 @@ def _report(
         "device_memory_gib": memory_gib,
         "link": asdict(link),
         "candidates": rows,
+        "config_layout": own_row,
         "rejected_counts": dict(Counter(_reason_kind(r["reason"]) for r in rejected)),
         "pruned": pruned,
         "rejected": rejected,
     }
+
+
+def _row(rank: int, c: Candidate, best: Candidate | None, memory_gib: float | None) -> dict[str, Any]:
+    p = c.prediction
+    return {
+        "rank": rank,
+        "args": c.args,
+        "layout": asdict(c.layout),
+        "predicted_step_time_s": p.step_time_s,
+        "predicted_peak_memory_bytes": p.peak_memory_bytes,
+        "predicted_bubble_fraction": p.bubble_fraction,
+        "predicted_time_split_s": {"pipeline": p.makespan_s * c.layout.g, "grad_reduce": p.grad_reduce_s,
+                                   "optimizer": p.optimizer_s, "data": p.data_s, "p2p_message": p.link_s},
+        "predicted_memory_bytes": p.memory,
+        "predicted_peak_activation_bytes_per_pp_rank": p.peak_activation_bytes_per_pp_rank,
+        "parameters_per_pp_rank": p.params_per_pp_rank,
+        "reason": _reason(c, best, memory_gib) if best else "",
+    }  # fmt: skip
+
+
+def own_layout(
+    cfg: JobConfig, base_args: list[str], source: CostSource, ctx: CostContext, world: int, gpn: int
+) -> Candidate | str:
+    """The config's own layout, predicted the same way (or why it cannot run on this world)."""
+    p = cfg.parallel
+    try:
+        dims = ParallelDims.from_args(p, world, local_world_size=gpn).validate(source.mc)
+    except ValueError as e:
+        return str(e)
+    token = bool(cfg.data.max_tokens_per_microbatch)
+    mb = int(cfg.data.max_tokens_per_microbatch or 0) if token else cfg.training.per_device_train_batch_size
+    m, g, v = p.num_microbatches, cfg.training.gradient_accumulation_steps, p.virtual_stages
+    shape = source.shape(mb, m, g, dims.dp, token)
+    fetch = source.fetch_s.get((mb, m, g, dims.dp, int(token)), 0.0)
+    ctx = replace(ctx, fetch_s_per_microbatch=fetch)
+    costs = source.block_costs(shape, p.activation_checkpointing, dims.tp, ctx)
+    params, _ = block_param_counts(source.mc, dims.tp)
+    try:
+        balance = p.partition_balance() or choose_balance(p.partition_method, costs, params, dims.pp * v)
+        layout = Layout(dims.pp, dims.tp, dims.dp, m, g, mb, p.pipeline_schedule, v,
+                        p.activation_checkpointing, p.partition_method, tuple(balance), token)  # fmt: skip
+        return Candidate(
+            layout, predict(layout, stage_costs(layout, costs, shape, ctx), ctx), list(base_args)
+        )
+    except ValueError as e:
+        return str(e)
 
 
 def _reason_kind(reason: str) -> str:
@@ -560,6 +600,17 @@ def format_table(result: dict[str, Any], top: int) -> str:
             f"{lay['microbatch']:>5}  {sched:<19} {lay['remat']:<9} {lay['partition']:<10} "
             f"{row['predicted_step_time_s']:>9.4g} {row['predicted_bubble_fraction']:>6.1%} "
             f"{row['predicted_peak_memory_bytes'] / GIB:>8.2f}  {row['reason']}"
+        )
+    own = result["config_layout"]
+    if "error" in own:
+        lines.append(f"the config's own layout cannot run here: {own['error']}")
+    else:
+        lay = own["layout"]
+        lines.append(
+            f"the config's own layout (pp={lay['pp']} tp={lay['tp']} dp={lay['dp']} m={lay['m']} "
+            f"{lay['schedule']} v={lay['v']} remat={lay['remat']}) would rank #{own['rank']}: "
+            f"{own['predicted_step_time_s']:.4g} s/step, bubble {own['predicted_bubble_fraction']:.1%}, "
+            f"{own['predicted_peak_memory_bytes'] / GIB:.2f} GiB"
         )
     lines.append(
         f"{len(result['candidates'])} layouts fit; {result['pruned']} not simulated (their lower bound is "

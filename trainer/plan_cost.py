@@ -192,21 +192,23 @@ def block_forward_flops(mc: ModelConfig, kind: BlockKind, shape: Shape) -> tuple
 def table_kind_costs(
     mc: ModelConfig, shape: Shape, remat: str, device: DeviceSpec, activation_bytes: dict[BlockKind, int]
 ) -> KindCosts:
-    """FLOP-based costs on `device`: max(FLOPs / (peak x efficiency), host overhead) per phase.
+    """FLOP-based costs on `device`: max(FLOPs / (peak x efficiency), host time) per phase.
 
     Backward is twice the forward (I and W one each for the layers' linears; the head and
-    embeddings compute their weight grads inside I). Remat adds the recomputed forward to B
-    and I: full = the whole layer, selective = its attention modules.
+    embeddings compute their weight grads inside I). Host time: a third of the block overhead
+    for F, two thirds for B. Remat adds the recomputed forward, FLOPs and host time, to B and
+    I: full = the whole layer, selective = its attention modules (counted as half the ops).
     """
     out: KindCosts = {}
     rate = device.peak_flops * device.efficiency
-    floor = device.block_overhead_s / 3
+    host = device.block_overhead_s / 3
     for kind, act in activation_bytes.items():
         fwd, attn = block_forward_flops(mc, kind, shape)
+        share = {"full": 1.0, "selective": 0.5}.get(remat, 0.0) if kind in LAYER_KINDS else 0.0
         recompute = {"full": fwd, "selective": attn}.get(remat, 0.0) if kind in LAYER_KINDS else 0.0
-        f = max(fwd / rate, floor)
+        f = max(fwd / rate, host)
         w = fwd / rate if kind in LAYER_KINDS else 0.0
-        i = max((2 * fwd + recompute) / rate - w, 2 * floor)
+        i = max((2 * fwd + recompute) / rate - w, (2 + share) * host)
         out[kind] = BlockPhases(f, i + w, i, w, act)
     return out
 
