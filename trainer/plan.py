@@ -23,44 +23,32 @@ import heapq
 import json
 import logging
 import os
-import statistics
-import subprocess
 import sys
-import tempfile
-from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from models.config import ModelConfig
-from models.m2m100 import BlockKind
 from parallel.mesh import ParallelDims
-from parallel.profile import BlockPhases
 from parallel.simulate import StageCosts
 from trainer.config import SCHEDULE_CHOICES, ConfigError, JobConfig, parse_config
 from trainer.plan_cost import (
     GIB,
+    Candidate,
     CostContext,
-    DeviceSpec,
-    KindCosts,
     Layout,
     LinkModel,
-    Prediction,
     Shape,
-    block_costs,
     block_param_counts,
     choose_balance,
     device_spec,
     lower_bound,
-    measure_kind_costs,
-    measure_link,
-    measure_optimizer_s_per_param,
     predict,
     stage_costs,
-    table_kind_costs,
-    tp_shape,
 )
+from trainer.plan_measure import CostSource, measure_link, measure_optimizer_s_per_param
+from trainer.plan_report import build_report, describe, format_table, format_validation, validate
 
 logger = logging.getLogger("trainer.plan")
 
@@ -85,13 +73,6 @@ class Budget:
     total: int
     token_mode: bool
     longest: int  # token mode: the smallest cap that holds the longest example
-
-
-@dataclass
-class Candidate:
-    layout: Layout
-    prediction: Prediction
-    args: list[str]
 
 
 # ----------------------------------------------------------------------------- search space
@@ -200,120 +181,6 @@ def check_args(args: list[str], world: int) -> JobConfig:
     return cfg
 
 
-# ----------------------------------------------------------------------------- shapes and costs
-
-
-class CostSource:
-    """Micro-batch shapes (from the data, or a fixed length) and per-kind costs, cached."""
-
-    def __init__(self, cfg: JobConfig, opts: argparse.Namespace, device: DeviceSpec | None) -> None:
-        self.cfg, self.opts, self.device = cfg, opts, device
-        self.sampler_data: Any = None
-        self.mc = self._load(cfg, opts)
-        self.fetch_s: dict[tuple[int, ...], float] = {}
-        self._shapes: dict[tuple[int, ...], Shape] = {}
-        self._costs: dict[tuple[Shape, str], KindCosts] = {}
-        self._acts: dict[tuple[int, int, str], dict[BlockKind, int]] = {}
-
-    def _load(self, cfg: JobConfig, opts: argparse.Namespace) -> ModelConfig:
-        """The architecture; with data at hand (and no --seq_len), its tokenizer's vocabulary too."""
-        if opts.seq_len is None:
-            try:
-                return self._load_data(cfg)
-            except (OSError, ValueError) as e:
-                logger.warning("data not loadable (%s): shapes from max_source/target_length", e)
-        if cfg.model.model_name_or_path:
-            from models.hf import read_hf_config
-
-            return read_hf_config(cfg.model.model_name_or_path)
-        return cfg.model.model_config(cfg.model.vocab_size, {})
-
-    def _load_data(self, cfg: JobConfig) -> ModelConfig:
-        from trainer.data import load_raw_datasets, run_languages, tokenize_datasets, training_texts
-        from trainer.tokenizer import load_or_train_tokenizer
-        from trainer.train import model_config_for
-
-        d, m = cfg.data, cfg.model
-        raw = load_raw_datasets(d, cfg.training.seed)
-        tok = load_or_train_tokenizer(
-            m.tokenizer_name, run_languages(d), training_texts(raw.train), m.vocab_size,
-            d.spm_model_type, d.spm_character_coverage, d.spm_input_sentence_size, cfg.training.seed,
-        )  # fmt: skip
-        self.sampler_data = (tokenize_datasets(raw, tok, d).train, tok)
-        return model_config_for(cfg, tok)
-
-    def shape(self, mb: int, m: int, g: int, dp: int, token_mode: bool) -> Shape:
-        """Mean micro-batch of this batch cut: from the data's first global batches, else fixed length."""
-        key = (mb, m, g, dp, int(token_mode))
-        if key not in self._shapes:
-            self._shapes[key] = (
-                self._data_shape(key) if self.sampler_data else self._fixed_shape(mb, token_mode)
-            )
-        return self._shapes[key]
-
-    def _fixed_shape(self, mb: int, token_mode: bool) -> Shape:
-        d = self.cfg.data
-        length = self.opts.seq_len or max(d.max_source_length, d.max_target_length)
-        return Shape(max(1, mb // length) if token_mode else mb, length, length)
-
-    def _data_shape(self, key: tuple[int, ...]) -> Shape:
-        import time
-
-        import numpy as np
-
-        from trainer.data import BatchLayout, GlobalBatchSampler
-
-        mb, m, g, dp, token_mode = key
-        train, tok = self.sampler_data
-        layout = BatchLayout(1 if token_mode else mb, m, g, dp, mb if token_mode else None)
-        sampler = GlobalBatchSampler(train, layout, self.cfg.training.seed, tok.pad_id,
-                                     tok.special_ids()["decoder_start_token_id"])  # fmt: skip
-        rows, src, tgt, fetch = [], [], [], []
-        for _ in range(8):
-            gb = next(sampler)
-            for flush in gb.replica_slots(0):
-                for idx in flush:
-                    rows.append(len(idx))
-                    src.append(int(sampler.src_len[idx].max()))
-                    tgt.append(int(sampler.tgt_len[idx].max()))
-            t0 = time.perf_counter()
-            gb.shard(0)
-            fetch.append((time.perf_counter() - t0) / (m * g))
-        self.fetch_s[key] = statistics.median(fetch)
-        return Shape(
-            max(1, round(float(np.mean(rows)))), round(float(np.mean(src))), round(float(np.mean(tgt)))
-        )
-
-    def kind_costs(self, shape: Shape, remat: str) -> KindCosts:
-        """Per-kind costs of one micro-batch under `remat` ("stage" is costed as "none" here)."""
-        remat = "none" if remat == "stage" else remat
-        key = (shape, remat)
-        if key not in self._costs:
-            bf16 = self.cfg.training.bf16
-            if self.device is None:
-                self._costs[key] = measure_kind_costs(self.mc, shape, remat, bf16, self.opts.repeats)
-            else:
-                one = self._one_sentence_bytes(shape.s, shape.t, remat)
-                scale = shape.b * (0.5 if bf16 else 1.0)  # bf16 keeps 2-byte activations
-                acts = {k: int(n * scale) for k, n in one.items()}
-                self._costs[key] = table_kind_costs(self.mc, shape, remat, self.device, acts)
-        return self._costs[key]
-
-    def _one_sentence_bytes(self, s: int, t: int, remat: str) -> dict[BlockKind, int]:
-        """Activation bytes per block kind of one sentence, measured here in fp32 (table mode)."""
-        key = (s, t, remat)
-        if key not in self._acts:
-            one = measure_kind_costs(self.mc, Shape(1, s, t), remat, bf16=False, timed=False)
-            self._acts[key] = {k: ph.activation_bytes for k, ph in one.items()}
-        return self._acts[key]
-
-    def block_costs(self, shape: Shape, remat: str, tp: int, ctx: CostContext) -> list[BlockPhases]:
-        """Every block's costs on one tp rank (`plan_cost.block_costs`)."""
-        rank_shape, factor = tp_shape(shape, tp)
-        kinds = self.kind_costs(shape, remat)
-        return block_costs(kinds, self.kind_costs(rank_shape, remat), factor, self.mc, shape, tp, ctx)
-
-
 # ----------------------------------------------------------------------------- the search
 
 
@@ -351,7 +218,7 @@ def plan(cfg: JobConfig, base_args: list[str], opts: argparse.Namespace) -> dict
             for layout in _layouts(dims, m, g, mb, budget.token_mode, source, shape, cut_ctx, rejected):
                 error = accepts(layout)
                 if error:
-                    rejected.append({"layout": _describe(layout), "reason": f"trainer rejects it: {error}"})
+                    rejected.append({"layout": describe(layout), "reason": f"trainer rejects it: {error}"})
                     continue
                 sc = stage_costs(
                     layout, source.block_costs(shape, layout.remat, layout.tp, cut_ctx), shape, cut_ctx
@@ -364,7 +231,7 @@ def plan(cfg: JobConfig, base_args: list[str], opts: argparse.Namespace) -> dict
     for c in candidates[opts.top :]:
         c.args = layout_args(c.layout, base_args)
     own = own_layout(cfg, base_args, source, ctx, world, gpn)
-    return _report(cfg, opts, device, link, memory_gib, candidates, rejected, pruned, own)
+    return build_report(cfg, opts, device, link, memory_gib, candidates, rejected, pruned, own)
 
 
 def _simulate_best(
@@ -382,7 +249,7 @@ def _simulate_best(
             continue
         pred = predict(layout, sc, ctx)
         if limit is not None and pred.peak_memory_bytes > limit:
-            rejected.append({"layout": _describe(layout), "reason": (
+            rejected.append({"layout": describe(layout), "reason": (
                 f"does not fit: needs {pred.peak_memory_bytes / GIB:.1f} GiB per rank > "
                 f"{opts.memory_headroom:.0%} of {memory_gib:g} GiB")})  # fmt: skip
             continue
@@ -473,80 +340,11 @@ def _layouts(
                 try:
                     balance = tuple(choose_balance(method, costs, params, dims.pp * v))
                 except ValueError as e:
-                    rejected.append({"layout": _describe(base), "reason": str(e)})
+                    rejected.append({"layout": describe(base), "reason": str(e)})
                     break
                 if balance not in seen:
                     seen.add(balance)
                     yield replace(base, balance=balance)
-
-
-def _describe(layout: Layout) -> str:
-    mb = f"{layout.microbatch} tok" if layout.token_mode else f"b={layout.microbatch}"
-    return (
-        f"pp={layout.pp} tp={layout.tp} dp={layout.dp} m={layout.m} g={layout.g} {mb} "
-        f"{layout.schedule}(v={layout.v}) remat={layout.remat} partition={layout.partition}"
-    )
-
-
-def _reason(c: Candidate, best: Candidate, memory_gib: float | None) -> str:
-    p, b = c.prediction, best.prediction
-    head = "fastest predicted" if c is best else f"+{p.step_time_s / b.step_time_s - 1:.1%} vs #1"
-    parts = [head, f"bubble {p.bubble_fraction:.1%}"]
-    if c.layout.pp > 1:
-        parts.append(f"p2p {p.link_s * 1e3:.2f} ms/msg")
-    if p.grad_reduce_s:
-        parts.append(f"reduce {p.grad_reduce_s * 1e3:.1f} ms")
-    parts.append(f"optimizer {p.optimizer_s * 1e3:.1f} ms")
-    if p.data_s:
-        parts.append(f"data {p.data_s * 1e3:.1f} ms")
-    if memory_gib:
-        parts.append(f"{(memory_gib * GIB - p.peak_memory_bytes) / GIB:.1f} GiB free")
-    return ", ".join(parts)
-
-
-def _report(
-    cfg: JobConfig, opts: argparse.Namespace, device: DeviceSpec | None, link: LinkModel,
-    memory_gib: float | None, candidates: list[Candidate], rejected: list[dict[str, str]], pruned: int,
-    own: Candidate | str,
-) -> dict[str, Any]:  # fmt: skip
-    best = candidates[0] if candidates else None
-    rows = [_row(i + 1, c, best, memory_gib) for i, c in enumerate(candidates)]
-    if isinstance(own, Candidate):
-        faster = sum(c.prediction.step_time_s < own.prediction.step_time_s for c in candidates)
-        own_row: dict[str, Any] = _row(faster + 1, own, best or own, memory_gib)
-    else:
-        own_row = {"error": own}
-    return {
-        "config": opts.config,
-        "world_size": opts.world_size,
-        "gpus_per_node": opts.gpus_per_node or opts.world_size,
-        "costs": f"device table: {device.name}" if device else "measured on this machine",
-        "device_memory_gib": memory_gib,
-        "link": asdict(link),
-        "candidates": rows,
-        "config_layout": own_row,
-        "rejected_counts": dict(Counter(_reason_kind(r["reason"]) for r in rejected)),
-        "pruned": pruned,
-        "rejected": rejected,
-    }
-
-
-def _row(rank: int, c: Candidate, best: Candidate | None, memory_gib: float | None) -> dict[str, Any]:
-    p = c.prediction
-    return {
-        "rank": rank,
-        "args": c.args,
-        "layout": asdict(c.layout),
-        "predicted_step_time_s": p.step_time_s,
-        "predicted_peak_memory_bytes": p.peak_memory_bytes,
-        "predicted_bubble_fraction": p.bubble_fraction,
-        "predicted_time_split_s": {"pipeline": p.makespan_s * c.layout.g, "grad_reduce": p.grad_reduce_s,
-                                   "optimizer": p.optimizer_s, "data": p.data_s, "p2p_message": p.link_s},
-        "predicted_memory_bytes": p.memory,
-        "predicted_peak_activation_bytes_per_pp_rank": p.peak_activation_bytes_per_pp_rank,
-        "parameters_per_pp_rank": p.params_per_pp_rank,
-        "reason": _reason(c, best, memory_gib) if best else "",
-    }  # fmt: skip
 
 
 def own_layout(
@@ -575,120 +373,6 @@ def own_layout(
         )
     except ValueError as e:
         return str(e)
-
-
-def _reason_kind(reason: str) -> str:
-    return reason.split(":")[0] if reason.startswith(("does not fit", "trainer rejects")) else reason[:60]
-
-
-# ----------------------------------------------------------------------------- printing, validation
-
-
-def format_table(result: dict[str, Any], top: int) -> str:
-    """The ranked candidates (first `top`) and the rejection counts, as text."""
-    lines = [
-        f"plan for {result['config']} on {result['world_size']} ranks ({result['gpus_per_node']} per node), "
-        f"costs {result['costs']}",
-        f"{'#':>3} {'pp':>2} {'tp':>2} {'dp':>2} {'m':>3} {'g':>2} {'mb':>5}  {'schedule':<19} {'remat':<9} "
-        f"{'partition':<10} {'step s':>9} {'bubble':>6} {'peak GiB':>8}  why",
-    ]
-    for row in result["candidates"][:top]:
-        lay = row["layout"]
-        sched = f"{lay['schedule']}" + (f" v={lay['v']}" if lay["v"] > 1 else "")
-        lines.append(
-            f"{row['rank']:>3} {lay['pp']:>2} {lay['tp']:>2} {lay['dp']:>2} {lay['m']:>3} {lay['g']:>2} "
-            f"{lay['microbatch']:>5}  {sched:<19} {lay['remat']:<9} {lay['partition']:<10} "
-            f"{row['predicted_step_time_s']:>9.4g} {row['predicted_bubble_fraction']:>6.1%} "
-            f"{row['predicted_peak_memory_bytes'] / GIB:>8.2f}  {row['reason']}"
-        )
-    own = result["config_layout"]
-    if "error" in own:
-        lines.append(f"the config's own layout cannot run here: {own['error']}")
-    else:
-        lay = own["layout"]
-        lines.append(
-            f"the config's own layout (pp={lay['pp']} tp={lay['tp']} dp={lay['dp']} m={lay['m']} "
-            f"{lay['schedule']} v={lay['v']} remat={lay['remat']}) would rank #{own['rank']}: "
-            f"{own['predicted_step_time_s']:.4g} s/step, bubble {own['predicted_bubble_fraction']:.1%}, "
-            f"{own['predicted_peak_memory_bytes'] / GIB:.2f} GiB"
-        )
-    lines.append(
-        f"{len(result['candidates'])} layouts fit; {result['pruned']} not simulated (their lower bound is "
-        f"slower than the best kept); rejected: {result['rejected_counts'] or 'none'}"
-    )
-    return "\n".join(lines)
-
-
-def validate(result: dict[str, Any], k: int, opts: argparse.Namespace) -> list[dict[str, Any]]:
-    """Run the top `k` candidates with trainer.train; predicted vs measured step time and memory.
-
-    Step time: the median `step_time_s` of metrics.jsonl after `opts.validate_warmup` steps.
-    Memory: the largest `peak_activation_bytes_stage_*` (the executor's meter) against the
-    predicted peak activations of the most loaded pp rank.
-    """
-    out = []
-    root = Path(opts.validate_dir or tempfile.mkdtemp(prefix="plan_validate_"))
-    for row in result["candidates"][:k]:
-        run_dir = root / f"candidate_{row['rank']}"
-        measured = run_candidate(row["args"], opts.world_size, run_dir, opts)
-        pred = row["predicted_step_time_s"]
-        act = max(row["predicted_peak_activation_bytes_per_pp_rank"])
-        out.append({
-            "rank": row["rank"], "predicted_step_time_s": pred, "measured_step_time_s": measured["step_time_s"],
-            "step_time_error": measured["step_time_s"] / pred - 1,
-            "predicted_peak_activation_bytes": act,
-            "measured_peak_activation_bytes": measured["peak_activation_bytes"], "output_dir": str(run_dir),
-        })  # fmt: skip
-    return out
-
-
-def run_candidate(args: list[str], world: int, out_dir: Path, opts: argparse.Namespace) -> dict[str, float]:
-    """Train `args` for `opts.validate_steps` steps into `out_dir`; its median step time and peak.
-
-    Raises:
-        RuntimeError: the run failed or timed out (its stderr's tail in the message).
-    """
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
-    cmd = [*(launcher if world > 1 else [sys.executable]), "-m", "trainer.train", *args,
-           "--output_dir", str(out_dir), "--overwrite_output_dir", "true",
-           "--max_steps", str(opts.validate_steps), "--logging_steps", "1", "--do_eval", "false",
-           "--save_steps", "0", "--report_to", "none", "--disable_tqdm", "true"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=opts.validate_timeout)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(
-            f"validation run timed out after {opts.validate_timeout} s: {' '.join(cmd)}"
-        ) from None
-    if proc.returncode != 0:
-        raise RuntimeError(f"validation run failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    steps = [r for r in rows if "step_time_s" in r][opts.validate_warmup :]
-    if not steps:
-        raise RuntimeError(
-            f"no step rows after {opts.validate_warmup} warm-up steps in {out_dir}/metrics.jsonl"
-        )
-    peak = max(v for r in steps for key, v in r.items() if key.startswith("peak_activation_bytes_stage_"))
-    return {"step_time_s": statistics.median(r["step_time_s"] for r in steps), "peak_activation_bytes": peak}
-
-
-def format_validation(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        f"{'#':>3} {'predicted s':>11} {'measured s':>10} {'error':>7} {'act MiB pred':>12} {'act MiB meas':>12}"
-    ]
-    for r in rows:
-        lines.append(
-            f"{r['rank']:>3} {r['predicted_step_time_s']:>11.4g} {r['measured_step_time_s']:>10.4g} "
-            f"{r['step_time_error']:>+7.1%} {r['predicted_peak_activation_bytes'] / 2**20:>12.2f} "
-            f"{r['measured_peak_activation_bytes'] / 2**20:>12.2f}"
-        )
-    if rows:
-        best = min(rows, key=lambda r: r["measured_step_time_s"])
-        lines.append(
-            f"measured best: #{best['rank']}; predicted best #1 is "
-            f"{rows[0]['measured_step_time_s'] / best['measured_step_time_s'] - 1:+.1%} from it"
-        )
-    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- entry point

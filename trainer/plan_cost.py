@@ -24,8 +24,6 @@ stages per rank, b sentences per micro-batch, s / t padded source / target token
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -475,87 +473,8 @@ def _rank_memory(params: int, activations: float, layout: Layout, ctx: CostConte
     }
 
 
-# ----------------------------------------------------------------------------- this machine
-
-
-def measure_optimizer_s_per_param(mc: ModelConfig, repeats: int = 3) -> float:
-    """Seconds per parameter of clip + AdamW (foreach) on this machine, from the one-layer model."""
-    torch.manual_seed(0)
-    model = M2M100Translation(one_layer_config(mc))
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-    samples = []
-    for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-        opt.step()
-        if i:
-            samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) / sum(p.numel() for p in params)
-
-
-def measure_link(repeats: int = 10, timeout_s: float = 120) -> LinkModel:
-    """Latency and bandwidth between two local gloo processes (half a ping-pong round trip).
-
-    Raises:
-        RuntimeError: the two processes failed or did not finish within `timeout_s`.
-    """
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_ping_pong, args=(r, port, repeats, queue)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + timeout_s
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    alive = [proc for proc in procs if proc.is_alive()]
-    for proc in alive:
-        proc.kill()
-    if alive or any(proc.exitcode != 0 for proc in procs) or queue.empty():
-        raise RuntimeError(f"link measurement failed (exit codes {[p.exitcode for p in procs]})")
-    small, large, small_s, large_s = queue.get()
-    bw = (large - small) / max(large_s - small_s, 1e-9)
-    latency = max(small_s - small / bw, 1e-7)
-    return LinkModel(latency, bw, latency, bw)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _ping_pong(rank: int, port: int, repeats: int, queue) -> None:  # type: ignore[no-untyped-def]
-    import datetime
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    sizes = (1024, 4 * 1024 * 1024)
-    medians = []
-    for nbytes in sizes:
-        buf = torch.zeros(nbytes // 4)
-        samples = []
-        for i in range(repeats + 2):
-            dist.barrier()
-            t0 = time.perf_counter()
-            for phase in (0, 1):
-                (dist.send if phase == rank else dist.recv)(buf, 1 - rank)
-            if i >= 2:
-                samples.append((time.perf_counter() - t0) / 2)
-        medians.append(statistics.median(samples))
-    if rank == 0:
-        queue.put((float(sizes[0]), float(sizes[1]), medians[0], medians[1]))
-    dist.barrier()
-    dist.destroy_process_group()
+@dataclass
+class Candidate:
+    layout: Layout
+    prediction: Prediction
+    args: list[str]
