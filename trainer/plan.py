@@ -47,7 +47,7 @@ from trainer.plan_cost import (
     predict,
     stage_costs,
 )
-from trainer.plan_measure import CostSource, measure_link, measure_optimizer_s_per_param
+from trainer.plan_measure import CostSource, measure_link, measure_optimizer_s_per_param, measure_overheads
 from trainer.plan_report import build_report, describe, format_table, format_validation, validate
 
 logger = logging.getLogger("trainer.plan")
@@ -201,6 +201,11 @@ def plan(cfg: JobConfig, base_args: list[str], opts: argparse.Namespace) -> dict
         cfg.parallel.sequence_parallel,
         28.0 / device.hbm_bytes_per_s if device else measure_optimizer_s_per_param(source.mc),
     )  # fmt: skip
+    if device is None:  # this machine: calibrate what the block profile misses, on the config's own shape
+        shape0 = source.shape(*_own_cut(cfg, world))
+        ctx.action_overhead_s, ctx.step_overhead_s = measure_overheads(
+            cfg, source.mc, shape0, source.kind_costs(shape0, "none"), ctx.optimizer_s_per_param
+        )
     budget = batch_budget(cfg, world)
     valid, rejected_meshes = meshes(world, gpn, source.mc)
     rejected: list[dict[str, str]] = [{"layout": m, "reason": r} for m, r in rejected_meshes]
@@ -313,6 +318,17 @@ class TrainerCheck:
         training = replace(c.training, gradient_accumulation_steps=layout.g, per_device_train_batch_size=b)
         data = replace(c.data, max_tokens_per_microbatch=layout.microbatch) if layout.token_mode else c.data
         return replace(c, parallel=parallel, training=training, data=data)
+
+
+def _own_cut(cfg: JobConfig, world: int) -> tuple[int, int, int, int, bool]:
+    """(micro-batch, m, g, dp, token mode) of the config's own layout (dp=1 if it does not fit)."""
+    try:
+        dp = ParallelDims.from_args(cfg.parallel, world, local_world_size=world).validate().dp
+    except ValueError:
+        dp = 1
+    token = bool(cfg.data.max_tokens_per_microbatch)
+    mb = int(cfg.data.max_tokens_per_microbatch or 0) if token else cfg.training.per_device_train_batch_size
+    return mb, cfg.parallel.num_microbatches, cfg.training.gradient_accumulation_steps, dp, token
 
 
 def _local_link(opts: argparse.Namespace) -> LinkModel:

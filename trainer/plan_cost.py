@@ -277,6 +277,9 @@ class CostContext:
     sequence_parallel: bool
     optimizer_s_per_param: float
     fetch_s_per_microbatch: float = 0.0
+    # Executor and step overheads the block profile does not see (`plan_measure.measure_overheads`)
+    action_overhead_s: float = 0.0  # per F and per B (or I) action of a stage on one micro-batch
+    step_overhead_s: float = 0.0  # per optimizer step: barrier, clip, scheduler, bookkeeping
 
 
 @dataclass
@@ -381,8 +384,9 @@ def stage_costs(layout: Layout, costs: Sequence[BlockPhases], shape: Shape, ctx:
     starts = [sum(layout.balance[:i]) for i in range(n)]
     ranges = [range(st, st + k) for st, k in zip(starts, layout.balance)]
     zb = layout.schedule in ("zero_bubble", "zbv")
-    fwd = [sum(costs[i].forward_s for i in r) for r in ranges]
-    bin_ = [sum((costs[i].backward_input_s if zb else costs[i].backward_s) for i in r) for r in ranges]
+    o = ctx.action_overhead_s
+    fwd = [o + sum(costs[i].forward_s for i in r) for r in ranges]
+    bin_ = [o + sum((costs[i].backward_input_s if zb else costs[i].backward_s) for i in r) for r in ranges]
     bw = [sum(costs[i].backward_weight_s for i in r) if zb else 0.0 for r in ranges]
     act = [float(sum(costs[i].activation_bytes for i in r)) for r in ranges]
     if layout.remat == "stage":
@@ -401,7 +405,8 @@ def _outside_pipeline(layout: Layout, ctx: CostContext) -> tuple[list[int], floa
     rank_params = _rank_params(params_block, table, layout, ctx.mc)
     grad_reduce = _grad_reduce_s(max(rank_params), table, layout, ctx)
     optimizer = ctx.optimizer_s_per_param * max(rank_params) / (layout.dp if ctx.zero1 else 1)
-    return rank_params, grad_reduce, optimizer, ctx.fetch_s_per_microbatch * layout.m * layout.g
+    data = ctx.fetch_s_per_microbatch * layout.m * layout.g
+    return rank_params, grad_reduce, optimizer + ctx.step_overhead_s, data
 
 
 def lower_bound(layout: Layout, sc: StageCosts, ctx: CostContext) -> float:

@@ -79,7 +79,7 @@ class CostSource:
         return model_config_for(cfg, tok)
 
     def shape(self, mb: int, m: int, g: int, dp: int, token_mode: bool) -> Shape:
-        """Mean micro-batch of this batch cut: from the data's first global batches, else fixed length."""
+        """Median micro-batch of this batch cut: from the data's first global batches, else fixed length."""
         key = (mb, m, g, dp, int(token_mode))
         if key not in self._shapes:
             self._shapes[key] = (
@@ -116,9 +116,9 @@ class CostSource:
             gb.shard(0)
             fetch.append((time.perf_counter() - t0) / (m * g))
         self.fetch_s[key] = statistics.median(fetch)
-        return Shape(
-            max(1, round(float(np.mean(rows)))), round(float(np.mean(src))), round(float(np.mean(tgt)))
-        )
+        # the median micro-batch: `--validate` compares with the median step
+        med = [round(float(np.median(x))) for x in (rows, src, tgt)]
+        return Shape(max(1, med[0]), med[1], med[2])
 
     def kind_costs(self, shape: Shape, remat: str) -> KindCosts:
         """Per-kind costs of one micro-batch under `remat` ("stage" is costed as "none" here)."""
@@ -231,3 +231,68 @@ def _ping_pong(rank: int, port: int, repeats: int, queue) -> None:  # type: igno
         queue.put((float(sizes[0]), float(sizes[1]), medians[0], medians[1]))
     dist.barrier()
     dist.destroy_process_group()
+
+
+class _FixedBatch:
+    """The slice of `trainer.data.GlobalBatch` that `trainer.loop.train_step` reads."""
+
+    def __init__(self, batches: list[Any]) -> None:
+        self.batches = batches
+        self.num_tokens = sum(b.num_tokens() for b in batches)
+        self.num_src_tokens = sum(b.num_src_tokens() for b in batches)
+
+    def shard(self, dp_rank: int) -> list[list[Any]]:
+        return [self.batches]
+
+
+def measure_overheads(
+    cfg: JobConfig, mc: ModelConfig, shape: Shape, kinds: KindCosts, opt_s_per_param: float, repeats: int = 5
+) -> tuple[float, float]:
+    """(per action, per step) seconds the trainer's real step spends beyond the block costs.
+
+    Runs `trainer.loop.train_step` (timed, as the validation runs log every step) on a
+    one-rank mesh with the one-layer model and m = 1 and m = 3 micro-batches of `shape`,
+    subtracts the modelled block time (m x sum of F + B) and optimizer time, and fits
+    overhead(m) = per_step + 2 m per_action (a stage runs one F and one B per micro-batch).
+    """
+    import torch.distributed as dist
+
+    from parallel.mesh import ParallelDims, build_mesh, init_distributed
+
+    created = not dist.is_initialized()
+    init_distributed(backend="gloo")
+    try:
+        mesh = build_mesh(ParallelDims(1, 1, 1, 1).validate(), "cpu")
+        over = _step_overheads(cfg, mc, shape, kinds, opt_s_per_param, repeats, mesh)
+    finally:
+        if created:
+            dist.destroy_process_group()
+    per_action = max(0.0, (over[3] - over[1]) / 4)
+    return per_action, max(0.0, over[1] - 2 * per_action)
+
+
+def _step_overheads(cfg, mc, shape, kinds, opt_s_per_param, repeats, mesh) -> dict[int, float]:  # type: ignore[no-untyped-def]
+    """Measured train_step time minus the modelled block and optimizer time, for m = 1 and 3."""
+    from parallel.parallelize import build_parallel_model
+    from trainer.loop import build_optimizer, build_scheduler, train_step
+    from trainer.plan_cost import synthetic_batch
+
+    small = one_layer_config(mc)
+    block_s = sum(ph.forward_s + ph.backward_s for ph in kinds.values())
+    over = {}
+    for m in (1, 3):
+        torch.manual_seed(0)
+        model = M2M100Translation(small)
+        pm = build_parallel_model(model, mesh, [len(model.blocks)], m, "1f1b", 1, "none", 0.0)
+        opt = build_optimizer(pm.model, cfg.training, only=pm.optimizer_params())
+        sched = build_scheduler(opt, cfg.training)
+        batch = _FixedBatch([synthetic_batch(mc, shape, seed=i) for i in range(m)])
+        n_params = sum(p.numel() for p in pm.model.parameters())
+        samples = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            train_step(pm, opt, sched, batch, 0, 1.0, i, timed=True)
+            if i:
+                samples.append(time.perf_counter() - t0)
+        over[m] = statistics.median(samples) - m * block_s - opt_s_per_param * n_params
+    return over

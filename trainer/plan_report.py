@@ -137,8 +137,8 @@ def validate(result: dict[str, Any], k: int, opts: argparse.Namespace) -> list[d
     """Run the top `k` candidates with trainer.train; predicted vs measured step time and memory.
 
     Step time: the median `step_time_s` of metrics.jsonl after `opts.validate_warmup` steps.
-    Memory: the largest `peak_activation_bytes_stage_*` (the executor's meter) against the
-    predicted peak activations of the most loaded pp rank.
+    Memory: the median over steps of the largest `peak_activation_bytes_stage_*` (the executor's
+    meter) against the predicted peak activations of the most loaded pp rank.
     """
     out = []
     root = Path(opts.validate_dir or tempfile.mkdtemp(prefix="plan_validate_"))
@@ -182,7 +182,9 @@ def run_candidate(args: list[str], world: int, out_dir: Path, opts: argparse.Nam
         raise RuntimeError(
             f"no step rows after {opts.validate_warmup} warm-up steps in {out_dir}/metrics.jsonl"
         )
-    peak = max(v for r in steps for key, v in r.items() if key.startswith("peak_activation_bytes_stage_"))
+    # per step the most loaded stage's peak, then the median step (the prediction is for the mean shape)
+    peaks = [max(v for k, v in r.items() if k.startswith("peak_activation_bytes_stage_")) for r in steps]
+    peak = statistics.median(peaks)
     return {"step_time_s": statistics.median(r["step_time_s"] for r in steps), "peak_activation_bytes": peak}
 
 
