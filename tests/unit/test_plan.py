@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from models.config import ModelConfig
-from models.m2m100 import M2M100Translation
+from models.m2m100 import BlockKind, M2M100Translation
 from parallel.parallelize import make_plan
 from trainer import plan as planner
 from trainer.config import parse_config
@@ -160,3 +160,18 @@ def test_memory_limit_drops_layouts_with_the_reason(tmp_path: Path) -> None:
     dropped = [x for x in result["rejected"] if x["reason"].startswith("does not fit")]
     assert dropped and "GiB per rank" in dropped[0]["reason"]
     assert result["costs"] == "device table: H100"
+
+
+def test_block_profile_counts_what_remat_keeps() -> None:
+    mc = ModelConfig(vocab_size=200, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)  # fmt: skip
+    shape = Shape(2, 7, 5)
+    none = measure_kind_costs(mc, shape, "none", bf16=False, timed=False)
+    full = measure_kind_costs(mc, shape, "full", bf16=False, timed=False)
+    selective = measure_kind_costs(mc, shape, "selective", bf16=False, timed=False)
+    for kind in (BlockKind.ENC_LAYER, BlockKind.DEC_LAYER):
+        assert full[kind].activation_bytes < selective[kind].activation_bytes < none[kind].activation_bytes
+        assert none[kind].forward_s == none[kind].backward_s == 0.0  # timed=False measures bytes only
+    # full remat keeps the layer input (B, S, H) fp32; the decoder also the encoder output
+    assert full[BlockKind.ENC_LAYER].activation_bytes == 4 * 2 * 7 * 32
+    assert full[BlockKind.DEC_LAYER].activation_bytes == 4 * 2 * (7 + 5) * 32
