@@ -18,6 +18,12 @@ with `no_repeat_ngram_size=0`, `min_length=0`, `repetition_penalty=1.0` (the
           -> those of the top K that did, scored by sum/len**length_penalty,
              compete with the finished hypotheses for the K finished slots.
 
+The search (forced BOS, beam bookkeeping, finished hypotheses) knows nothing of
+where the model runs: it drives a `DecoderStep` (ids -> logits, reorder(rows)).
+`DecoderState` is the single-device one; `parallel.generate` implements it over
+the pipeline stages and tensor-parallel layers of a 3D mesh, with the same
+`IncrementalDecoder` per stage, so both produce the same tokens.
+
 Legend: B batch rows, K beams, V vocabulary, N = B*K decoder rows, h heads,
 S source length, t tokens decoded so far, d head dim.
 """
@@ -26,53 +32,134 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.m2m100 import BlockKind, DecoderLayer, KVCache, M2M100Translation, Seq2SeqBatch
+from models.config import ModelConfig
+from models.m2m100 import BlockKind, BlockSpec, DecoderLayer, KVCache, M2M100Translation, Seq2SeqBatch
 
 KV = tuple[Tensor, Tensor]
 # HF's stand-in for "impossible" in beam scores; equal constants keep tie-breaks equal too.
 NEG = -1.0e9
 
 
-class DecoderState:
-    """Encoder output, cross-attention k/v and the growing self-attention KV cache for N rows."""
+class DecoderStep(Protocol):
+    """What the search drives: one token per row in, next-token logits out, rows reorderable.
 
-    def __init__(self, model: M2M100Translation, encoder_out: Tensor, src_mask: Tensor) -> None:
-        self.model = model
-        self.layers = [
-            cast(DecoderLayer, model.decoder.layers[str(b.index)])
-            for b in model.blocks
-            if b.kind is BlockKind.DEC_LAYER
-        ]
-        self.encoder_out = encoder_out  # (N, S, H)
-        self.src_mask = src_mask  # (N, S) bool
-        self.cross_kv: list[KV] = [layer.encoder_attn.project_kv(encoder_out) for layer in self.layers]
-        self.self_kv = [KVCache() for _ in self.layers]
-        self.length = 0  # t: tokens already in the self-attention cache
+    `DecoderState` runs the whole model on one device; `parallel.generate` runs the
+    pipeline stages and tensor-parallel layers of a 3D mesh behind the same interface.
+    """
+
+    device: torch.device
 
     def step(self, ids: Tensor) -> Tensor:  # (N, 1) -> (N, V) float32 logits
         """Feed one token per row and return the next-token logits."""
+        ...
+
+    def reorder(self, rows: Tensor) -> None:
+        """Keep row `rows[n]` as row n from now on (beam search follows the surviving beams)."""
+        ...
+
+
+DECODER_KINDS = (BlockKind.TGT_EMBED, BlockKind.DEC_LAYER, BlockKind.HEAD)
+
+
+class IncrementalDecoder:
+    """A run of decoder-side blocks (tgt_embed, decoder layers, head) fed one token per step.
+
+    Holds the run's caches: cross-attention k/v projected once from the encoder
+    output, and a growing self-attention `KVCache` per layer. The whole decoder on
+    one device (`DecoderState`), or one pipeline stage's share of it (`parallel.generate`).
+
+    Args:
+        model: a model holding (at least) the given blocks.
+        blocks: the blocks to run, in model order; encoder-side blocks are skipped.
+        encoder_out: (N, S, H) the encoder output, one row per decoder row.
+        src_mask: (N, S) bool, True on real source tokens.
+    """
+
+    def __init__(
+        self, model: M2M100Translation, blocks: Sequence[BlockSpec], encoder_out: Tensor, src_mask: Tensor
+    ) -> None:
+        self.model = model
+        self.blocks = [b for b in blocks if b.kind in DECODER_KINDS]
+        self.layers = {
+            b.index: cast(DecoderLayer, model.decoder.layers[str(b.index)])
+            for b in self.blocks
+            if b.kind is BlockKind.DEC_LAYER
+        }
+        self.encoder_out = encoder_out  # (N, S, H)
+        self.src_mask = src_mask  # (N, S) bool
+        self.cross_kv: dict[int, KV] = {
+            i: layer.encoder_attn.project_kv(encoder_out) for i, layer in self.layers.items()
+        }
+        self.self_kv = {i: KVCache() for i in self.layers}
+        self.length = 0  # t: tokens already in the self-attention caches
+
+    def forward(self, x: Tensor) -> Tensor:
+        """ids (N, 1) if the run starts with tgt_embed, else hidden (N, 1, H) ->
+        hidden (N, 1, H), or the head's logits (N, 1, V) (a vocab shard under tp) if it ends with it."""
         model = self.model
-        # HF offsets positions by the cache length (`past_key_values_length`): token t sits at pad+1+t.
-        x = model.embed(ids, offset=self.length)  # (N, 1, H)
-        for i, layer in enumerate(self.layers):
-            x = layer(
-                x, self.encoder_out, self.src_mask, self_cache=self.self_kv[i], cross_kv=self.cross_kv[i]
-            )
+        for spec in self.blocks:
+            if spec.kind is BlockKind.TGT_EMBED:
+                # HF offsets positions by the cache length (`past_key_values_length`): token t sits at pad+1+t.
+                x = model.embed(x, offset=self.length)  # (N, 1, H)
+            elif spec.kind is BlockKind.DEC_LAYER:
+                x = self.layers[spec.index](
+                    x,
+                    self.encoder_out,
+                    self.src_mask,
+                    self_cache=self.self_kv[spec.index],
+                    cross_kv=self.cross_kv[spec.index],
+                )
+            else:
+                assert model.decoder.layer_norm is not None and model.lm_head is not None
+                assert model.shared is not None
+                x = model.lm_head(model.decoder.layer_norm(x), model.shared.weight)
         self.length += 1
-        assert model.decoder.layer_norm is not None and model.lm_head is not None and model.shared is not None
-        logits = model.lm_head(model.decoder.layer_norm(x), model.shared.weight)  # (N, 1, V)
-        return logits[:, -1].float()
+        return x
+
+    def reorder(self, rows: Tensor) -> None:
+        """Keep cache row `rows[n]` as row n."""
+        for cache in self.self_kv.values():
+            cache.reorder(rows)
+
+
+class DecoderState:
+    """The single-device `DecoderStep`: the whole decoder and head of `model` over N rows."""
+
+    def __init__(self, model: M2M100Translation, encoder_out: Tensor, src_mask: Tensor) -> None:
+        self.decoder = IncrementalDecoder(model, model.blocks, encoder_out, src_mask)
+        self.device = encoder_out.device
+
+    def step(self, ids: Tensor) -> Tensor:  # (N, 1) -> (N, V) float32 logits
+        """Feed one token per row and return the next-token logits."""
+        return self.decoder.forward(ids)[:, -1].float()
 
     def reorder(self, rows: Tensor) -> None:
         """Keep cache row `rows[n]` as row n (beam search follows the surviving beams)."""
-        for cache in self.self_kv:
-            cache.reorder(rows)
+        self.decoder.reorder(rows)
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """How to search; the defaults are `GenerationConfig`'s (see `generate`)."""
+
+    num_beams: int = 1
+    max_length: int = 200
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def validate(self) -> SearchSettings:
+        """Raises ValueError on num_beams < 1 or max_length < 2; returns self."""
+        if self.num_beams < 1:
+            raise ValueError(f"num_beams={self.num_beams} must be >= 1")
+        if self.max_length < 2:
+            raise ValueError(f"max_length={self.max_length} must be >= 2 (start token + one generated token)")
+        return self
 
 
 @dataclass(frozen=True)
@@ -94,13 +181,13 @@ def force_bos(scores: Tensor, forced: Tensor | None, cur_len: int) -> Tensor:
     return out
 
 
-def greedy_search(state: DecoderState, special: Special, batch_size: int, max_length: int) -> Tensor:
+def greedy_search(state: DecoderStep, special: Special, batch_size: int, max_length: int) -> Tensor:
     """Argmax decoding; rows that emitted EOS are padded until all rows are done (as HF `_sample`).
 
     Returns:
         (B, T) token ids, T <= max_length.
     """
-    device = state.encoder_out.device
+    device = state.device
     seqs = torch.full((batch_size, 1), special.start, dtype=torch.long, device=device)
     unfinished = torch.ones(batch_size, dtype=torch.bool, device=device)
     for cur_len in range(1, max_length):
@@ -215,7 +302,7 @@ def beam_step(
 
 
 def beam_search(
-    state: DecoderState,
+    state: DecoderStep,
     special: Special,
     batch_size: int,
     num_beams: int,
@@ -228,7 +315,7 @@ def beam_search(
     Returns:
         (B, T) the best hypothesis of each row, padded to the longest, T <= max_length.
     """
-    device = state.encoder_out.device
+    device = state.device
     b, k = batch_size, num_beams
     beams = init_beams(b, k, max_length, special, device)
     # Only the K best candidates may finish; the other K are spares that keep K beams running.
@@ -273,6 +360,45 @@ def as_row_tensor(forced_bos_token_id: int | Sequence[int] | Tensor | None, batc
     return forced
 
 
+def special_tokens(
+    config: ModelConfig,
+    forced_bos_token_id: int | Sequence[int] | Tensor | None,
+    batch_size: int,
+    num_beams: int,
+    device: torch.device,
+) -> Special:
+    """The search's token ids, the forced tag repeated for the K beams of each row.
+
+    Raises:
+        ValueError: a per-row tag list whose length is not the batch size.
+    """
+    forced = as_row_tensor(forced_bos_token_id, batch_size)
+    if forced is not None:
+        forced = forced.to(device).repeat_interleave(num_beams)
+    return Special(
+        start=config.decoder_start_token_id, eos=config.eos_token_id, pad=config.pad_token_id, forced=forced
+    )
+
+
+def search(state: DecoderStep, special: Special, batch_size: int, settings: SearchSettings) -> Tensor:
+    """Greedy search if `settings.num_beams` is 1, else beam search, over `state`'s B*K rows.
+
+    Returns:
+        (B, T) long token ids, T <= settings.max_length.
+    """
+    if settings.num_beams == 1:
+        return greedy_search(state, special, batch_size, settings.max_length)
+    return beam_search(
+        state,
+        special,
+        batch_size,
+        settings.num_beams,
+        settings.max_length,
+        settings.length_penalty,
+        settings.early_stopping,
+    )
+
+
 @torch.no_grad()
 def generate(
     model: M2M100Translation,
@@ -305,23 +431,12 @@ def generate(
     Raises:
         ValueError: num_beams < 1, max_length < 2, or a per-row tag list of the wrong length.
     """
-    if num_beams < 1:
-        raise ValueError(f"num_beams={num_beams} must be >= 1")
-    if max_length < 2:
-        raise ValueError(f"max_length={max_length} must be >= 2 (start token + one generated token)")
-    c = model.config
-    device = input_ids.device
+    settings = SearchSettings(num_beams, max_length, length_penalty, early_stopping).validate()
     b = int(input_ids.shape[0])
-    forced = as_row_tensor(forced_bos_token_id, b)
+    special = special_tokens(model.config, forced_bos_token_id, b, num_beams, input_ids.device)
     empty = input_ids[:, :0]
     encoder_out = model.encode(Seq2SeqBatch(input_ids, attention_mask, empty, empty))  # (B, S, H)
     # Beams of a row sit next to each other: row n of the decoder is (n // K, n % K), as in HF.
     encoder_out = encoder_out.repeat_interleave(num_beams, dim=0)
     src_mask = attention_mask.bool().repeat_interleave(num_beams, dim=0)
-    if forced is not None:
-        forced = forced.to(device).repeat_interleave(num_beams)
-    special = Special(start=c.decoder_start_token_id, eos=c.eos_token_id, pad=c.pad_token_id, forced=forced)
-    state = DecoderState(model, encoder_out, src_mask)
-    if num_beams == 1:
-        return greedy_search(state, special, b, max_length)
-    return beam_search(state, special, b, num_beams, max_length, length_penalty, early_stopping)
+    return search(DecoderState(model, encoder_out, src_mask), special, b, settings)

@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from parallel import watchdog
+
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 
@@ -131,7 +133,7 @@ class GradReducer:
         while self._next < len(self.buckets):
             self._launch(self._next)
         for i, flat, work in self._pending:
-            work.wait()
+            watchdog.wait(work, watchdog.collective(f"dp all-reduce of gradient bucket {i}", self.group))
             grads = [p.grad for p in self.buckets[i] if p.grad is not None]
             for grad, g in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 grad.copy_(g)
@@ -190,6 +192,6 @@ class ZeroOneSharding:
             pending.append((params, flat, dist.broadcast(flat, src=src, group=self.group, async_op=True)))
         for params, flat, work in pending:
             assert work is not None
-            work.wait()
+            watchdog.wait(work, watchdog.collective("dp broadcast of ZeRO-1 updated parameters", self.group))
             for p, v in zip(params, _unflatten_dense_tensors(flat, [p.data for p in params])):
                 p.data.copy_(v)

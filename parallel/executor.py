@@ -32,9 +32,9 @@ from torch import Tensor
 
 from models.m2m100 import BlockSpec, Seq2SeqBatch, State
 from parallel import p2p
+from parallel.actions import Action, ActionType, Placement
 from parallel.grads import StepGradients
 from parallel.memory import ActivationMeter
-from parallel.schedule import Action, ActionType, stage_to_rank
 from parallel.stage import PipelineStage, boundary_keys, boundary_shapes
 from parallel.timing import Clock, HostClock
 from parallel.zero_bubble import WeightGradStore
@@ -91,17 +91,25 @@ class FlushResult:
 
 @dataclass
 class PipelineTopology:
-    """Where the stages are: all stages' blocks, p ranks, and this rank's global pp neighbours."""
+    """Where the stages are: all stages' blocks, their placement on the pp ranks, and the
+    global rank of each pp rank in this rank's (dp, tp) column (the p2p peers)."""
 
     stage_blocks: list[list[BlockSpec]]
-    p: int
+    placement: Placement
     pp_rank: int
-    prev_rank: int | None  # global rank holding stage s-1 for my stages (ring neighbour)
-    next_rank: int | None
+    pp_peers: list[int]  # pp_peers[q]: global rank of pp rank q with this rank's (dp, tp)
 
     @property
     def n_stages(self) -> int:
         return len(self.stage_blocks)
+
+    def is_local(self, stage: int) -> bool:
+        """Whether ``stage`` is one of this rank's (a hand-off in memory, no p2p)."""
+        return self.placement.rank_of(stage) == self.pp_rank
+
+    def peer(self, stage: int) -> int:
+        """Global rank holding ``stage`` (the other end of a message to or from it)."""
+        return self.pp_peers[self.placement.rank_of(stage)]
 
 
 class PipelineExecutor:
@@ -231,7 +239,7 @@ class PipelineExecutor:
         stage, batch = self.stages[s], st.batches[mb]
         if s == 0:
             inputs: State = {}
-        elif (s - 1, mb) in st.local_handoff:  # previous stage on this rank (p == 1)
+        elif (s - 1, mb) in st.local_handoff:  # previous stage on this rank (p == 1, ZB-V's turn)
             inputs = {
                 k: v.detach().requires_grad_(True) for k, v in st.local_handoff.pop((s - 1, mb)).items()
             }
@@ -256,7 +264,7 @@ class PipelineExecutor:
         if self.forward_only:
             if not stage.is_last:  # held only until SF / the next local stage takes it
                 st.outputs[(s, mb)] = out
-                if stage_to_rank(s + 1, self.topo.p) == self.topo.pp_rank:
+                if self.topo.is_local(s + 1):
                     st.local_handoff[(s, mb)] = st.outputs.pop((s, mb))
             return
         st.inputs[(s, mb)] = inputs
@@ -264,7 +272,7 @@ class PipelineExecutor:
             st.outputs[(s, mb)] = {"loss": loss_sum * st.loss_scale}
         else:
             st.outputs[(s, mb)] = out
-            if stage_to_rank(s + 1, self.topo.p) == self.topo.pp_rank:
+            if self.topo.is_local(s + 1):
                 st.local_handoff[(s, mb)] = out
 
     def _backward(self, s: int, mb: int, st: _FlushState, defer_wgrad: bool) -> None:
@@ -287,7 +295,7 @@ class PipelineExecutor:
         if s > 0:
             prev = self.topo.stage_blocks[s - 1][-1]
             in_grads: list[Tensor] = [_grad_or_zeros(inputs[k]) for k in boundary_keys(prev)]
-            if stage_to_rank(s - 1, self.topo.p) == self.topo.pp_rank:
+            if self.topo.is_local(s - 1):
                 st.pending_grads[(s - 1, mb)] = in_grads
             else:
                 st.grads_to_send[(s, mb)] = in_grads
@@ -302,30 +310,20 @@ class PipelineExecutor:
         if a.type is ActionType.SEND_FORWARD:
             out = st.outputs.pop((s, mb)) if self.forward_only else st.outputs[(s, mb)]
             tensors = [out[k].detach() for k in boundary_keys(blocks[s][-1])]
-            return p2p.Transfer(
-                True, self._peer(self.topo.next_rank), tensors, p2p.message_tag(0, s + 1, mb, m)
-            )
+            return p2p.Transfer(True, self.topo.peer(s + 1), tensors, p2p.message_tag(0, s + 1, mb, m), a)
         if a.type is ActionType.RECV_FORWARD:
             prev = blocks[s - 1][-1]
             bufs = p2p.empty_buffers(boundary_shapes(prev, batch, self.d_model), self.dtype, self.device)
             st.received[(s, mb)] = dict(zip(boundary_keys(prev), bufs))
-            return p2p.Transfer(False, self._peer(self.topo.prev_rank), bufs, p2p.message_tag(0, s, mb, m))
+            return p2p.Transfer(False, self.topo.peer(s - 1), bufs, p2p.message_tag(0, s, mb, m), a)
         if a.type is ActionType.SEND_BACKWARD:
             grads = st.grads_to_send.pop((s, mb))
-            return p2p.Transfer(
-                True, self._peer(self.topo.prev_rank), grads, p2p.message_tag(1, s - 1, mb, m)
-            )
+            return p2p.Transfer(True, self.topo.peer(s - 1), grads, p2p.message_tag(1, s - 1, mb, m), a)
         assert a.type is ActionType.RECV_BACKWARD
         last = blocks[s][-1]
         bufs = p2p.empty_buffers(boundary_shapes(last, batch, self.d_model), self.dtype, self.device)
         st.pending_grads[(s, mb)] = bufs
-        return p2p.Transfer(False, self._peer(self.topo.next_rank), bufs, p2p.message_tag(1, s, mb, m))
-
-    @staticmethod
-    def _peer(rank: int | None) -> int:
-        if rank is None:
-            raise RuntimeError("schedule asks for a transfer to a neighbour this rank does not have")
-        return rank
+        return p2p.Transfer(False, self.topo.peer(s + 1), bufs, p2p.message_tag(1, s, mb, m), a)
 
 
 def _grad_or_zeros(t: Tensor) -> Tensor:

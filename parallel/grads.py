@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from parallel import watchdog
 from parallel.data_parallel import GradReducer
 from parallel.mesh import ParallelMesh
 from parallel.tp.comm import _size
@@ -82,7 +83,8 @@ class StepGradients:
         if self.tied_group is not None and self.shared is not None:
             if self.shared.grad is None:
                 self.shared.grad = torch.zeros_like(self.shared)
-            dist.all_reduce(self.shared.grad, group=self.tied_group)
+            with watchdog.waiting(watchdog.collective("tied-embedding all-reduce", self.tied_group)):
+                dist.all_reduce(self.shared.grad, group=self.tied_group)
 
     def norm(self) -> Tensor:
         """Global L2 norm of the gradients (a device scalar; collective over tp and pp).
@@ -96,7 +98,9 @@ class StepGradients:
         tp_group = self.mesh.group("tp") if self.mesh.size("tp") > 1 else None
         total = grad_sq_over_tp(params, tp_group)
         if self.mesh.size("pp") > 1:
-            dist.all_reduce(total, group=self.mesh.group("pp"))
+            pp_group = self.mesh.group("pp")
+            with watchdog.waiting(watchdog.collective("pp all-reduce of the gradient norm", pp_group)):
+                dist.all_reduce(total, group=pp_group)
         return total.sqrt()
 
     def clip_(self, max_norm: float) -> Tensor:
@@ -117,7 +121,8 @@ def grad_sq_over_tp(params: Sequence[nn.Parameter], tp_group: ProcessGroup | Non
     device = next(iter(params)).device
     sq_sharded = _sum_sq(sharded, device)
     if tp_group is not None and _size(tp_group) > 1:
-        dist.all_reduce(sq_sharded, group=tp_group)
+        with watchdog.waiting(watchdog.collective("tp all-reduce of the gradient norm", tp_group)):
+            dist.all_reduce(sq_sharded, group=tp_group)
     return sq_sharded + _sum_sq(replicated, device)
 
 
@@ -140,7 +145,8 @@ def sync_sequence_parallel_grads(params: Sequence[nn.Parameter], tp_group: Proce
     if not grads or _size(tp_group) == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=tp_group)
+    with watchdog.waiting(watchdog.collective("tp all-reduce of sequence-parallel gradients", tp_group)):
+        dist.all_reduce(flat, group=tp_group)
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))

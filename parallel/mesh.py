@@ -25,6 +25,7 @@ work unchanged with world size 1.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 if TYPE_CHECKING:
     from models.config import ModelConfig
     from trainer.config import ParallelArguments
+
+logger = logging.getLogger(__name__)
 
 Axis = Literal["pp", "dp", "tp"]
 AXES: tuple[Axis, Axis, Axis] = ("pp", "dp", "tp")
@@ -193,7 +196,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600) -> None
     NCCL on CUDA, gloo on CPU unless `backend` says otherwise. Without WORLD_SIZE
     (plain `python -m ...`) or with WORLD_SIZE=1, a 1-rank group is created on an
     in-memory HashStore: no port, no MASTER_ADDR, and the rest of the code runs
-    unchanged.
+    unchanged. Under torchrun's shared agent store, the group's keys live in a
+    namespace of this restart attempt (`elastic_attempt_store`), so a group
+    restarted by `--max-restarts` connects instead of failing on the dead
+    attempt's keys. NCCL's async error handling and flight recorder are switched on
+    unless the environment says otherwise (`nccl_debug_defaults`).
 
     Args:
         backend: "nccl", "gloo" or None (pick by device).
@@ -203,14 +210,89 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600) -> None
         return
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        for key, value in nccl_debug_defaults().items():
+            os.environ.setdefault(key, value)
     if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     timeout = timedelta(seconds=timeout_s)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    else:
+        return
+    store = elastic_attempt_store(timeout)
+    if store is None:
         dist.init_process_group(backend, timeout=timeout)
+    else:
+        rank = int(os.environ["RANK"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def nccl_debug_defaults() -> dict[str, str]:
+    """NCCL settings that make a hang or a dead peer an error with a record, not a silent stall.
+
+    Async error handling aborts the communicator when a collective times out (the
+    process exits and torchrun can restart the group) instead of blocking forever;
+    the flight recorder keeps the last collectives of every rank and dumps them on
+    a timeout (`TORCH_NCCL_DEBUG_INFO_TEMP_FILE` + rank, /tmp/nccl_trace_rank_<r> by
+    default; `python -m torch.distributed.flight_recorder.fr_trace` reads them).
+    Applied with `os.environ.setdefault`, so a value the user set wins.
+    """
+    return {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    }
+
+
+def elastic_attempt_store(timeout: timedelta) -> dist.Store | None:
+    """The default group's store under torchrun's shared agent store: a namespace per restart attempt.
+
+    Why: torchrun's c10d rendezvous hands the workers the agent's own TCPStore
+    (TORCHELASTIC_USE_AGENT_STORE=True, since torch 2.5), and that store outlives the
+    workers. After `--max-restarts` restarts the group, the dead attempt's keys are
+    still there: gloo's full-mesh connect reads a peer's address key, gets the dead
+    process's address when the new peer has not overwritten it yet, and fails with
+    "connectFullMesh ... Connection refused" (NCCL reads a stale unique id the same
+    way). pytorch/pytorch#135712 describes it; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on
+    the agent avoids it (a fresh store per attempt, what scripts/launch_multinode.sh
+    sets). For plain `torchrun` the worker prefixes every key with
+    TORCHELASTIC_RESTART_COUNT, so each attempt's keys are new.
+
+    The count is each agent's own: on one node it is always the same for all
+    workers; across nodes it agrees when every node's workers fail with the dead one
+    (gloo does at once), but an agent whose workers were still healthy (e.g. blocked
+    in NCCL) restarts them without counting, and the group would then wait on two
+    namespaces until `timeout`. Multi-node jobs with restarts should therefore set
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as the launcher does; `init_distributed`
+    warns when they do not.
+
+    Args:
+        timeout: the store's timeout (the collective timeout).
+
+    Returns:
+        A PrefixStore over a client of the agent's store, or None when the agent does not
+        share its store (then `init_process_group`'s env:// rendezvous is used as usual).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if nodes > 1 and restarts > 0 and os.environ.get("RANK") == "0":
+        logger.warning(
+            "torchrun --max-restarts over several nodes with the shared agent TCPStore: set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node (scripts/launch_multinode.sh does) so "
+            "that a restarted group cannot wait on two restart counts"
+        )
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"polyglot3d/attempt{attempt}/default_pg", client)
 
 
 @dataclass

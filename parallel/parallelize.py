@@ -5,7 +5,7 @@
       -> tensor parallel (tp)               swap linears/embedding/head for Megatron-style modules
       -> rematerialisation                  wrap layers / attention in torch.utils.checkpoint
       -> regional compilation               torch.compile each layer (torch_compile: true)
-      -> zero-bubble weight-grad deferral   (zero_bubble schedule only)
+      -> zero-bubble weight-grad deferral   (zero_bubble and zbv: schedules with split backward)
       -> executor                           walks this rank's schedule; dp + tied-embedding reduce at GR
 
 The resulting `ParallelModel` is what the training loop drives: `train_step` runs
@@ -32,7 +32,7 @@ from parallel.memory import meter_for
 from parallel.mesh import ParallelMesh
 from parallel.mixed_precision import WorkingWeights
 from parallel.remat import apply_remat
-from parallel.schedule import Action, build_schedule, forward_only, rank_stages, stage_to_rank
+from parallel.schedule import Action, ActionType, Placement, build_schedule, forward_only, placement_for
 from parallel.stage import PipelineStage
 from parallel.timing import clock_for
 from parallel.zero_bubble import WeightGradStore, enable_deferred_wgrad
@@ -40,7 +40,8 @@ from parallel.zero_bubble import WeightGradStore, enable_deferred_wgrad
 
 @dataclass
 class PipelinePlan:
-    """Pure description of the split: blocks per stage (n = p * v stages) and the schedule."""
+    """Pure description of the split: blocks per stage (n = p * v stages), the schedule, and
+    where the schedule places the stages (`placement`: interleaved, or a V for ZB-V)."""
 
     stage_blocks: list[list[BlockSpec]]
     p: int
@@ -53,14 +54,29 @@ class PipelinePlan:
     def n_stages(self) -> int:
         return len(self.stage_blocks)
 
+    @property
+    def placement(self) -> Placement:
+        return placement_for(self.schedule_name, self.p, self.v)
+
+    @property
+    def last_stage_rank(self) -> int:
+        """pp rank of the last stage (the loss): p - 1, or 0 under ZB-V's V."""
+        return self.placement.rank_of(self.n_stages - 1)
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether the schedule splits backwards into I and W (zero bubble: deferred weight grads)."""
+        return any(a.type is ActionType.BACKWARD_WEIGHT for actions in self.schedule for a in actions)
+
     def rank_blocks(self, pp_rank: int) -> list[BlockSpec]:
-        return [b for s in rank_stages(pp_rank, self.p, self.v) for b in self.stage_blocks[s]]
+        return [b for s in self.placement.stages_of(pp_rank) for b in self.stage_blocks[s]]
 
     def shared_embedding_ranks(self) -> list[int]:
-        """pp ranks whose stages hold a block using the tied embedding (first, tgt_embed, last)."""
+        """pp ranks whose stages hold a block using the tied embedding (first, tgt_embed, last);
+        one rank when all of them share it (ZB-V puts the first and last stage on rank 0)."""
         return sorted(
             {
-                stage_to_rank(s, self.p)
+                self.placement.rank_of(s)
                 for s, blocks in enumerate(self.stage_blocks)
                 if any(b.uses_shared_embedding for b in blocks)
             }
@@ -105,15 +121,10 @@ class ParallelModel:
         pp_rank = mesh.pp_rank
         self.stages = {
             s: PipelineStage(model, plan.stage_blocks[s], s, plan.n_stages, remat_stage=remat_stage)
-            for s in rank_stages(pp_rank, plan.p, plan.v)
+            for s in plan.placement.stages_of(pp_rank)
         }
-        p = plan.p
         self.topo = PipelineTopology(
-            plan.stage_blocks,
-            p,
-            pp_rank,
-            prev_rank=mesh.pp_peer((pp_rank - 1) % p) if p > 1 else None,
-            next_rank=mesh.pp_peer((pp_rank + 1) % p) if p > 1 else None,
+            plan.stage_blocks, plan.placement, pp_rank, [mesh.pp_peer(q) for q in range(plan.p)]
         )
         self._params_by_name = dict(model.named_parameters())
         self.device = next(model.parameters()).device
@@ -126,10 +137,10 @@ class ParallelModel:
             mesh,
             plan.shared_embedding_ranks(),
             sequence_parallel=tp_info is not None and tp_info.sequence_parallel,
-            overlap_dp=plan.schedule_name != "zero_bubble",  # deferred W writes grads without hooks
+            overlap_dp=not plan.split_backward,  # deferred W writes grads without hooks
         )
         self.wgrad_store = WeightGradStore()
-        if plan.schedule_name == "zero_bubble":
+        if plan.split_backward:
             enable_deferred_wgrad(model, self.wgrad_store)
         self.loss_fn, self.autocast_dtype = loss_fn, autocast_dtype
         self.meter = meter_for(model, self.device, saved_tensors=saved_tensor_meter)
@@ -225,12 +236,12 @@ class ParallelModel:
     def eval_loss(self, batches: Sequence[Seq2SeqBatch]) -> tuple[float, int]:
         """Sum of token losses and token count over `batches` (meaningful on the last stage).
 
-        Runs `parallel.schedule.forward_only` (any number of batches, any v).
+        Runs `parallel.schedule.forward_only` (any number of batches, any placement).
         """
         if not batches:
             return 0.0, 0
         batches = self._prepare(batches)
-        actions = forward_only(self.plan.p, len(batches), self.plan.v)[self.mesh.pp_rank]
+        actions = forward_only(self.plan.placement, len(batches))[self.mesh.pp_rank]
         res = self._executor(actions, grads=None).run_flush(batches, 1.0, last_flush=False, timed=False)
         return (0.0 if res.loss_sum is None else float(res.loss_sum)), res.num_tokens
 

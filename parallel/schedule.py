@@ -1,14 +1,17 @@
-"""Pipeline schedules as data: the action vocabulary and the generators.
+"""Pipeline schedules as data: the generators, and each schedule's stage placement.
 
 This module owns *what* each pipeline rank does and in which order; it never
-runs anything. A schedule is ``list[list[Action]]``: one ordered list per rank
+runs anything. A schedule is ``list[list[Action]]`` (the vocabulary is
+``parallel/actions.py``, re-exported here): one ordered list per rank
 (torchgpipe's ``clock_cycles``, PyTorch pipelining's ``2F0`` actions). The
 executor (``parallel/executor.py``) and the simulator (``parallel/simulate.py``)
 both walk these lists verbatim, so the order, the p2p pairing and the place of
 the gradient reduce are decided here once. Pure Python: no torch.
 
-Placement (Megatron interleaved): stage ``s`` lives on rank ``s % p``, so rank
-``r`` holds stages ``r, r + p, r + 2p, ...``. With v == 1 this is stage == rank.
+Placement: which rank holds which stage is part of the schedule, named once by
+`placement_for` (``parallel.actions.Placement``): Megatron's interleaved one
+(stage ``s`` on rank ``s % p``; with v == 1 stage == rank) for every schedule but
+ZB-V, whose V puts stages ``r`` and ``2p - 1 - r`` on rank ``r``.
 
 Comm: ``SF s.mb`` sends stage s's output to ``RF s+1.mb``, ``SB s.mb`` sends the
 grad of stage s's input to ``RB s-1.mb``; each maximal run of consecutive comm
@@ -26,133 +29,45 @@ rank's stages).
 
 from __future__ import annotations
 
-import enum
-import re
 from collections.abc import Callable
-from dataclasses import dataclass
+
+# The vocabulary lives in parallel.actions; re-exported here, where schedules are made.
+from parallel.actions import (
+    GRAD_REDUCE,
+    INPUT_GRAD_TYPES,
+    WEIGHT_GRAD_TYPES,
+    Action,
+    ActionType,
+    Message,
+    Placement,
+    Schedule,
+    ScheduleError,
+    message,
+)
+
+__all__ = [
+    "GRAD_REDUCE",
+    "INPUT_GRAD_TYPES",
+    "SCHEDULES",
+    "WEIGHT_GRAD_TYPES",
+    "Action",
+    "ActionType",
+    "Message",
+    "Placement",
+    "Schedule",
+    "ScheduleError",
+    "build_schedule",
+    "forward_only",
+    "gpipe",
+    "interleaved_1f1b",
+    "message",
+    "one_f_one_b",
+    "placement_for",
+    "zbv",
+    "zero_bubble",
+]
 
 # p: pipeline ranks, m: micro-batches, v: virtual stages per rank, n: stages (n = p * v)
-
-
-class ActionType(enum.Enum):
-    """What a rank does at one slot of its schedule; the value is the short code."""
-
-    FORWARD = "F"
-    BACKWARD = "B"  # full backward: input grad + weight grad
-    BACKWARD_INPUT = "I"  # input grad only (zero-bubble "B")
-    BACKWARD_WEIGHT = "W"  # weight grad only (zero-bubble "W")
-    SEND_FORWARD = "SF"
-    RECV_FORWARD = "RF"
-    SEND_BACKWARD = "SB"
-    RECV_BACKWARD = "RB"
-    GRAD_REDUCE = "GR"
-
-    @property
-    def is_comm(self) -> bool:
-        return self in _COMM_TYPES
-
-    @property
-    def is_compute(self) -> bool:
-        return self in _COMPUTE_TYPES
-
-
-_COMPUTE_TYPES = frozenset(
-    {ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT}
-)
-_COMM_TYPES = frozenset(
-    {ActionType.SEND_FORWARD, ActionType.RECV_FORWARD, ActionType.SEND_BACKWARD, ActionType.RECV_BACKWARD}
-)
-# Actions after which a stage's input gradient exists (what SB sends, what frees activations).
-INPUT_GRAD_TYPES = frozenset({ActionType.BACKWARD, ActionType.BACKWARD_INPUT})
-# Actions that produce weight gradients (GRAD_REDUCE must come after all of them).
-WEIGHT_GRAD_TYPES = frozenset({ActionType.BACKWARD, ActionType.BACKWARD_WEIGHT})
-
-_ACTION_RE = re.compile(r"^(SF|RF|SB|RB|F|B|I|W)(\d+)\.(\d+)$")
-
-
-@dataclass(frozen=True)
-class Action:
-    """One slot of a rank's schedule: ``type`` on (``stage``, ``microbatch``).
-
-    ``str(Action(FORWARD, 2, 3)) == "F2.3"``; ``Action.parse`` inverts it.
-    GRAD_REDUCE prints as ``"GR"`` and carries stage = microbatch = -1.
-    """
-
-    type: ActionType
-    stage: int
-    microbatch: int
-
-    def __str__(self) -> str:
-        if self.type is ActionType.GRAD_REDUCE:
-            return "GR"
-        return f"{self.type.value}{self.stage}.{self.microbatch}"
-
-    def __repr__(self) -> str:
-        return f"Action({self})"
-
-    @staticmethod
-    def parse(text: str) -> Action:
-        """Parse ``"F0.1"``, ``"SB3.0"``, ``"GR"``; raises ValueError on anything else."""
-        text = text.strip()
-        if text == "GR":
-            return GRAD_REDUCE
-        match = _ACTION_RE.match(text)
-        if match is None:
-            raise ValueError(
-                f"cannot parse action {text!r}: expected <type><stage>.<microbatch> with type in "
-                f"{[t.value for t in ActionType if t is not ActionType.GRAD_REDUCE]}, or 'GR'"
-            )
-        return Action(ActionType(match.group(1)), int(match.group(2)), int(match.group(3)))
-
-
-GRAD_REDUCE = Action(ActionType.GRAD_REDUCE, -1, -1)
-
-Schedule = list[list[Action]]
-
-
-class ScheduleError(ValueError):
-    """A schedule is incomplete, out of dependency order, mismatched or deadlocks.
-
-    Raised by ``parallel.validate`` and the simulator, and here by `_ideal_end_times`
-    (a compute order that cannot make progress); defined here so the dependency
-    between the two modules points one way (validate imports schedule).
-    """
-
-
-# ---------------------------------------------------------------------------
-# Placement and messages
-
-
-def stage_to_rank(stage: int, p: int) -> int:
-    """Rank holding ``stage`` under interleaved placement (stage s on rank s % p)."""
-    return stage % p
-
-
-def rank_stages(rank: int, p: int, v: int) -> list[int]:
-    """Stages held by ``rank``, in model order: ``[rank, rank + p, ..., rank + (v-1)p]``."""
-    return [rank + chunk * p for chunk in range(v)]
-
-
-def is_remote(stage: int, rank: int, p: int, n: int) -> bool:
-    """True if ``stage`` exists (0 <= stage < n) and lives on another rank than ``rank``."""
-    return 0 <= stage < n and stage_to_rank(stage, p) != rank
-
-
-# A message is identified by (direction, sending stage, micro-batch); both its
-# send and its recv map to the same key.
-Message = tuple[str, int, int]
-
-
-def message(action: Action) -> Message:
-    """The message a comm action sends or receives, the same key on both sides."""
-    t, s, mb = action.type, action.stage, action.microbatch
-    if t is ActionType.SEND_FORWARD:
-        return ("F", s, mb)
-    if t is ActionType.RECV_FORWARD:
-        return ("F", s - 1, mb)
-    if t is ActionType.SEND_BACKWARD:
-        return ("B", s, mb)
-    return ("B", s + 1, mb)  # RECV_BACKWARD
 
 
 # ---------------------------------------------------------------------------
@@ -256,7 +171,67 @@ def _zero_bubble_order(p: int, m: int) -> Schedule:
     return order
 
 
-def _attach_comm(order: Schedule, p: int, v: int) -> Schedule:
+def _zbv_order(p: int, m: int) -> Schedule:
+    """ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", sec 6), as PyTorch's
+    ``ScheduleZBVZeroBubble`` orders it. Rank r holds the V's two chunks, stage r
+    (chunk 0, down the ranks) and stage 2p-1-r (chunk 1, back up)::
+
+        rank 0   F0 ........................................... F7    stage 7: loss,
+        rank 1      F1 ..................................... F6        turns into I7 I6 ...
+        rank 2         F2 ............................... F5
+        rank 3            F3  F4 (same rank: no p2p)
+
+    Warm-up: 2(p-r)-1 chunk-0 forwards, then r (F chunk 1, F chunk 0) pairs, then p-r
+    (F I W) on chunk 1; steady state: (F I W) on chunk 0 then on chunk 1; cool-down:
+    r (I chunk 0, I chunk 1) pairs, p-r (I W) on chunk 0, and the held-back W's.
+    With F = I = W and m >= 2p - 1 the only idle time is the V's fill, p-1 chunk
+    forwards per rank (half of ZB-H1's; `parallel.simulate.bubble_theory`), and
+    every rank peaks at 2p chunks in flight, the activations 1F1B holds on its
+    first rank. For fewer micro-batches the order is built for 2p - 1 and the
+    missing ones are dropped (as PyTorch does): a subsequence of a valid order
+    stays valid, only the bubble grows. Caveat (simulator): when I != W,
+    `_attach_comm`, which times messages by a unit-cost ideal run, posts some of
+    ZB-V's sends after a later compute and the idle then grows with m (p=4, m=16,
+    I = 2F: bubble 0.123, vs 0.045 with each send right after its producer);
+    ZB-H1's sends are not delayed so.
+    """
+    padded = max(m, 2 * p - 1)
+    return [[a for a in _zbv_rank(r, p, padded) if a.microbatch < m] for r in range(p)]
+
+
+def _zbv_rank(r: int, p: int, m: int) -> list[Action]:
+    """Rank r's ZB-V compute order for m (>= 2p - 1) micro-batches; see `_zbv_order`."""
+    f, i, w = ActionType.FORWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT
+    stage = (r, 2 * p - 1 - r)  # chunk 0, chunk 1
+    done = {f: [0, 0], i: [0, 0], w: [0, 0]}  # actions issued per (type, chunk)
+    ops: list[Action] = []
+
+    def run(*steps: tuple[ActionType, int]) -> None:
+        for t, chunk in steps:
+            ops.append(Action(t, stage[chunk], done[t][chunk]))
+            done[t][chunk] += 1
+
+    for _ in range(2 * (p - r) - 1):
+        run((f, 0))
+    for _ in range(r):
+        run((f, 1), (f, 0))
+    for _ in range(p - r):
+        run((f, 1), (i, 1), (w, 1))
+    while done[f][1] < done[f][0] or done[f][0] < m:
+        if done[f][0] < m:
+            run((f, 0))
+        run((i, 0), (w, 0), (f, 1), (i, 1), (w, 1))
+    for _ in range(r):
+        run((i, 0), (i, 1))
+    for _ in range(p - r):
+        run((i, 0), (w, 0))
+    for chunk in (1, 0):
+        while done[w][chunk] < done[i][chunk]:
+            run((w, chunk))
+    return ops
+
+
+def _attach_comm(order: Schedule, placement: Placement) -> Schedule:
     """Insert the p2p actions between the compute actions and end with GRAD_REDUCE.
 
     Each message gets a time: when its consumer starts in an ideal run (unit
@@ -273,11 +248,10 @@ def _attach_comm(order: Schedule, p: int, v: int) -> Schedule:
     it was posted: a contradiction. The same order makes each pair of ranks post
     its messages in one order, as NCCL's tag-less p2p matching needs.
     """
-    n = p * v
-    ends = _ideal_end_times(order, p, n)
+    ends = _ideal_end_times(order, placement)
     schedule: Schedule = []
     for rank, ops in enumerate(order):
-        comm = sorted(_comm_ops(ops, rank, p, n, ends), key=lambda c: (c[0], message(c[1])))
+        comm = sorted(_comm_ops(ops, rank, placement, ends), key=lambda c: (c[0], message(c[1])))
         out: list[Action] = []
         k = 0
         for action in [*ops, GRAD_REDUCE]:
@@ -299,7 +273,7 @@ _IDEAL_COST = {
 }
 
 
-def _ideal_end_times(order: Schedule, p: int, n: int) -> dict[Action, float]:
+def _ideal_end_times(order: Schedule, placement: Placement) -> dict[Action, float]:
     """End time of each compute action when comm is free and instantaneous.
 
     Raises:
@@ -307,14 +281,14 @@ def _ideal_end_times(order: Schedule, p: int, n: int) -> dict[Action, float]:
     """
     present = {a for ops in order for a in ops}
     ends: dict[Action, float] = {}
-    clock, pc = [0.0] * p, [0] * p
+    clock, pc = [0.0] * placement.p, [0] * placement.p
     progress = True
     while progress:
         progress = False
         for rank, ops in enumerate(order):
             while pc[rank] < len(ops):
                 action = ops[pc[rank]]
-                deps = [d for d in _remote_inputs(action, rank, p, n) if d in present]
+                deps = [d for d in _remote_inputs(action, rank, placement) if d in present]
                 if any(d not in ends for d in deps):
                     break
                 start = max([clock[rank]] + [ends[d] for d in deps])
@@ -327,26 +301,26 @@ def _ideal_end_times(order: Schedule, p: int, n: int) -> dict[Action, float]:
     return ends
 
 
-def _remote_inputs(action: Action, rank: int, p: int, n: int) -> list[Action]:
+def _remote_inputs(action: Action, rank: int, placement: Placement) -> list[Action]:
     """Compute actions on other ranks whose output ``action`` consumes (B or I for a backward)."""
     s, mb = action.stage, action.microbatch
-    if action.type is ActionType.FORWARD and is_remote(s - 1, rank, p, n):
+    if action.type is ActionType.FORWARD and placement.is_remote(s - 1, rank):
         return [_f(s - 1, mb)]
-    if action.type in INPUT_GRAD_TYPES and is_remote(s + 1, rank, p, n):
+    if action.type in INPUT_GRAD_TYPES and placement.is_remote(s + 1, rank):
         return [_b(s + 1, mb), Action(ActionType.BACKWARD_INPUT, s + 1, mb)]
     return []
 
 
 def _comm_ops(
-    ops: list[Action], rank: int, p: int, n: int, ends: dict[Action, float]
+    ops: list[Action], rank: int, placement: Placement, ends: dict[Action, float]
 ) -> list[tuple[float, Action]]:
     """(message time, op) for every send and recv of one rank; time = consumer's ideal start."""
     timed = []
     for action in ops:
-        for send in _sends_after(action, rank, p, n):
+        for send in _sends_after(action, rank, placement):
             consumer = next(c for c in _consumers(action) if c in ends)
             timed.append((ends[consumer] - _IDEAL_COST[consumer.type], send))
-        for recv in _recvs_before(action, rank, p, n):
+        for recv in _recvs_before(action, rank, placement):
             timed.append((ends[action] - _IDEAL_COST[action.type], recv))
     return timed
 
@@ -359,20 +333,20 @@ def _consumers(action: Action) -> list[Action]:
     return [_b(s - 1, mb), Action(ActionType.BACKWARD_INPUT, s - 1, mb)]
 
 
-def _recvs_before(action: Action, rank: int, p: int, n: int) -> list[Action]:
+def _recvs_before(action: Action, rank: int, placement: Placement) -> list[Action]:
     s, mb = action.stage, action.microbatch
-    if action.type is ActionType.FORWARD and is_remote(s - 1, rank, p, n):
+    if action.type is ActionType.FORWARD and placement.is_remote(s - 1, rank):
         return [Action(ActionType.RECV_FORWARD, s, mb)]
-    if action.type in INPUT_GRAD_TYPES and is_remote(s + 1, rank, p, n):
+    if action.type in INPUT_GRAD_TYPES and placement.is_remote(s + 1, rank):
         return [Action(ActionType.RECV_BACKWARD, s, mb)]
     return []
 
 
-def _sends_after(action: Action, rank: int, p: int, n: int) -> list[Action]:
+def _sends_after(action: Action, rank: int, placement: Placement) -> list[Action]:
     s, mb = action.stage, action.microbatch
-    if action.type is ActionType.FORWARD and is_remote(s + 1, rank, p, n):
+    if action.type is ActionType.FORWARD and placement.is_remote(s + 1, rank):
         return [Action(ActionType.SEND_FORWARD, s, mb)]
-    if action.type in INPUT_GRAD_TYPES and is_remote(s - 1, rank, p, n):
+    if action.type in INPUT_GRAD_TYPES and placement.is_remote(s - 1, rank):
         return [Action(ActionType.SEND_BACKWARD, s, mb)]
     return []
 
@@ -384,25 +358,31 @@ def _sends_after(action: Action, rank: int, p: int, n: int) -> list[Action]:
 def gpipe(p: int, m: int, v: int = 1) -> Schedule:
     """GPipe F-then-B: forwards mb 0..m-1, then backwards mb m-1..0 (v must be 1)."""
     _check_args("gpipe", p, m, v)
-    return _attach_comm(_gpipe_order(p, m), p, v)
+    return _attach_comm(_gpipe_order(p, m), placement_for("gpipe", p, v))
 
 
 def one_f_one_b(p: int, m: int, v: int = 1) -> Schedule:
     """1F1B (PipeDream-flush): min(p-r-1, m) warm-up forwards, 1F1B, cool-down (v must be 1)."""
     _check_args("1f1b", p, m, v)
-    return _attach_comm(_one_f_one_b_order(p, m), p, v)
+    return _attach_comm(_one_f_one_b_order(p, m), placement_for("1f1b", p, v))
 
 
 def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
     """Megatron interleaved 1F1B over v model chunks per rank (v >= 2, m % p == 0)."""
     _check_args("interleaved_1f1b", p, m, v)
-    return _attach_comm(_interleaved_order(p, m, v), p, v)
+    return _attach_comm(_interleaved_order(p, m, v), placement_for("interleaved_1f1b", p, v))
 
 
 def zero_bubble(p: int, m: int, v: int = 1) -> Schedule:
     """ZB-H1 zero-bubble schedule with split backward (I then deferred W; v must be 1)."""
     _check_args("zero_bubble", p, m, v)
-    return _attach_comm(_zero_bubble_order(p, m), p, v)
+    return _attach_comm(_zero_bubble_order(p, m), placement_for("zero_bubble", p, v))
+
+
+def zbv(p: int, m: int, v: int = 2) -> Schedule:
+    """ZB-V: zero bubble over two stages per rank placed in a V (v must be 2; any m >= 1)."""
+    _check_args("zbv", p, m, v)
+    return _attach_comm(_zbv_order(p, m), placement_for("zbv", p, v))
 
 
 SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
@@ -410,7 +390,21 @@ SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
     "1f1b": one_f_one_b,
     "interleaved_1f1b": interleaved_1f1b,
     "zero_bubble": zero_bubble,
+    "zbv": zbv,
 }
+# Schedules whose stages sit in a V (rank r: stages r and 2p-1-r); the rest interleave.
+_V_PLACED = frozenset({"zbv"})
+
+
+def placement_for(name: str, p: int, v: int = 1) -> Placement:
+    """Where schedule ``name`` puts the p * v stages: the one home of the stage -> rank map.
+
+    Raises:
+        ValueError: unknown name, or p < 1 or v < 1.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; valid choices: {sorted(SCHEDULES)}")
+    return Placement(p, v, v_shape=name in _V_PLACED)
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
@@ -424,26 +418,25 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     return SCHEDULES[name](p, m, v)
 
 
-def forward_only(p: int, m: int, v: int = 1) -> Schedule:
+def forward_only(placement: Placement, m: int) -> Schedule:
     """Evaluation: every rank runs, for each micro-batch in turn, the forwards of its stages.
 
-    Rank r's list is ``for mb: for s in rank_stages(r): [RF s.mb] F s.mb [SF s.mb]``.
+    Rank r's list is ``for mb: for s in placement.stages_of(r): [RF s.mb] F s.mb [SF s.mb]``.
     Every rank posts its messages in increasing (micro-batch, receiving stage)
     order, one global order, so the batched comm cannot deadlock (the argument
-    of `_attach_comm`). Works for any m, also with interleaved placement (v > 1).
+    of `_attach_comm`). Works for any m and any placement (interleaved or V).
     """
-    if p < 1 or m < 1 or v < 1:
-        raise ValueError(f"forward_only needs p >= 1, m >= 1, v >= 1; got p={p}, m={m}, v={v}")
-    n = p * v
+    if m < 1:
+        raise ValueError(f"forward_only needs m >= 1 micro-batches; got m={m}")
     schedule: Schedule = []
-    for rank in range(p):
+    for rank in range(placement.p):
         out: list[Action] = []
         for mb in range(m):
-            for s in rank_stages(rank, p, v):
-                if s > 0 and stage_to_rank(s - 1, p) != rank:
+            for s in placement.stages_of(rank):
+                if placement.is_remote(s - 1, rank):
                     out.append(Action(ActionType.RECV_FORWARD, s, mb))
                 out.append(Action(ActionType.FORWARD, s, mb))
-                if s < n - 1 and stage_to_rank(s + 1, p) != rank:
+                if placement.is_remote(s + 1, rank):
                     out.append(Action(ActionType.SEND_FORWARD, s, mb))
         schedule.append(out)
     return schedule
@@ -462,7 +455,10 @@ def _check_args(name: str, p: int, m: int, v: int) -> None:
                 f"{name}: num_microbatches m={m} must be a multiple of pipeline_parallel_size p={p} "
                 f"(m % p = {m % p}); e.g. m={m + p - m % p}"
             )
+    elif name == "zbv":
+        if v != 2:
+            raise ValueError(f"{name}: needs exactly v=2 stages per rank (the two arms of the V), got v={v}")
     elif v != 1:
         raise ValueError(
-            f"{name}: supports only v=1 virtual stage per rank, got v={v}; use 'interleaved_1f1b'"
+            f"{name}: supports only v=1 virtual stage per rank, got v={v}; use 'interleaved_1f1b' or 'zbv'"
         )

@@ -98,7 +98,7 @@ class SimResult:
     timeline: list[TimelineEvent]
 
 
-def bubble_theory(p: int, m: int, v: int = 1) -> float:
+def bubble_theory(p: int, m: int, v: int = 1, schedule: str | None = None) -> float:
     """Idle share of a pipeline flush with balanced stages and free comm.
 
     GPipe and 1F1B: (p - 1) / (m + p - 1): each rank idles (p - 1) stage-times of
@@ -107,9 +107,22 @@ def bubble_theory(p: int, m: int, v: int = 1) -> float:
     (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
     GPU Clusters Using Megatron-LM", sec 2.2.2: bubble/ideal = (p - 1) / (v m)),
     so the idle share is (p - 1) / (v m + p - 1). ZB-H1 does better than this bound.
+
+    ``schedule="zbv"`` (ZB-V with F = I = W, in stage-times; each of a rank's two
+    chunks is half a stage): a rank's work is 3m, and each rank idles
+    e = max((p - 1) / 2, 2p - 1 - m). The first term is the V's fill, rank p-1
+    waiting for p-1 half-stage forwards; no order does better, since stage p-1
+    cannot start earlier. The second is the empty slots of the order built for
+    2p - 1 micro-batches when m is smaller (`parallel.schedule._zbv_order`).
+    Share e / (3m + e): (p - 1) / (6m + p - 1) for m >= 2p - 1, half of ZB-H1's
+    (p - 1) / (3m + p - 1). `tests/unit/test_simulate.py` checks it against the
+    simulator.
     """
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"need p >= 1, m >= 1, v >= 1; got p={p}, m={m}, v={v}")
+    if schedule == "zbv":
+        idle = max((p - 1) / 2, 2 * p - 1 - m)
+        return idle / (3 * m + idle)
     return (p - 1) / (v * m + p - 1)
 
 

@@ -19,8 +19,8 @@ Comm convention. Every comm action names the stage *on the rank that runs it*::
   ``RB s-1.mb``.
 - A recv comes before the compute that needs it, a send after the compute that
   produced it (``parallel.schedule._attach_comm`` decides exactly where); there
-  is no comm between stages on the same rank (only when p == 1 with placement
-  stage s on rank s % p).
+  is no comm between stages on the same rank (p == 1, or the turn of ZB-V's V,
+  stages p-1 and p). Which rank holds a stage is the schedule's ``Placement``.
 
 Batched-comm (deadlock) semantics. The executor posts every *maximal run of
 consecutive comm actions* of a rank as one ``batch_isend_irecv`` and waits for
@@ -37,15 +37,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from parallel.schedule import (
+from parallel.actions import (
     INPUT_GRAD_TYPES,
     WEIGHT_GRAD_TYPES,
     Action,
     ActionType,
+    Placement,
     ScheduleError,
-    is_remote,
     message,
-    stage_to_rank,
 )
 
 # p: pipeline ranks, m: micro-batches, v: virtual stages per rank, n: stages (n = p * v)
@@ -146,8 +145,17 @@ class ScheduleStats:
     comm_batches: list[int]
 
 
-def validate_schedule(schedule: Sequence[Sequence[Action]], p: int, m: int, v: int = 1) -> ScheduleStats:
+def validate_schedule(
+    schedule: Sequence[Sequence[Action]], p: int, m: int, v: int = 1, placement: Placement | None = None
+) -> ScheduleStats:
     """Check that ``schedule`` is complete, ordered, matched and deadlock-free.
+
+    Args:
+        schedule: one action list per rank.
+        p, m, v: ranks, micro-batches, stages per rank.
+        placement: which rank holds which stage (``parallel.schedule.placement_for``);
+            None: the known placement (interleaved, then V) that every compute action
+            of the schedule fits, or interleaved if none fits (errors then name it).
 
     Returns:
         ScheduleStats of the schedule.
@@ -159,22 +167,40 @@ def validate_schedule(schedule: Sequence[Sequence[Action]], p: int, m: int, v: i
         raise ScheduleError(f"need p >= 1, m >= 1, v >= 1; got p={p}, m={m}, v={v}")
     if len(schedule) != p:
         raise ScheduleError(f"schedule has {len(schedule)} rank lists but p={p}")
-    n = p * v
-    positions = _index_actions(schedule, p, m, n)
-    _check_complete(positions, n, m)
+    if placement is None:
+        placement = recognise_placement(schedule, p, v)
+    elif (placement.p, placement.v) != (p, v):
+        raise ScheduleError(f"placement has p={placement.p}, v={placement.v} but the schedule p={p}, v={v}")
+    positions = _index_actions(schedule, placement, m)
+    _check_complete(positions, placement.n, m)
     _check_grad_reduce(schedule)
-    _check_dependencies(schedule, positions, p, n)
-    _check_matching(schedule, p)
-    _check_deadlock(schedule, p)
-    _check_pair_order(schedule, p)
+    _check_dependencies(schedule, positions, placement)
+    _check_matching(schedule, placement)
+    _check_deadlock(schedule, placement)
+    _check_pair_order(schedule, placement)
     return _stats(schedule)
 
 
+def recognise_placement(schedule: Sequence[Sequence[Action]], p: int, v: int) -> Placement:
+    """The first known placement (interleaved, V) that every compute action fits; else interleaved."""
+    candidates = [Placement(p, v), Placement(p, v, v_shape=True)]
+    for placement in candidates:
+        if all(
+            placement.rank_of(a.stage) == rank
+            for rank, actions in enumerate(schedule)
+            for a in actions
+            if a.type.is_compute
+        ):
+            return placement
+    return candidates[0]
+
+
 def _index_actions(
-    schedule: Sequence[Sequence[Action]], p: int, m: int, n: int
+    schedule: Sequence[Sequence[Action]], placement: Placement, m: int
 ) -> dict[Action, tuple[int, int]]:
     """Map each action to (rank, position); reject out-of-range, misplaced and duplicate actions."""
     positions: dict[Action, tuple[int, int]] = {}
+    n = placement.n
     for rank, actions in enumerate(schedule):
         for pos, action in enumerate(actions):
             if action.type is ActionType.GRAD_REDUCE:
@@ -184,10 +210,10 @@ def _index_actions(
                     f"{action} on rank {rank} at position {pos}: stage must be in [0, {n}) "
                     f"and microbatch in [0, {m})"
                 )
-            if stage_to_rank(action.stage, p) != rank:
+            if placement.rank_of(action.stage) != rank:
                 raise ScheduleError(
                     f"{action} runs on rank {rank} at position {pos}, but stage {action.stage} "
-                    f"lives on rank {stage_to_rank(action.stage, p)}"
+                    f"lives on rank {placement.rank_of(action.stage)}"
                 )
             if action in positions:
                 raise ScheduleError(
@@ -243,7 +269,7 @@ def _check_grad_reduce(schedule: Sequence[Sequence[Action]]) -> None:
             )
 
 
-def _prerequisites(action: Action, p: int, n: int) -> list[list[Action]]:
+def _prerequisites(action: Action, placement: Placement) -> list[list[Action]]:
     """Actions that must precede ``action`` on its own rank (each inner list: any one of them).
 
     Cross-rank dependencies are carried by a recv (and the peer's send by the
@@ -251,17 +277,17 @@ def _prerequisites(action: Action, p: int, n: int) -> list[list[Action]]:
     implies the global data dependencies.
     """
     t, s, mb = action.type, action.stage, action.microbatch
-    rank = stage_to_rank(s, p)
+    rank, n = placement.rank_of(s), placement.n
     own_forward = Action(ActionType.FORWARD, s, mb)
     grads = [ActionType.BACKWARD, ActionType.BACKWARD_INPUT]
     if t is ActionType.FORWARD and s > 0:
-        if is_remote(s - 1, rank, p, n):
+        if placement.is_remote(s - 1, rank):
             return [[Action(ActionType.RECV_FORWARD, s, mb)]]
         return [[Action(ActionType.FORWARD, s - 1, mb)]]
     if t in INPUT_GRAD_TYPES:
         if s == n - 1:
             return [[own_forward]]
-        if is_remote(s + 1, rank, p, n):
+        if placement.is_remote(s + 1, rank):
             return [[own_forward], [Action(ActionType.RECV_BACKWARD, s, mb)]]
         return [[own_forward], [Action(g, s + 1, mb) for g in grads]]
     if t is ActionType.BACKWARD_WEIGHT:
@@ -274,14 +300,14 @@ def _prerequisites(action: Action, p: int, n: int) -> list[list[Action]]:
 
 
 def _check_dependencies(
-    schedule: Sequence[Sequence[Action]], positions: dict[Action, tuple[int, int]], p: int, n: int
+    schedule: Sequence[Sequence[Action]], positions: dict[Action, tuple[int, int]], placement: Placement
 ) -> None:
     for rank, actions in enumerate(schedule):
         for pos, action in enumerate(actions):
             if action.type is ActionType.GRAD_REDUCE:
                 continue
-            _check_comm_is_needed(action, rank, p, n)
-            for options in _prerequisites(action, p, n):
+            _check_comm_is_needed(action, rank, placement)
+            for options in _prerequisites(action, placement):
                 found = [positions[o][1] for o in options if o in positions]
                 if not found:
                     raise ScheduleError(
@@ -296,7 +322,7 @@ def _check_dependencies(
                     )
 
 
-def _check_comm_is_needed(action: Action, rank: int, p: int, n: int) -> None:
+def _check_comm_is_needed(action: Action, rank: int, placement: Placement) -> None:
     """Reject comm actions towards a stage that does not exist or is on the same rank."""
     peer_stage = {
         ActionType.SEND_FORWARD: action.stage + 1,
@@ -304,13 +330,13 @@ def _check_comm_is_needed(action: Action, rank: int, p: int, n: int) -> None:
         ActionType.SEND_BACKWARD: action.stage - 1,
         ActionType.RECV_BACKWARD: action.stage + 1,
     }.get(action.type)
-    if peer_stage is not None and not is_remote(peer_stage, rank, p, n):
+    if peer_stage is not None and not placement.is_remote(peer_stage, rank):
         raise ScheduleError(
             f"{action} on rank {rank}: stage {peer_stage} is not a stage on another rank, nothing to exchange"
         )
 
 
-def _check_matching(schedule: Sequence[Sequence[Action]], p: int) -> None:
+def _check_matching(schedule: Sequence[Sequence[Action]], placement: Placement) -> None:
     """Every send has its recv and vice versa."""
     present = {a for actions in schedule for a in actions if a.type.is_comm}
     for rank, actions in enumerate(schedule):
@@ -319,11 +345,11 @@ def _check_matching(schedule: Sequence[Sequence[Action]], p: int) -> None:
                 kind = "send" if is_send(a) else "recv"
                 raise ScheduleError(
                     f"{kind} {a} on rank {rank} has no matching {peer_action(a)} on rank "
-                    f"{stage_to_rank(peer_action(a).stage, p)}"
+                    f"{placement.rank_of(peer_action(a).stage)}"
                 )
 
 
-def _check_pair_order(schedule: Sequence[Sequence[Action]], p: int) -> None:
+def _check_pair_order(schedule: Sequence[Sequence[Action]], placement: Placement) -> None:
     """NCCL p2p ignores tags: the k-th send from rank a to rank b meets the k-th recv
     posted on b from a, so both sides must list the messages in one order. (Given
     deadlock freedom only a reordering inside one batch can break this.)
@@ -333,7 +359,7 @@ def _check_pair_order(schedule: Sequence[Sequence[Action]], p: int) -> None:
     for rank, actions in enumerate(schedule):
         for a in actions:
             if a.type.is_comm:
-                other = stage_to_rank(peer_action(a).stage, p)
+                other = placement.rank_of(peer_action(a).stage)
                 if is_send(a):
                     sent.setdefault((rank, other), []).append(a)
                 else:
@@ -347,7 +373,7 @@ def _check_pair_order(schedule: Sequence[Sequence[Action]], p: int) -> None:
                 )
 
 
-def _check_deadlock(schedule: Sequence[Sequence[Action]], p: int) -> None:
+def _check_deadlock(schedule: Sequence[Sequence[Action]], placement: Placement) -> None:
     """Walk every rank (`walk_ranks`); a batch completes once each op's peer op is posted."""
     posted: set[Action] = set()
 
@@ -356,12 +382,14 @@ def _check_deadlock(schedule: Sequence[Sequence[Action]], p: int) -> None:
         return all(peer_action(a) in posted for a in batch)
 
     pc = walk_ranks(schedule, lambda rank, action: None, try_batch)
-    if any(pc[r] < len(schedule[r]) for r in range(p)):
-        raise ScheduleError("deadlock under batched p2p: " + _describe_blocked(schedule, pc, posted, p))
+    if any(pc[r] < len(schedule[r]) for r in range(placement.p)):
+        raise ScheduleError(
+            "deadlock under batched p2p: " + _describe_blocked(schedule, pc, posted, placement)
+        )
 
 
 def _describe_blocked(
-    schedule: Sequence[Sequence[Action]], pc: list[int], posted: set[Action], p: int
+    schedule: Sequence[Sequence[Action]], pc: list[int], posted: set[Action], placement: Placement
 ) -> str:
     parts = []
     for rank, actions in enumerate(schedule):
@@ -370,7 +398,7 @@ def _describe_blocked(
         end = dict(comm_batches(actions))[pc[rank]]
         batch = actions[pc[rank] : end]
         waits = [
-            f"{peer_action(a)} on rank {stage_to_rank(peer_action(a).stage, p)}"
+            f"{peer_action(a)} on rank {placement.rank_of(peer_action(a).stage)}"
             for a in batch
             if peer_action(a) not in posted
         ]

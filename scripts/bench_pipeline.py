@@ -63,7 +63,7 @@ from parallel.executor import FlushResult  # noqa: E402
 from parallel.mesh import ParallelDims, build_mesh, init_distributed  # noqa: E402
 from parallel.parallelize import ParallelModel, build_parallel_model  # noqa: E402
 from parallel.partition import partition_blocks  # noqa: E402
-from parallel.schedule import Action, build_schedule, rank_stages  # noqa: E402
+from parallel.schedule import Action, build_schedule, placement_for  # noqa: E402
 from parallel.simulate import StageCosts, bubble_theory, simulate  # noqa: E402
 from parallel.stage import boundary_keys  # noqa: E402
 
@@ -200,7 +200,7 @@ class TorchPipeline:
 
         self.n = len(stage_blocks)
         self.stage_blocks, self.pp_rank, self.v, self.m = stage_blocks, pp_rank, v, m
-        self.my_stages = rank_stages(pp_rank, P, v)
+        self.my_stages = placement_for(schedule, P, v).stages_of(pp_rank)
         self.model = copy.deepcopy(base)
         self.model.keep_only([b for s in self.my_stages for b in stage_blocks[s]])
         self.cls = getattr(pipe_schedules, THEIR_SCHEDULES[schedule])
@@ -572,7 +572,7 @@ def run(args: argparse.Namespace) -> None:
         # the 10th percentile of this configuration's comm spans, if above the ping-pong.
         link_c = max(link, max(x[0] for x in gather_floats([comm_floor(flushes[c])])))
         f_all, bi_all, w_all = gather_floats(f), gather_floats(bi), gather_floats(w)
-        mine = {s: rk for rk in range(P) for s in rank_stages(rk, P, v)}
+        mine = {s: placement_for(schedule, P, v).rank_of(s) for s in range(n)}
         fs = [f_all[mine[s]][s] for s in range(n)]
         bis = [bi_all[mine[s]][s] for s in range(n)]
         ws = [w_all[mine[s]][s] for s in range(n)]

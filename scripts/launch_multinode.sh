@@ -38,7 +38,16 @@
 # from the top, so restarts are only useful together with
 # `--resume_from_checkpoint latest --save_steps K` (the trainer then resumes from
 # the newest complete checkpoint-N/ in output_dir; with no checkpoint yet it starts
-# fresh). Without that, a restart would re-train from step 0 over the same output_dir.
+# fresh). Without that, a restart re-trains from step 0 over the same output_dir
+# (the trainer logs a warning saying so).
+# With MAX_RESTARTS > 0 this script exports TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+# (unless set): each attempt then gets a fresh TCPStore hosted by its rank 0, so a
+# restarted group never reads the dead attempt's keys, on any number of nodes
+# (pytorch/pytorch#135712; see parallel/mesh.py::elastic_attempt_store for plain torchrun).
+#
+# Preemption: SIGTERM and SIGUSR1 make the trainer save a checkpoint at the next step
+# boundary and exit 75; this script has torchrun forward SIGUSR1 (where torchrun
+# supports --signals-to-handle) instead of dying on it.
 #
 # Placement: ranks are numbered node by node (rank = GROUP_RANK * NPROC_PER_NODE +
 # LOCAL_RANK), and the mesh puts tp innermost, so choose tp <= NPROC_PER_NODE
@@ -86,6 +95,9 @@ fi
 # Relative paths in the arguments stay relative to the caller's directory; the
 # trainer package is found through PYTHONPATH even when run from elsewhere.
 export PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}"
+if [[ "$MAX_RESTARTS" != "0" ]]; then
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
+fi
 echo "[launch_multinode] node ${NODE_RANK}/${NNODES}: ${NPROC_PER_NODE} procs," \
     "rendezvous ${RDZV_BACKEND} ${MASTER_ADDR}:${MASTER_PORT} id=${JOB_ID}, max_restarts=${MAX_RESTARTS}" >&2
 
@@ -98,9 +110,17 @@ else
                --rdzv-id "$JOB_ID" --rdzv-conf "$RDZV_CONF")
 fi
 
+# SIGUSR1 (SLURM's --signal) is forwarded to the workers, which save a checkpoint at
+# the next step boundary and exit 75; torchrun's default list lacks it and would die.
+signal_args=()
+if "$TORCHRUN" --help 2>/dev/null | grep -q -- "--signals-to-handle"; then
+    signal_args=(--signals-to-handle "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+fi
+
 exec "$TORCHRUN" \
     --nnodes "$NNODES" \
     --nproc-per-node "$NPROC_PER_NODE" \
     "${rdzv_args[@]}" \
     --max-restarts "$MAX_RESTARTS" \
+    "${signal_args[@]}" \
     -m trainer.train "$@"

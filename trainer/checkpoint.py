@@ -14,11 +14,22 @@ blocks they hold (names are stable, e.g. `encoder.layers.17.fc1.weight`); dp
 replicas are de-duplicated by DCP's planner. Loading on a different (pp, dp, tp)
 therefore only needs the new rank's template. A checkpoint without `COMMITTED`
 is incomplete (a crash mid-save) and is never chosen to resume from.
+
+Integrity (`trainer.commit`): the marker records every file's size and crc32, and
+`resolve_resume` verifies them before DCP reads anything; `latest` falls back to
+the newest checkpoint that verifies, with a warning; a named one that does not is
+an error naming the file. A failed write on any rank (ENOSPC, EDQUOT, EFBIG, EIO,
+...) is agreed by all ranks, the partial directory is removed and every rank raises
+`CheckpointWriteError` naming the cause and the free space; older checkpoints are
+deleted by `save_total_limit` only after a commit.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -31,7 +42,18 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-COMMIT_MARKER = "COMMITTED"
+from trainer.commit import (
+    COMMIT_MARKER,
+    CheckpointCorruptError,
+    FileRecords,
+    files_of_rank,
+    hash_files,
+    unlisted_files,
+    verify_checkpoint,
+    write_marker,
+)
+
+logger = logging.getLogger("trainer")
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 # Maps (fqn, local tensor) -> the tensor to hand to DCP (plain or a DTensor of logical shape).
@@ -111,17 +133,51 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint save failed on some rank (disk full, quota, file size limit, I/O error).
+
+    Raised on every rank, with the same message; the partial directory is gone.
+    """
+
+
 def resolve_resume(spec: str | None, output_dir: str | Path) -> Path | None:
-    """`resume_from_checkpoint` value -> a complete checkpoint dir (or None).
+    """`resume_from_checkpoint` value -> a committed checkpoint dir whose files verify (or None).
+
+    Collective when a process group is initialised (the ranks share the verification and
+    agree on it; rank 0's listing of `output_dir` is the one used).
+
+    Args:
+        spec: None or "" (start fresh), "latest" (the newest committed checkpoint in
+            `output_dir` that verifies; a damaged newer one is skipped with a warning),
+            or a checkpoint directory.
+        output_dir: the run's output directory.
+
+    Returns:
+        The checkpoint to load, or None when there is nothing to resume from.
 
     Raises:
         FileNotFoundError: the named checkpoint does not exist or is incomplete.
+        CheckpointCorruptError: the named checkpoint, or every committed one for "latest",
+            is damaged (the message names the file and expected vs found checksum).
     """
     if spec is None or spec == "":
         return None
     if spec == "latest":
-        found = list_checkpoints(output_dir)
-        return found[-1] if found else None
+        found = _agreed(list_checkpoints(output_dir))
+        problems = []
+        for cand in reversed(found):
+            problem = verify_checkpoint(cand)
+            if problem is None:
+                return cand
+            problems.append(problem)
+            if _rank() == 0:
+                logger.warning("resume_from_checkpoint=latest: skipping it, %s", problem)
+        if found:
+            raise CheckpointCorruptError(
+                f"resume_from_checkpoint=latest: every committed checkpoint in {output_dir} is damaged "
+                f"({[p.name for p in found]}); the newest: {problems[0]}"
+            )
+        return None
     path = Path(spec)
     if not path.is_dir():
         raise FileNotFoundError(f"resume_from_checkpoint={spec!r} is not a directory")
@@ -130,6 +186,9 @@ def resolve_resume(spec: str | None, output_dir: str | Path) -> Path | None:
             f"resume_from_checkpoint={spec!r} has no {COMMIT_MARKER} marker: the save "
             f"did not finish; valid: {[str(p) for p in list_checkpoints(path.parent)]}"
         )
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise CheckpointCorruptError(problem)
     return path
 
 
@@ -141,26 +200,187 @@ def save_checkpoint(
     to_logical: ToLogical = _identity,
     save_total_limit: int | None = None,
 ) -> None:
-    """Collective: every rank calls it. The marker is written last, so a crash leaves no complete-looking dir."""
+    """Write checkpoint `path` (collective: every rank calls it); the checksummed marker last.
+
+        rank 0 clears path -> every rank: DCP shards, its rng file, the hashes of its files
+        (rank 0: trainer_state.json too) -> all_gather (records, failure) -> rank 0: hashes
+        the rest, writes COMMITTED -> broadcast of the outcome -> on success only, rank 0
+        applies save_total_limit; on failure, rank 0 removes `path` and every rank raises
+
+    A crash leaves no directory with a marker; a failed write anywhere is seen by all.
+
+    Raises:
+        CheckpointWriteError: a write failed on some rank (every rank raises it; the
+            partial directory is removed; older checkpoints are untouched).
+    """
     rank = _rank()
     if rank == 0 and path.exists():
         shutil.rmtree(path)  # an earlier incomplete attempt at this step
     _barrier()
+    records: FileRecords = {}
+    failure: str | None = None
+    local: BaseException | None = None
+    try:
+        records = _write_rank_files(path, parts, optimizer, trainer_state, to_logical, rank)
+    except (Exception, CheckpointException) as e:  # agreed below: no rank may leave the others waiting
+        failure, local = describe_write_failure(path, e, rank), e
+    gathered = _all_gather((records, failure, _failed_here(local, rank)))
+    failure = _first_failure([(f, own) for _, f, own in gathered])
+    if failure is None and rank == 0:
+        try:
+            _commit(
+                path, int(trainer_state.get("step", -1)), {k: v for r, _, _ in gathered for k, v in r.items()}
+            )
+        except OSError as e:
+            failure, local = describe_write_failure(path, e, rank), e
+    failure = _agreed(failure)
+    if failure is not None:
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        _barrier()  # the partial directory is gone on every rank's return
+        raise CheckpointWriteError(failure) from local
+    if rank == 0 and save_total_limit:
+        for old in list_checkpoints(path.parent)[:-save_total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+
+
+def _first_failure(reports: list[tuple[str | None, bool]]) -> str | None:
+    """The lowest failing rank's own account, else any rank's: only a failing rank sees its OSError."""
+    own = [f for f, mine in reports if f and mine]
+    other = [f for f, _ in reports if f]
+    return (own or other)[0] if other else None
+
+
+def _write_rank_files(
+    path: Path,
+    parts: list[nn.Module],
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    to_logical: ToLogical,
+    rank: int,
+) -> FileRecords:
+    """DCP shards (collective), this rank's RNG file, rank 0's trainer_state.json; their records."""
     params = named_trainable(parts)
     state = {"model": model_state(parts, to_logical), "optim": optimizer_state(optimizer, params, to_logical)}
     dcp.save(state, checkpoint_id=str(path))
     rng_dir = path / "rng"
     rng_dir.mkdir(parents=True, exist_ok=True)
     torch.save(_rng_state(), rng_dir / f"rank-{rank}.pt")
+    names = files_of_rank(path, rank)
     if rank == 0:
         (path / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-    _barrier()
-    if rank == 0:
-        (path / COMMIT_MARKER).write_text("ok\n")
-        if save_total_limit:
-            for old in list_checkpoints(path.parent)[:-save_total_limit]:
-                shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+        names.append("trainer_state.json")
+    return hash_files(path, names)
+
+
+def _commit(path: Path, step: int, records: FileRecords) -> None:
+    """Rank 0: hash the files no rank claimed (DCP's .metadata), then write the marker."""
+    records.update(hash_files(path, unlisted_files(path, records)))
+    write_marker(path, step, records)
+
+
+_ERRNO_MEANING = {
+    errno.ENOSPC: "the disk is full (no space left on device)",
+    errno.EDQUOT: "the disk quota is exhausted",
+    errno.EFBIG: "a file exceeded the largest size allowed (RLIMIT_FSIZE or the file system's limit)",
+}
+
+
+def describe_write_failure(path: Path, exc: BaseException, rank: int) -> str:
+    """One line for a failed save: what failed, on which rank, the free space, what is left.
+
+    DCP's writer reports a failed write as torch.save's "unexpected pos 704 vs 598", and
+    the OSError behind it survives only as that exception's context on the failing rank
+    (pickling across ranks drops it). So the failing rank looks for the OSError in the
+    chain and, if it is gone, probes with a fresh write beside the checkpoint.
+
+    Args:
+        path: the checkpoint directory being written.
+        exc: what this rank caught: an OSError, or DCP's CheckpointException, which
+            carries every failing rank's exception.
+        rank: this rank.
+    """
+    failures = exc.failures if isinstance(exc, CheckpointException) else {rank: (exc, None)}
+    where = rank if rank in failures else min(failures)
+    err = failures[where][0]
+    os_err = _os_error_in(err)
+    probed = os_err is None and where == rank
+    if probed:
+        os_err = _probe_write(path)
+    cause = _cause(err, os_err, probed)
+    try:
+        free = f"{shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    kept = list_checkpoints(path.parent)
+    return (
+        f"saving checkpoint {path} failed on rank {where}: {cause}; {free} in {path.parent}; "
+        f"the partial checkpoint was removed; last committed: {kept[-1].name if kept else 'none'}"
+    )
+
+
+def _cause(err: BaseException, os_err: OSError | None, probed: bool) -> str:
+    """What went wrong, in words: the errno's meaning when there is one, else the error's last line."""
+    last = next((ln.strip() for ln in reversed(str(err).splitlines()) if ln.strip()), type(err).__name__)
+    last = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", last)  # c10's prefix says nothing here
+    if os_err is None or os_err.errno is None:
+        return f"{type(err).__name__}: {last[:200]}"
+    what = _ERRNO_MEANING.get(os_err.errno, "a write failed")
+    code = errno.errorcode.get(os_err.errno, str(os_err.errno))
+    cause = f"{what} ({code}: {os_err.strerror}{f', {os_err.filename}' if os_err.filename else ''})"
+    return cause + (f", found by a probe write after {type(err).__name__}: {last[:120]}" if probed else "")
+
+
+def _failed_here(exc: BaseException | None, rank: int) -> bool:
+    if exc is None:
+        return False
+    return rank in exc.failures if isinstance(exc, CheckpointException) else True
+
+
+def _os_error_in(exc: BaseException) -> OSError | None:
+    """The first OSError along `exc`'s cause/context chain (itself included)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, OSError):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def _probe_write(path: Path, size: int = 4 << 20) -> OSError | None:
+    """Write and fsync `size` bytes beside the checkpoint; the OSError if that fails (file removed)."""
+    probe = path.parent / f".write-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            for _ in range(size >> 20):
+                f.write(b"\0" * (1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+        return None
+    except OSError as e:
+        return e
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _agreed(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def load_checkpoint(
@@ -171,6 +391,8 @@ def load_checkpoint(
     restore_rng: bool = True,
 ) -> dict[str, Any]:
     """Load weights (and optimizer state) into this rank's parts, resharding as needed; returns trainer_state.
+
+    `path` comes from `resolve_resume`, which has verified its files against the marker.
 
     Raises:
         ValueError: the checkpoint does not fit the model (names or shapes).

@@ -20,11 +20,12 @@ import yaml
 
 from models.config import ModelConfig
 
-SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 REMAT_CHOICES = ("none", "full", "stage", "selective")
 PARTITION_CHOICES = ("uniform", "parameters", "time", "memory")
 SHARDING_CHOICES = ("none", "zero1")
 REPORT_CHOICES = ("none", "wandb")
+NAN_POLICIES = ("stop", "skip")
 SCHEDULER_CHOICES = ("linear", "cosine", "constant", "constant_with_warmup", "inverse_sqrt", "polynomial")
 
 
@@ -164,6 +165,13 @@ class ParallelArguments:
     )
     allow_tp_across_nodes: bool = field(default=False, metadata={"help": "Permit tp > LOCAL_WORLD_SIZE."})
     dist_timeout_s: int = field(default=600, metadata={"help": "Collective timeout in seconds."})
+    hang_warning_s: float = field(
+        default=0.0,
+        metadata={
+            "help": "Warn (naming the rank and what it waits for) when one communication wait lasts "
+            "this many seconds; 0 = min(60, dist_timeout_s / 2), negative = no warning."
+        },
+    )
 
     def __post_init__(self) -> None:
         _check_choice("pipeline_schedule", self.pipeline_schedule, SCHEDULE_CHOICES)
@@ -196,7 +204,10 @@ class ParallelArguments:
 
     @property
     def virtual_stages(self) -> int:
-        return self.virtual_pipeline_stages if self.pipeline_schedule == "interleaved_1f1b" else 1
+        """Stages per pp rank: virtual_pipeline_stages for interleaved_1f1b, 2 for zbv (its V), else 1."""
+        if self.pipeline_schedule == "interleaved_1f1b":
+            return self.virtual_pipeline_stages
+        return 2 if self.pipeline_schedule == "zbv" else 1
 
 
 @dataclass
@@ -204,7 +215,13 @@ class TrainingArguments:
     """The optimisation loop, evaluation, checkpoints and tracking (TrainingArguments names)."""
 
     output_dir: str = field(default="outputs/run", metadata={"help": "Where everything is written."})
-    overwrite_output_dir: bool = field(default=False, metadata={"help": "Reuse a non-empty output_dir."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Reuse a non-empty output_dir: a fresh start (no resume, not a torchrun restart) "
+            "first removes the earlier run's checkpoints, metrics, summary, tokenizer, configs and logs."
+        },
+    )
     max_steps: int = field(default=100, metadata={"help": "Optimizer steps."})
     learning_rate: float = field(default=5e-4, metadata={"help": "Peak learning rate."})
     warmup_steps: int = field(default=0, metadata={"help": "Linear warmup steps."})
@@ -214,6 +231,18 @@ class TrainingArguments:
     adam_beta2: float = field(default=0.98, metadata={"help": "AdamW beta2."})
     adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Global grad-norm clip; 0 disables."})
+    nan_policy: str = field(
+        default="stop",
+        metadata={
+            "help": f"One of {list(NAN_POLICIES)}. On a non-finite loss or grad norm, 'stop' exits "
+            "with code 3 naming the step (nothing applied or saved); 'skip' drops the step's update "
+            "(no AdamW or lr-scheduler step; its batch is consumed) and counts it (skipped_steps)."
+        },
+    )
+    nan_max_consecutive_skips: int = field(
+        default=5,
+        metadata={"help": "nan_policy=skip: stop (exit code 3) after more non-finite steps in a row."},
+    )
     label_smoothing_factor: float = field(default=0.0, metadata={"help": "Label smoothing epsilon."})
     per_device_train_batch_size: int = field(default=16, metadata={"help": "Sentence pairs per micro-batch."})
     per_device_eval_batch_size: int = field(default=32, metadata={"help": "Sentence pairs per eval batch."})
@@ -248,6 +277,7 @@ class TrainingArguments:
     def __post_init__(self) -> None:
         _check_choice("report_to", self.report_to, REPORT_CHOICES)
         _check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULER_CHOICES)
+        _check_choice("nan_policy", self.nan_policy, NAN_POLICIES)
         for name in (
             "max_steps",
             "per_device_train_batch_size",
@@ -255,6 +285,7 @@ class TrainingArguments:
             "gradient_accumulation_steps",
             "logging_steps",
             "generation_num_beams",
+            "nan_max_consecutive_skips",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")

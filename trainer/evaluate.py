@@ -1,9 +1,11 @@
-"""Translation quality: decode source strings with `models.generate`, score with sacreBLEU.
+"""Translation quality: decode source strings (`models.generate` or the 3D mesh), score with sacreBLEU.
 
     build_batches       source strings -> length-sorted, right-padded `SourceBatch`es
-    translate_batches   batches -> hypotheses in the caller's original order
+    translate_batches   batches -> hypotheses in the caller's original order (one device)
+    hypotheses_in_order generated rows of batches -> hypotheses (any decoder, e.g. the 3D one)
     compute_metrics     corpus BLEU and chrF of one direction (target-aware BLEU tokenizer)
-    evaluate_directions every direction -> `eval_bleu`, `eval_chrf`, per-direction keys, samples
+    score_directions    a `Translator` over every direction -> `eval_bleu`, `eval_chrf`,
+                        per-direction keys, samples (`evaluate_directions`: one device's)
 
 Only what is needed of a tokenizer and an eval set is assumed (the Protocols below),
 so `trainer.tokenizer.Tokenizer` and any object with the same members fit.
@@ -187,6 +189,34 @@ def strip_output(ids: list[int], eos_id: int, pad_id: int) -> list[int]:
     return [i for i in body if i != pad_id]
 
 
+def hypotheses_in_order(
+    outputs: Iterable[tuple[Sequence[int], Sequence[Sequence[int]]]], tokenizer: TextTokenizer
+) -> list[str]:
+    """Generated rows of every batch -> hypotheses in the caller's original order.
+
+    Args:
+        outputs: per batch, its `SourceBatch.index` and its generated rows (ids lists).
+        tokenizer: see `TextTokenizer`.
+
+    Returns:
+        n hypotheses, hypothesis i translating the caller's sentence i.
+
+    Raises:
+        ValueError: the batches' indices do not cover 0..n-1 exactly once.
+    """
+    found: dict[int, str] = {}
+    rows = 0
+    for index, generated in outputs:
+        rows += len(index)
+        for row, i in zip(generated, index):
+            found[i] = tokenizer.decode(strip_output(list(row), tokenizer.eos_id, tokenizer.pad_id))
+    if len(found) != rows or sorted(found) != list(range(rows)):
+        raise ValueError(
+            f"batch indices must cover 0..n-1 once; got {rows} rows, {len(found)} distinct indices"
+        )
+    return [found[i] for i in range(len(found))]
+
+
 def translate_batches(
     model: M2M100Translation,
     batches: Iterable[SourceBatch],
@@ -194,7 +224,7 @@ def translate_batches(
     num_beams: int,
     max_length: int,
 ) -> list[str]:
-    """Decode every batch (greedy if num_beams == 1, else beam search).
+    """Decode every batch on one device (greedy if num_beams == 1, else beam search).
 
     Args:
         model: the full model; put in eval mode for the call.
@@ -210,11 +240,9 @@ def translate_batches(
         ValueError: the batches' indices do not cover 0..n-1 exactly once.
     """
     device = next(model.parameters()).device
-    found: dict[int, str] = {}
-    rows = 0
+    outputs = []
     with eval_mode(model):
         for batch in batches:
-            rows += len(batch.index)
             out = generate(
                 model,
                 batch.input_ids.to(device),
@@ -223,13 +251,8 @@ def translate_batches(
                 num_beams=num_beams,
                 max_length=max_length,
             )
-            for row, i in zip(out.tolist(), batch.index):
-                found[i] = tokenizer.decode(strip_output(row, tokenizer.eos_id, tokenizer.pad_id))
-    if len(found) != rows or sorted(found) != list(range(rows)):
-        raise ValueError(
-            f"batch indices must cover 0..n-1 once; got {rows} rows, {len(found)} distinct indices"
-        )
-    return [found[i] for i in range(len(found))]
+            outputs.append((batch.index, out.tolist()))
+    return hypotheses_in_order(outputs, tokenizer)
 
 
 def translate(
@@ -307,6 +330,16 @@ def compute_metrics(
     return {"bleu": float(bleu.score), "chrf": float(chrf.score)}
 
 
+class Translator(Protocol):
+    """Translates one direction's sources; None on ranks that do not hold the hypotheses.
+
+    Every rank that takes part in a distributed translator must call it with the same
+    arguments in the same order (`score_directions` does).
+    """
+
+    def __call__(self, sources: Sequence[str], src_lang: str, tgt_lang: str) -> list[str] | None: ...
+
+
 def evaluate_directions(
     model: M2M100Translation,
     eval_sets: Iterable[EvalSet],
@@ -317,11 +350,7 @@ def evaluate_directions(
     max_source_length: int | None = None,
     num_samples: int = 3,
 ) -> dict[str, Any]:
-    """Translate and score every direction.
-
-    The overall `eval_bleu` / `eval_chrf` are the mean over directions (macro average):
-    a corpus score over all directions pooled would mix BLEU tokenizers (zh vs 13a) and
-    let the largest direction dominate.
+    """Translate every direction with the full model on one device and score it (`score_directions`).
 
     Args:
         model: the full model (its train/eval mode is restored afterwards).
@@ -332,8 +361,44 @@ def evaluate_directions(
         num_samples: first sentences of each direction to return as samples.
 
     Returns:
+        See `score_directions`.
+    """
+
+    def translator(sources: Sequence[str], src_lang: str, tgt_lang: str) -> list[str]:
+        return translate(
+            model,
+            tokenizer,
+            sources,
+            src_lang,
+            tgt_lang,
+            num_beams,
+            max_length,
+            batch_size,
+            max_source_length,
+        )
+
+    return score_directions(translator, eval_sets, num_samples)
+
+
+def score_directions(
+    translator: Translator, eval_sets: Iterable[EvalSet], num_samples: int = 3
+) -> dict[str, Any]:
+    """Translate and score every direction.
+
+    The overall `eval_bleu` / `eval_chrf` are the mean over directions (macro average):
+    a corpus score over all directions pooled would mix BLEU tokenizers (zh vs 13a) and
+    let the largest direction dominate.
+
+    Args:
+        translator: one device's (`evaluate_directions`) or the 3D mesh's
+            (`trainer.evaluation_runner`); directions it returns None for are not scored.
+        eval_sets: one per direction; directions with no sentences are skipped.
+        num_samples: first sentences of each direction to return as samples.
+
+    Returns:
         `eval_bleu`, `eval_chrf`, `eval_bleu_<src>-<tgt>`, `eval_chrf_<src>-<tgt>` (floats),
-        and under `SAMPLES_KEY` a list of `Sample`s; with no sentences at all, only `[]` samples.
+        and under `SAMPLES_KEY` a list of `Sample`s; with no sentences (or no hypotheses
+        on this rank), only `[]` samples.
     """
     result: dict[str, Any] = {}
     samples: list[Sample] = []
@@ -344,9 +409,9 @@ def evaluate_directions(
         if not es.sources:
             logger.warning("evaluation: direction %s has no sentences; skipped", name)
             continue
-        hyps = translate(
-            model, tokenizer, es.sources, src, tgt, num_beams, max_length, batch_size, max_source_length
-        )
+        hyps = translator(es.sources, src, tgt)
+        if hyps is None:
+            continue
         scores = compute_metrics(hyps, es.references, tgt)
         per_direction.append(scores)
         result[f"eval_bleu_{name}"], result[f"eval_chrf_{name}"] = scores["bleu"], scores["chrf"]

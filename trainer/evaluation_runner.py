@@ -2,49 +2,42 @@
 
 `eval_loss` runs the pipeline's forward-only schedule over the validation batches
 on every rank (tensor-parallel, vocab-parallel loss), so it is exactly the
-model the optimizer trains. Translation for BLEU/chrF runs on the logging rank on
-a gathered single-device copy of the weights (tp shards gathered, pipeline stages
-collected): simple and exact, and fine for models that fit one device's memory;
-pipelined generation for larger models is not implemented.
+model the optimizer trains. Translation for BLEU/chrF also runs on the 3D model
+as it is (`parallel.generate.pipeline_generate`: per-stage KV caches, tp layers),
+so no rank ever holds more than its own shard of the weights:
+
+    dp replica r decodes batches r, r + dp, ... of each direction (length-sorted
+    batches from `build_batches`, so the replicas get similar work) on its pp x tp
+    slice; the last stage's tp-0 rank of each replica holds the token ids of its
+    batches; they are gathered (ids, not weights) to the logging rank, which
+    detokenizes and scores them. The batches are those single-device evaluation
+    decodes, so the hypotheses, and BLEU, are the same.
+
+(Before, the logging rank gathered a single-device copy of the weights and decoded
+alone, which fails for models that do not fit one device.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from models.config import ModelConfig
-from models.m2m100 import M2M100Translation
+from models.generate import SearchSettings
+from parallel.generate import pipeline_generate
 from parallel.mesh import ParallelMesh
 from parallel.parallelize import ParallelModel
 from trainer.config import TrainingArguments
 from trainer.data import EvalBatch
-from trainer.evaluate import SAMPLES_KEY, DirectionTexts, evaluate_directions
+from trainer.evaluate import (
+    SAMPLES_KEY,
+    DirectionTexts,
+    build_batches,
+    hypotheses_in_order,
+    score_directions,
+)
 from trainer.tokenizer import Tokenizer
-
-
-def gather_full_state(pm: ParallelModel, mesh: ParallelMesh, dst: int) -> dict[str, torch.Tensor] | None:
-    """Collective: the single-device state dict on global rank `dst` (None elsewhere)."""
-    if mesh.size("tp") > 1:
-        from parallel.tp.apply import gather_full_state_dict
-
-        state = gather_full_state_dict(pm.model, mesh.group("tp"))
-    else:
-        state = {k: v.detach() for k, v in pm.model.state_dict().items()}
-    if dist.get_world_size() == 1:
-        return state
-    mine = {k: v.cpu() for k, v in state.items()} if mesh.dp_rank == 0 and mesh.tp_rank == 0 else None
-    got: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
-    dist.gather_object(mine, got, dst=dst)
-    if got is None:
-        return None
-    full: dict[str, torch.Tensor] = {}
-    for part in got:
-        if part:
-            full.update(part)
-    return full
 
 
 class Evaluator:
@@ -58,10 +51,9 @@ class Evaluator:
         batches: dict[str, list[EvalBatch]],
         args: TrainingArguments,
         log_rank: int,
-        model_config: ModelConfig,
     ) -> None:
         self.pm, self.mesh, self.tok, self.batches = pm, mesh, tokenizer, batches
-        self.args, self.log_rank, self.model_config = args, log_rank, model_config
+        self.args, self.log_rank = args, log_rank
         self.device = next(pm.model.parameters()).device
         self.texts = [
             DirectionTexts(
@@ -90,22 +82,34 @@ class Evaluator:
     def run(self, step: int, tracker: Any = None) -> dict[str, Any]:
         self.pm.model.eval()
         metrics: dict[str, Any] = self.losses()
-        state = gather_full_state(self.pm, self.mesh, self.log_rank)
-        if dist.get_rank() == self.log_rank and state is not None and self.texts:
-            model = M2M100Translation(self.model_config).to(self.device)
-            model.load_state_dict(state)
-            result = evaluate_directions(
-                model,
-                self.texts,
-                self.tok,
-                num_beams=self.args.generation_num_beams,
-                max_length=self.args.generation_max_length,
-                batch_size=self.args.per_device_eval_batch_size,
-            )
+        if self.texts:
+            result = score_directions(self.translate_3d, self.texts)
             samples = result.pop(SAMPLES_KEY, [])
-            metrics.update(result)
-            if tracker is not None:
-                tracker.log_samples(step, [tuple(s) for s in samples])
+            if dist.get_rank() == self.log_rank:
+                metrics.update(result)
+                if tracker is not None:
+                    tracker.log_samples(step, [tuple(s) for s in samples])
         dist.barrier()
         self.pm.model.train()
         return metrics
+
+    def translate_3d(self, sources: Sequence[str], src_lang: str, tgt_lang: str) -> list[str] | None:
+        """Collective: translate on the 3D model, dp replicas sharing the batches (see the module
+        docstring); the hypotheses on the logging rank, None elsewhere."""
+        a, mesh = self.args, self.mesh
+        settings = SearchSettings(num_beams=a.generation_num_beams, max_length=a.generation_max_length)
+        batches = build_batches(self.tok, sources, src_lang, tgt_lang, a.per_device_eval_batch_size)
+        outputs = []
+        for batch in batches[mesh.dp_rank :: mesh.size("dp")]:
+            ids = pipeline_generate(
+                self.pm, batch.input_ids, batch.attention_mask, batch.forced_bos_token_id, settings
+            )
+            if ids is not None and mesh.tp_rank == 0:
+                outputs.append((batch.index, ids.tolist()))
+        if dist.get_world_size() == 1:
+            return hypotheses_in_order(outputs, self.tok)
+        got: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == self.log_rank else None
+        dist.gather_object(outputs, got, dst=self.log_rank)
+        if got is None:
+            return None
+        return hypotheses_in_order((o for part in got for o in part), self.tok)

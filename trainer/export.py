@@ -37,6 +37,7 @@ from models.config import ModelConfig
 from models.hf import CheckpointMismatchError, save_hf_model
 from models.m2m100 import M2M100Translation
 from trainer.checkpoint import COMMIT_MARKER, is_complete, list_checkpoints
+from trainer.commit import verify_checkpoint
 from trainer.tokenizer import Tokenizer, TokenizerError
 
 
@@ -64,10 +65,11 @@ class ExportError(ValueError):
 
 
 def check_checkpoint(path: str | Path) -> Path:
-    """The checkpoint directory, if it exists and its save finished.
+    """The checkpoint directory, if it exists, its save finished and its files match the marker.
 
     Raises:
-        ExportError: missing, not a directory, without `COMMITTED` or without trainer_state.json.
+        ExportError: missing, not a directory, without `COMMITTED`, without trainer_state.json,
+            or damaged (a file's size or checksum differs from the marker's record).
     """
     p = Path(path)
     if not p.is_dir():
@@ -84,6 +86,9 @@ def check_checkpoint(path: str | Path) -> Path:
         raise ExportError(
             f"--checkpoint {str(path)!r} has no trainer_state.json; not a checkpoint of this trainer"
         )
+    problem = verify_checkpoint(p)
+    if problem is not None:
+        raise ExportError(problem)
     return p
 
 

@@ -6,9 +6,11 @@ One optimizer step:
     flushes = gb.shard(dp_rank)               [gradient_accumulation_steps][num_microbatches]
     pm.train_step(flushes, 1 / gb.num_tokens) pipeline executor; dp + tied reduce at the last GR
     grad_norm = pm.grads.clip_(max_norm)      over the whole mesh, each parameter once
-    optimizer.step(); scheduler.step()
+    guard.check(step, loss_sum, grad_norm)    trainer/guard.py: non-finite? preempted? (all ranks agree)
+    optimizer.step(); scheduler.step()        unless the guard skips the step (nan_policy=skip)
 
-Nothing in a step reads the device: the loss sum and the grad norm stay device
+The step reads the device once, in the guard's check (a (3,) tensor of flags,
+after the step's last backward); the loss sum and the grad norm stay device
 tensors, token counts are host numbers from the sampler. `LogWindow` adds the
 steps between two log points up and reads the device once per logged step: the
 loss logged is the mean token loss over the window's global batches (the last
@@ -17,6 +19,7 @@ stage's loss sums, summed over dp, over the window's token count).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,9 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from parallel import watchdog
 from parallel.executor import FlushResult
 from parallel.parallelize import ParallelModel
 from trainer.config import TrainingArguments
+from trainer.guard import StepGuard
 
 
 def build_optimizer(
@@ -77,6 +82,8 @@ class StepStats:
     num_tokens: int  # target tokens of the global batch (host)
     num_src_tokens: int  # source tokens of the global batch (host)
     flushes: list[FlushResult] = field(default_factory=list)
+    skipped: bool = False  # the guard dropped this step's update (non-finite, nan_policy=skip)
+    preempt_signal: int = 0  # a preemption signal every rank has agreed on (0: none)
 
 
 def train_step(
@@ -88,30 +95,45 @@ def train_step(
     max_grad_norm: float,
     step: int,
     timed: bool = False,
+    guard: StepGuard | None = None,
 ) -> StepStats:
     """One optimizer step on `global_batch` (collective over the whole mesh).
 
     `timed` marks the clock around every pipeline action and starts with a barrier
     (a common start, so per-rank wall times measure the pipeline, not skew).
+    `guard` decides, after the gradients and before the optimizer, whether the update
+    is applied (the step's one device read); None applies it unchecked (benchmarks).
+
+    Raises:
+        DivergenceError: from the guard (nan_policy=stop, or too many consecutive skips).
     """
     flushes = global_batch.shard(dp_rank)
     if timed and dist.is_initialized():
-        dist.barrier()
+        with watchdog.waiting(watchdog.collective(f"barrier that starts step {step}", None)):
+            dist.barrier()
     results = pm.train_step(flushes, loss_scale=1.0 / global_batch.num_tokens, timed=timed)
     grad_norm = pm.grads.clip_(max_grad_norm)
-    optimizer.step()
-    pm.after_optimizer_step()
-    scheduler.step()
-    pm.model.zero_grad(set_to_none=True)  # all grads: a ZeRO-1 optimizer holds only its share
     sums = [r.loss_sum for r in results if r.loss_sum is not None]
+    loss_sum = torch.stack(sums).sum() if sums else None
+    apply, signum = True, 0
+    if guard is not None:
+        verdict = guard.check(step, loss_sum, grad_norm)
+        apply, signum = verdict.apply, verdict.signum
+    if apply:
+        optimizer.step()
+        pm.after_optimizer_step()
+        scheduler.step()
+    pm.model.zero_grad(set_to_none=True)  # all grads: a ZeRO-1 optimizer holds only its share
     return StepStats(
         step,
-        torch.stack(sums).sum() if sums else None,
+        loss_sum,
         grad_norm,
         scheduler.get_last_lr()[0],
         global_batch.num_tokens,
         global_batch.num_src_tokens,
         results,
+        skipped=not apply,
+        preempt_signal=signum,
     )
 
 
@@ -136,32 +158,45 @@ class LogWindow:
 
     def _reset(self) -> None:
         self.steps, self.tokens, self.src_tokens, self.flops, self.seconds = 0, 0, 0, 0.0, 0.0
+        self.loss_tokens = 0  # target tokens of the applied (not skipped) steps: the loss's denominator
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.pm.device)
 
     def add(self, st: StepStats, seconds: float, flops: float = 0.0) -> None:
-        """Count step `st`, which took `seconds` of host time and `flops` model FLOPs."""
+        """Count step `st`, which took `seconds` of host time and `flops` model FLOPs.
+
+        A skipped step counts for throughput (its work was done) but not for the loss.
+        """
         self.steps += 1
         self.tokens += st.num_tokens
         self.src_tokens += st.num_src_tokens
         self.flops += flops
         self.seconds += seconds
+        if st.skipped:
+            return
+        self.loss_tokens += st.num_tokens
         if st.loss_sum is not None:
             self.loss_sum += st.loss_sum
 
-    def read(self, st: StepStats) -> dict[str, float]:
-        """Collective over dp: the window's averages and `st`'s grad norm, in one device read."""
+    def read(self, st: StepStats) -> dict[str, float | None]:
+        """Collective over dp: the window's averages and `st`'s grad norm, in one device read.
+
+        `loss` is left out when every step of the window was skipped; a non-finite
+        `grad_norm` (a skipped step) is None (JSON null).
+        """
         start = time.perf_counter()
         loss_sum = self.loss_sum
         if self.pm.mesh.size("dp") > 1:
-            dist.all_reduce(loss_sum, group=self.pm.mesh.group("dp"))
+            dp_group = self.pm.mesh.group("dp")
+            with watchdog.waiting(watchdog.collective("dp all-reduce of the logged loss", dp_group)):
+                dist.all_reduce(loss_sum, group=dp_group)
         loss, grad_norm = torch.stack([loss_sum, st.grad_norm.float()]).tolist()  # the one sync
         wall = self.seconds + time.perf_counter() - start
         tokens = self.tokens + self.src_tokens
         self.total_tokens += tokens
         self.total_s += wall
-        row = {
-            "loss": loss / max(self.tokens, 1),
-            "grad_norm": grad_norm,
+        row: dict[str, float | None] = {
+            **({"loss": loss / self.loss_tokens} if self.loss_tokens else {}),
+            "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
             "tokens_per_sec": tokens / wall,
             "step_time_s": wall / max(self.steps, 1),
             "num_tokens": float(self.tokens),
@@ -194,7 +229,8 @@ def bubble_stats(pm: ParallelModel, flushes: list[FlushResult]) -> dict[str, flo
     row = torch.zeros(3 * p, dtype=torch.float64, device=pm.device)  # NCCL reduces device tensors only
     r = pm.mesh.pp_rank
     row[r], row[p + r], row[2 * p + r] = busy, wall, float(peak)
-    dist.all_reduce(row, group=pm.mesh.group("pp"))
+    with watchdog.waiting(watchdog.collective("pp all-reduce of the bubble stats", pm.mesh.group("pp"))):
+        dist.all_reduce(row, group=pm.mesh.group("pp"))
     busy_all, wall_all, peak_all = row[:p].tolist(), row[p : 2 * p].tolist(), row[2 * p :].tolist()
     makespan = max(wall_all)
     out = {

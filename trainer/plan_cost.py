@@ -33,7 +33,7 @@ from models.config import ModelConfig
 from models.m2m100 import IGNORE_INDEX, BlockKind, M2M100Translation, Seq2SeqBatch, block_specs
 from parallel.partition import resolve_partition
 from parallel.profile import BlockPhases, profile_block_phases
-from parallel.schedule import Action, build_schedule, stage_to_rank
+from parallel.schedule import Action, build_schedule, placement_for
 from parallel.simulate import StageCosts, simulate
 from trainer.flops import PEAK_FLOPS
 
@@ -392,10 +392,14 @@ def stage_costs(layout: Layout, costs: Sequence[BlockPhases], shape: Shape, ctx:
     if layout.remat == "stage":
         bin_ = [b + f for b, f in zip(bin_, fwd)]
         act = [max(_boundary_bytes(mc, shape, r.start), 1.0) for r in ranges]
-    node = max(1, ctx.gpus_per_node)
-    slab = layout.dp * layout.tp  # global ranks between pp neighbours
-    pp_inter = any((r * slab) // node != ((r + 1) * slab) // node for r in range(layout.pp - 1))
-    link = max((ctx.link.p2p(_boundary_bytes(mc, shape, st), pp_inter) for st in starts[1:]), default=0.0)
+    node, slab = max(1, ctx.gpus_per_node), layout.dp * layout.tp  # slab: global ranks per pp rank
+    place = placement_for(layout.schedule, layout.pp, layout.v)
+    hops = [(place.rank_of(i - 1), place.rank_of(i), st) for i, st in enumerate(starts) if i > 0]
+    link = max(
+        (ctx.link.p2p(_boundary_bytes(mc, shape, st), (a * slab) // node != (b * slab) // node)
+         for a, b, st in hops if a != b),
+        default=0.0,
+    )  # fmt: skip
     return StageCosts(fwd, bin_, bw, link, act)
 
 
@@ -411,10 +415,10 @@ def _outside_pipeline(layout: Layout, ctx: CostContext) -> tuple[list[int], floa
 
 def lower_bound(layout: Layout, sc: StageCosts, ctx: CostContext) -> float:
     """A step time `predict` cannot undercut: the busiest rank's compute, no bubble, no p2p."""
-    n = layout.pp * layout.v
+    place = placement_for(layout.schedule, layout.pp, layout.v)
     busy = [0.0] * layout.pp
-    for s in range(n):
-        busy[stage_to_rank(s, layout.pp)] += sc.forward[s] + sc.backward_input[s] + sc.backward_weight[s]
+    for s in range(place.n):
+        busy[place.rank_of(s)] += sc.forward[s] + sc.backward_input[s] + sc.backward_weight[s]
     _, reduce_s, optimizer_s, data_s = _outside_pipeline(layout, ctx)
     return layout.g * layout.m * max(busy) + reduce_s + optimizer_s + data_s
 
@@ -448,7 +452,7 @@ def _rank_params(params_block: list[int], table: int, layout: Layout, mc: ModelC
     specs = block_specs(mc)
     out = []
     for r in range(layout.pp):
-        stages = [s for s in range(layout.pp * layout.v) if stage_to_rank(s, layout.pp) == r]
+        stages = placement_for(layout.schedule, layout.pp, layout.v).stages_of(r)
         blocks = [i for s in stages for i in range(sum(layout.balance[:s]), sum(layout.balance[: s + 1]))]
         uses_table = any(specs[i].uses_shared_embedding for i in blocks)
         out.append(sum(params_block[i] for i in blocks) + (table if uses_table else 0))

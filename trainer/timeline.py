@@ -126,4 +126,4 @@ def write_timeline(
 def _logger_rank(pm: ParallelModel) -> int:
     from parallel.mesh import coords_to_rank
 
-    return coords_to_rank((pm.mesh.size("pp") - 1, 0, 0), pm.mesh.dims.shape)
+    return coords_to_rank((pm.plan.last_stage_rank, 0, 0), pm.mesh.dims.shape)

@@ -1,28 +1,47 @@
-"""Metrics from one rank: `metrics.jsonl`, Weights & Biases, and the progress bar.
+"""Metrics from one rank: `metrics.jsonl`, Weights & Biases, TensorBoard, and the progress bar.
 
 Only the logging rank (the last pipeline stage's dp=0/tp=0 rank, where the loss
 lives) constructs a `Tracker` with `enabled=True`; every other rank gets a
 disabled one whose methods do nothing, so call sites need no rank checks.
+
+`metrics.jsonl` keeps the flat names of the contract (`loss`, `eval_bleu_en-de`);
+W&B and TensorBoard get them grouped the way the Hugging Face Trainer reports them:
+`train/loss`, `eval/bleu_en-de` (see `dashboard_key`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
+BACKENDS = ("wandb", "tensorboard")
+
+
+def dashboard_key(key: str) -> str:
+    """A metrics.jsonl name -> its grouped dashboard name: `eval_x` -> `eval/x`, else `train/x`."""
+    if key.startswith("eval_"):
+        return "eval/" + key[len("eval_") :]
+    return "train/" + key
+
 
 class Tracker:
-    """Writes metric rows to `metrics.jsonl` and, with `report_to: wandb`, to W&B."""
+    """Writes metric rows to `metrics.jsonl` and to the `report_to` backends (W&B, TensorBoard).
+
+    Args:
+        report_to: backend names from `BACKENDS` (a single name is accepted too); "none" or
+            an empty list for metrics.jsonl only.
+    """
 
     def __init__(
         self,
         output_dir: str,
         enabled: bool,
-        report_to: str = "none",
+        report_to: str | Sequence[str] = "none",
         run_name: str | None = None,
         project: str = "polyglot3d",
         config: dict[str, Any] | None = None,
@@ -34,11 +53,15 @@ class Tracker:
         self.history: list[dict[str, Any]] = []
         self.path = Path(output_dir) / "metrics.jsonl"
         self.wandb: Any = None
+        self.tensorboard: Any = None
         self.bar: Any = None
         if not enabled:
             return
-        if report_to == "wandb":
+        backends = [report_to] if isinstance(report_to, str) else list(report_to)
+        if "wandb" in backends:
             self.wandb = _init_wandb(output_dir, run_name, project, config or {})
+        if "tensorboard" in backends:
+            self.tensorboard = _init_tensorboard(output_dir, config or {})
         if not disable_tqdm:
             self.bar = tqdm(total=max_steps, initial=initial_step, desc="train", dynamic_ncols=True)
 
@@ -49,8 +72,13 @@ class Tracker:
         self.history.append(dict(row))
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        step = int(row["step"])
+        scalars = {dashboard_key(k): v for k, v in row.items() if k != "step" and _is_number(v)}
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
+            self.wandb.log(scalars, step=step)
+        if self.tensorboard is not None:
+            for key, value in scalars.items():
+                self.tensorboard.add_scalar(key, value, step)
         if self.bar is not None and "loss" in row:
             self.bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row.get('lr', 0):.2e}")
 
@@ -67,20 +95,40 @@ class Tracker:
         table = wandb.Table(
             columns=["direction", "source", "reference", "hypothesis"], data=[list(s) for s in samples]
         )
-        self.wandb.log({"samples": table}, step=step)
+        self.wandb.log({"eval/samples": table}, step=step)
 
     def log_image(self, step: int, key: str, path: str) -> None:
         if self.wandb is None or not Path(path).is_file():
             return
         import wandb
 
-        self.wandb.log({key: wandb.Image(path)}, step=step)
+        self.wandb.log({dashboard_key(key): wandb.Image(path)}, step=step)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _init_tensorboard(output_dir: str, config: dict[str, Any]) -> Any:
+    """A SummaryWriter on `output_dir/runs` (`tensorboard --logdir output_dir/runs`)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise RuntimeError(
+            "report_to includes 'tensorboard', which needs the tensorboard package: "
+            "pip install tensorboard (or drop it from report_to)"
+        ) from e
+    writer = SummaryWriter(log_dir=str(Path(output_dir) / "runs"))
+    writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in sorted(config.items())))
+    return writer
 
 
 def _init_wandb(output_dir: str, run_name: str | None, project: str, config: dict[str, Any]) -> Any:

@@ -4,11 +4,13 @@ Also `python -m trainer.train ...` for one process. Wiring only; each piece live
 in its own module, and `run` is a short sequence of named steps:
 
     main             config -> process group -> run -> tear down
-    setup_run        validate -> output dir -> data + tokenizer -> mesh -> sampler ->
+    run              validate -> claim output dir (lock, fresh-start cleanup) -> setup_run -> ...
+    setup_run        data + tokenizer -> mesh -> sampler ->
                      partition -> model (HF import, parallelize) -> optimizer/scheduler
     resume_state     checkpoint -> model, optimizer, scheduler, sampler; the step
     build_tracker, build_evaluator, eval before training
-    train_loop       per step: train_step -> log_row -> timeline (once) -> maybe_eval_and_save
+    train_loop       per step: train_step (guarded) -> log_row -> timeline (once) -> preempted? save + exit
+                     -> maybe_eval_and_save
     finish_run       final eval -> checkpoint -> run_summary.json
 """
 
@@ -33,6 +35,7 @@ from models.m2m100 import M2M100Translation
 from parallel.mesh import ParallelDims, ParallelMesh, build_mesh, coords_to_rank, init_distributed
 from parallel.parallelize import ParallelModel, build_parallel_model
 from parallel.simulate import bubble_theory
+from parallel.watchdog import RankIdentity, default_warn_after, start_watchdog
 from trainer import checkpoint as ckpt
 from trainer.config import ConfigError, JobConfig, parse_config
 from trainer.data import (
@@ -46,8 +49,19 @@ from trainer.data import (
     training_texts,
 )
 from trainer.evaluation_runner import Evaluator
+from trainer.faults import FaultInjection
 from trainer.flops import peak_flops, step_flops
+from trainer.guard import (
+    EXIT_DIVERGED,
+    EXIT_PREEMPTED,
+    DivergenceError,
+    Preempted,
+    PreemptionSignals,
+    StepGuard,
+    assert_finite_state,
+)
 from trainer.loop import LogWindow, StepStats, bubble_stats, build_optimizer, build_scheduler, train_step
+from trainer.outdir import claim_output_dir
 from trainer.partitioning import choose_balance
 from trainer.timeline import write_timeline
 from trainer.tokenizer import Tokenizer, load_or_train_tokenizer
@@ -60,27 +74,6 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def prepare_output_dir(cfg: JobConfig, rank: int) -> Path:
-    """Create output_dir; refuse a non-empty one unless resuming or overwrite_output_dir."""
-    out = Path(cfg.training.output_dir)
-    args = cfg.training
-    if (
-        rank == 0
-        and out.is_dir()
-        and any(out.iterdir())
-        and not (args.overwrite_output_dir or args.resume_from_checkpoint)
-    ):
-        raise ConfigError(
-            f"output_dir={str(out)!r} is not empty; set overwrite_output_dir or "
-            f"resume_from_checkpoint (e.g. 'latest')"
-        )
-    if rank == 0 and args.overwrite_output_dir and not args.resume_from_checkpoint:
-        for name in ("metrics.jsonl", "run_summary.json"):
-            (out / name).unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    return out
 
 
 def setup_tokenizer(cfg: JobConfig, raw: Any, out: Path, rank: int) -> Tokenizer:
@@ -224,6 +217,7 @@ class RunContext:
     scheduler: Any
     log_rank: int  # the last stage's dp=0/tp=0 rank: it holds the loss and writes the metrics
     t_start: float  # perf_counter() before data loading; the summary's wall_time_s counts from here
+    fault: FaultInjection | None = None  # TRAINER_FAULT_INJECT, the failure tests' hook
 
     @property
     def is_logger(self) -> bool:
@@ -232,7 +226,7 @@ class RunContext:
     @property
     def bubble_theory(self) -> float:
         p = self.cfg.parallel
-        return bubble_theory(self.dims.pp, p.num_microbatches, p.virtual_stages)
+        return bubble_theory(self.dims.pp, p.num_microbatches, p.virtual_stages, p.pipeline_schedule)
 
 
 @dataclass
@@ -243,6 +237,7 @@ class LoopTotals:
     tokens: int = 0  # source + target tokens over all steps
     time_in_steps: float = 0.0
     bubbles: list[float] = field(default_factory=list)  # measured bubble_fraction per logged step (pp > 1)
+    skipped_steps: int = 0  # updates the guard dropped (nan_policy=skip)
 
 
 def run(cfg: JobConfig) -> dict[str, Any]:
@@ -250,31 +245,44 @@ def run(cfg: JobConfig) -> dict[str, Any]:
 
     On the logging rank the summary also holds `history`, every row written to metrics.jsonl.
 
-        setup_run -> resume_state -> tracker, evaluator -> [eval before] -> train_loop -> finish_run
+        validate_early -> claim_output_dir -> setup_run -> resume_state -> tracker, evaluator
+        -> [eval before] -> train_loop -> finish_run
+
+    Rank 0 holds output_dir's lock until this returns or raises (trainer.outdir).
     """
-    ctx = setup_run(cfg)
-    step = resume_state(ctx)
-    tracker = build_tracker(ctx, step)
-    evaluator = build_evaluator(ctx)
-    before: dict[str, Any] | None = None
-    if cfg.training.do_eval and step == 0:
-        before = evaluator.run(step)
-        tracker.log({"step": step, **before})
-    totals = train_loop(ctx, tracker, evaluator, step)
-    return finish_run(ctx, tracker, evaluator, totals, before)
+    dims = validate_early(cfg, dist.get_world_size())
+    with claim_output_dir(cfg.training, dist.get_rank()) as out:
+        ctx = setup_run(cfg, dims, out)
+        step = resume_state(ctx)
+        tracker = build_tracker(ctx, step)
+        evaluator = build_evaluator(ctx)
+        before: dict[str, Any] | None = None
+        if cfg.training.do_eval and step == 0:
+            before = evaluator.run(step)
+            tracker.log({"step": step, **before})
+        args = cfg.training
+        # SIGTERM/SIGUSR1 from here on: save at the next step boundary (trainer/guard.py). A signal
+        # during the final eval and save is not acted on: the run completes and exits 0.
+        with PreemptionSignals() as signals:
+            guard = StepGuard(args.nan_policy, args.nan_max_consecutive_skips, ctx.pm.device, signals)
+            try:
+                totals = train_loop(ctx, tracker, evaluator, step, guard)
+            except (Preempted, DivergenceError):
+                tracker.close()  # rows are already on disk; this ends the W&B run and the progress bar
+                raise
+            return finish_run(ctx, tracker, evaluator, totals, before)
 
 
-def setup_run(cfg: JobConfig) -> RunContext:
-    """Validate, then build data, tokenizer, mesh, sampler, partition, model and optimizer.
+def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path) -> RunContext:
+    """Build data, tokenizer, mesh, sampler, partition, model and optimizer (config validated, `out` claimed).
 
     Collective (tokenizer barrier, mesh groups, partition profiling). Rank 0 also writes
     config.yaml and model_config.json and logs the mesh and partition.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dims = validate_early(cfg, world)
+    rank = dist.get_rank()
+    fault = FaultInjection.from_env()
     if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
-    out = prepare_output_dir(cfg, rank)
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
@@ -289,12 +297,15 @@ def setup_run(cfg: JobConfig) -> RunContext:
     mc = model_config_for(cfg, tok)
     dims.validate(mc)
     mesh = build_mesh(dims, device.type)
+    p = cfg.parallel
+    warn_after = p.hang_warning_s or default_warn_after(p.dist_timeout_s)
+    start_watchdog(RankIdentity(rank, dims.shape), warn_after, p.dist_timeout_s)
     sampler = build_sampler(cfg, dims.dp, data, tok)
     balance, partition_text = choose_balance(cfg, mc, mesh, sampler, device)
     pm = build_model(cfg, mc, mesh, balance, device)
     optimizer = build_optimizer(pm.model, cfg.training, only=pm.optimizer_params())
     scheduler = build_scheduler(optimizer, cfg.training)
-    log_rank = coords_to_rank((dims.pp - 1, 0, 0), dims.shape)
+    log_rank = coords_to_rank((pm.plan.last_stage_rank, 0, 0), dims.shape)
     if rank == 0:
         record_setup(cfg, out, dims, mc, partition_text, data.skipped)
     return RunContext(
@@ -312,6 +323,7 @@ def setup_run(cfg: JobConfig) -> RunContext:
         scheduler=scheduler,
         log_rank=log_rank,
         t_start=t_start,
+        fault=fault,
     )
 
 
@@ -360,6 +372,7 @@ def resume_state(ctx: RunContext) -> int:
         The step to continue from: the checkpoint's, or 0 when there is nothing to resume.
     """
     resume = ckpt.resolve_resume(ctx.cfg.training.resume_from_checkpoint, ctx.out)
+    log_restart(ctx.cfg.training.resume_from_checkpoint, resume)
     if resume is None:
         return 0
     state = ckpt.load_checkpoint(
@@ -377,6 +390,32 @@ def resume_state(ctx: RunContext) -> int:
     step = int(state["step"])
     logger.info("resumed from %s at step %d", resume, step)
     return step
+
+
+def log_restart(resume_from_checkpoint: str | None, resume: Path | None) -> None:
+    """On a group restarted by `torchrun --max-restarts`, say where this attempt starts.
+
+    A restart never resumes on its own: the config decides. Resuming without
+    `resume_from_checkpoint` would pick up whatever checkpoint lies in output_dir,
+    which need not be this run's; so a restart without it trains from step 0 again,
+    and says so loudly.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or dist.get_rank() != 0:
+        return
+    limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+    if resume is not None:
+        logger.warning("restart %d of %s: resuming from %s", attempt, limit, resume)
+    elif resume_from_checkpoint:
+        logger.warning("restart %d of %s: no committed checkpoint yet; training from step 0", attempt, limit)
+    else:
+        logger.warning(
+            "restart %d of %s: resume_from_checkpoint is not set, so this attempt trains from step 0 "
+            "again; pass --resume_from_checkpoint latest --save_steps K to continue from the last "
+            "committed checkpoint",
+            attempt,
+            limit,
+        )
 
 
 def build_tracker(ctx: RunContext, step: int) -> Tracker:
@@ -404,14 +443,20 @@ def build_tracker(ctx: RunContext, step: int) -> Tracker:
 def build_evaluator(ctx: RunContext) -> Evaluator:
     """Evaluation over the validation batches of every direction; metrics land on the logging rank."""
     batches = eval_batches(ctx.data, ctx.tok, ctx.cfg.training.per_device_eval_batch_size)
-    return Evaluator(ctx.pm, ctx.mesh, ctx.tok, batches, ctx.cfg.training, ctx.log_rank, ctx.mc)
+    return Evaluator(ctx.pm, ctx.mesh, ctx.tok, batches, ctx.cfg.training, ctx.log_rank)
 
 
-def train_loop(ctx: RunContext, tracker: Tracker, evaluator: Evaluator, step: int) -> LoopTotals:
+def train_loop(
+    ctx: RunContext, tracker: Tracker, evaluator: Evaluator, step: int, guard: StepGuard
+) -> LoopTotals:
     """Steps `step + 1 .. max_steps`: train, log, draw the timeline once, evaluate and save between.
 
     Collective: every rank runs the same steps and, at the same steps, the same
     bubble_stats, timeline gather, evaluation and checkpoint, in that order.
+
+    Raises:
+        DivergenceError: the guard stopped training (nan_policy).
+        Preempted: a preemption signal arrived; the step it was agreed at is checkpointed.
     """
     args, pm, pp = ctx.cfg.training, ctx.pm, ctx.dims.pp
     theory = ctx.bubble_theory if pp > 1 else None
@@ -421,6 +466,8 @@ def train_loop(ctx: RunContext, tracker: Tracker, evaluator: Evaluator, step: in
     timeline_step = min(args.max_steps, max(2, args.logging_steps))
     while step < args.max_steps:
         step += 1
+        if ctx.fault is not None:
+            ctx.fault.maybe_fire(step, dist.get_rank())
         log_now = step % args.logging_steps == 0 or step == args.max_steps
         gb = next(ctx.sampler)
         start = time.perf_counter()
@@ -433,20 +480,23 @@ def train_loop(ctx: RunContext, tracker: Tracker, evaluator: Evaluator, step: in
             args.max_grad_norm,
             step,
             timed=log_now or step == timeline_step,
+            guard=guard,
         )
         flops = step_flops(ctx.mc, *ctx.sampler.example_lengths(gb)) if window.peak_flops else 0.0
         window.add(st, time.perf_counter() - start, flops)
         tracker.advance()
         if log_now:
-            row = log_row(tracker, pm, st, gb.epoch, theory, window)
+            row = log_row(tracker, pm, st, gb.epoch, theory, window, guard.skipped)
             if pp > 1:
                 totals.bubbles.append(row["bubble_fraction"])
         if step == timeline_step and pp > 1:
             png = write_timeline(pm, st.flushes, ctx.out, ctx.is_logger, step)
             if png:
                 tracker.log_image(step, "pipeline_timeline", png)
-        maybe_eval_and_save(ctx, tracker, evaluator, step)
-    totals.step = step
+        if st.preempt_signal:
+            raise preempt(ctx, step, st.preempt_signal)
+        maybe_eval_and_save(ctx, tracker, evaluator, step, guard)
+    totals.step, totals.skipped_steps = step, guard.skipped
     totals.tokens, totals.time_in_steps = window.total_tokens, window.total_s
     return totals
 
@@ -464,6 +514,7 @@ def log_row(
     epoch: int,
     theory: float | None,
     window: LogWindow,
+    skipped_steps: int = 0,
 ) -> dict[str, Any]:
     """Build and log one training row (collective over dp and pp: call on every rank).
 
@@ -472,6 +523,7 @@ def log_row(
         epoch: the sampler's epoch of this step's global batch.
         theory: the schedule's bubble fraction, logged beside the measured one; None when pp == 1.
         window: the steps since the last row: loss, tokens/s, step time and MFU are its averages.
+        skipped_steps: steps whose update the guard has skipped so far (nan_policy=skip).
 
     Returns:
         The row (built on every rank; written only by the logging rank's tracker).
@@ -481,6 +533,7 @@ def log_row(
         "lr": st.lr,
         **window.read(st),
         "epoch": epoch,
+        "skipped_steps": skipped_steps,
         **bubble_stats(pm, st.flushes),
     }
     if theory is not None:
@@ -491,16 +544,36 @@ def log_row(
     return row
 
 
-def maybe_eval_and_save(ctx: RunContext, tracker: Tracker, evaluator: Evaluator, step: int) -> None:
-    """Evaluate every eval_steps and checkpoint every save_steps (collective: all ranks, same step)."""
+def maybe_eval_and_save(
+    ctx: RunContext, tracker: Tracker, evaluator: Evaluator, step: int, guard: StepGuard
+) -> None:
+    """Evaluate every eval_steps and checkpoint every save_steps (collective: all ranks, same step).
+
+    An evaluation runs to its end; a preemption signal that arrived during it is agreed
+    on right after (one extra read per evaluation) and saved then, not a step later.
+
+    Raises:
+        Preempted: a preemption signal arrived during the evaluation (step `step` is saved).
+    """
     args = ctx.cfg.training
     if step >= args.max_steps:  # the last step's eval and checkpoint are finish_run's
         return
     if args.eval_steps and step % args.eval_steps == 0:
         tracker.log({"step": step, **evaluator.run(step, tracker)})
         ctx.pm.model.train()
+        signum = guard.preemption_agreed()
+        if signum:
+            raise preempt(ctx, step, signum)
     if args.save_steps and step % args.save_steps == 0:
         save(ctx, step)
+
+
+def preempt(ctx: RunContext, step: int, signum: int) -> Preempted:
+    """Checkpoint `step` (collective) and return the `Preempted` for the caller to raise."""
+    save(ctx, step)
+    err = Preempted(step, signum, str(ckpt.checkpoint_dir(ctx.out, step)))
+    logger.warning("preempted: %s", err)
+    return err
 
 
 def finish_run(
@@ -526,12 +599,15 @@ def finish_run(
         **({"before": before} if before is not None else {}),
         "after": after,
         "steps": step,
+        "skipped_steps": totals.skipped_steps,
         "wall_time_s": time.perf_counter() - ctx.t_start,
         "tokens_per_sec": totals.tokens / totals.time_in_steps if totals.time_in_steps else 0.0,
         "bubble_fraction": float(np.mean(totals.bubbles)) if totals.bubbles else None,
         "timeline_png": str(out / "timeline.png") if pp > 1 else None,
         "timeline_trace": str(out / "timeline_trace.json") if pp > 1 else None,
         "data_skipped": ctx.data.skipped,
+        "output_dir": str(out),
+        "last_checkpoint": str(ckpt.checkpoint_dir(out, step)),
     }
     if ctx.is_logger:
         (out / "run_summary.json").write_text(json.dumps(summary, indent=1, default=str))
@@ -553,7 +629,13 @@ def state_mesh_matches(path: Path, dims: ParallelDims) -> bool:
 
 
 def save(ctx: RunContext, step: int) -> None:
-    """Checkpoint model, optimizer, scheduler and sampler at `step` (collective)."""
+    """Checkpoint model, optimizer, scheduler and sampler at `step` (collective).
+
+    Raises:
+        DivergenceError: some rank holds a non-finite parameter or optimizer state; nothing is written.
+    """
+    path = ckpt.checkpoint_dir(ctx.out, step)
+    assert_finite_state(ctx.pm.model, ctx.optimizer, path.name)
     state = {
         "step": step,
         "scheduler": ctx.scheduler.state_dict(),
@@ -563,7 +645,7 @@ def save(ctx: RunContext, step: int) -> None:
         "model_config": ctx.pm.model.config.to_dict(),
     }
     ckpt.save_checkpoint(
-        ckpt.checkpoint_dir(ctx.out, step),
+        path,
         [ctx.pm.model],
         ctx.optimizer,
         state,
@@ -597,14 +679,26 @@ def _print_summary(s: dict[str, Any]) -> None:
         )
         lines.append(f"timeline             {s['timeline_png']}")
     lines.append(f"wall time            {s['wall_time_s']:.1f} s over {s['steps']} steps")
+    lines.append(f"output_dir           {s['output_dir']}")
+    lines.append(f"last checkpoint      {s['last_checkpoint']}")
+    export_dir = str(Path(s["output_dir"]) / "hf_export")
+    lines.append(
+        f"export               python -m trainer.export --checkpoint {s['last_checkpoint']} --output {export_dir}"
+    )
     print("\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, ValueError, FileNotFoundError) as e:  # bad input: one clear line, not a traceback
+    except Preempted as e:  # a committed checkpoint was written: requeue and resume (trainer/guard.py)
+        print(f"preempted: {e}", file=sys.stderr)
+        sys.exit(EXIT_PREEMPTED)
+    except (ConfigError, ValueError, FileNotFoundError, DivergenceError, ckpt.CheckpointWriteError) as e:
+        # bad input (2), divergence (3) or a failed checkpoint write (1): one clear line, not a traceback
         if os.environ.get("TRAINER_TRACEBACK"):
             raise
         print(f"error: {type(e).__name__}: {e} (TRAINER_TRACEBACK=1 for the traceback)", file=sys.stderr)
-        sys.exit(2)
+        if isinstance(e, DivergenceError):
+            sys.exit(EXIT_DIVERGED)
+        sys.exit(1 if isinstance(e, ckpt.CheckpointWriteError) else 2)

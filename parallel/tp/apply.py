@@ -3,7 +3,8 @@ per-step work it leaves to the trainer.
 
 Owns `apply_tensor_parallel`, which swaps the layers of `parallel.tp.layers` in by
 name (parameter names unchanged) and returns a `TensorParallelInfo`;
-`enable_sequence_parallel` and its hooks; and `gather_full_state_dict`. What a
+`enable_sequence_parallel`, its hooks and `sequence_parallel_suspended`; and
+`gather_full_state_dict`. What a
 step does with the gradients of a tp model (the sequence-parallel sum, the norm
 over tp) lives with the rest of a step's gradient work in `parallel.grads`.
 
@@ -36,6 +37,7 @@ parity with the single-device model is exact up to float summation order.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,8 +231,14 @@ def enable_sequence_parallel(model: M2M100Translation, group: ProcessGroup) -> N
                 layer.register_forward_hook(_make_gather_hook(group))
 
 
+# Set on layers and attentions by `sequence_parallel_suspended`: their hooks then pass inputs through.
+_SUSPENDED = "_sequence_parallel_suspended"
+
+
 def _make_scatter_hook(group: ProcessGroup) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        if getattr(module, _SUSPENDED, False):
+            return args
         x = args[0]
         p = _size(group)
         if x.shape[SEQ_DIM] % p != 0:
@@ -246,6 +254,8 @@ def _make_scatter_hook(group: ProcessGroup) -> Any:
 def _make_attention_gather_hook(group: ProcessGroup) -> Any:
     # (B, T/p, H) -> (B, T, H) for q (and self-attention k, v); backward reduce-scatters.
     def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        if getattr(module, _SUSPENDED, False):
+            return args
         return (gather_from_sequence_parallel(args[0], group), *args[1:])
 
     return hook
@@ -253,9 +263,41 @@ def _make_attention_gather_hook(group: ProcessGroup) -> Any:
 
 def _make_gather_hook(group: ProcessGroup) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
+        if getattr(module, _SUSPENDED, False):
+            return output
         return gather_sequence_parallel_to_replicated(output, group)
 
     return hook
+
+
+@contextmanager
+def sequence_parallel_suspended(model: nn.Module) -> Iterator[None]:
+    """Run a sequence-parallel model's forward as without sequence parallelism, inside the block.
+
+    For decoding, which feeds one token per step: T = 1 cannot be split over tp. The
+    residual stream stays replicated (the hooks of `enable_sequence_parallel` pass
+    through) and row-parallel layers all-reduce instead of reduce-scattering along T;
+    column-parallel layers then take a replicated input, whose forward operator (f)
+    is the identity. The forward values are those of the model built without
+    sequence parallelism. Forward only: gradients of the in-layer norms would no
+    longer be partial sums. Restores everything on exit.
+    """
+    modules = list(model.modules())
+    linears = [
+        m for m in modules if isinstance(m, ColumnParallelLinear | RowParallelLinear) and m.sequence_parallel
+    ]
+    hooked = [m for m in modules if isinstance(m, EncoderLayer | DecoderLayer | Attention)]
+    try:
+        for linear in linears:
+            linear.sequence_parallel = False
+        for module in hooked:
+            setattr(module, _SUSPENDED, True)
+        yield
+    finally:
+        for linear in linears:
+            linear.sequence_parallel = True
+        for module in hooked:
+            setattr(module, _SUSPENDED, False)
 
 
 # ----------------------------------------------------------------------------- export

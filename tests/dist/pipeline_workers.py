@@ -157,7 +157,7 @@ def host_reads_in_step(rank: int, world: int, meshes: list[tuple[int, int, int, 
         torch.manual_seed(0)
         model = M2M100Translation(cfg)
         mesh = build_mesh(ParallelDims(pp=pp, dp=dp, tp=tp, world_size=world))
-        v = 2 if schedule == "interleaved_1f1b" else 1
+        v = 2 if schedule in ("interleaved_1f1b", "zbv") else 1
         balance = uniform_partition(len(model.blocks), pp * v)
         pm = build_parallel_model(model, mesh, balance, 4, schedule, v, "none", 0.1, sequence_parallel=sp)
         batch = random_batch(cfg, 8 * dp, seed=4)
@@ -198,3 +198,45 @@ def bf16_sequence_parallel_grads(rank: int, world: int) -> float:
             worst = max(worst, float((p.grad - other).abs().max()))
             assert type(p) is torch.nn.Parameter and p.dtype == torch.float32, name
     return worst
+
+
+def zbv_parity(rank: int, world: int, cases: list[tuple[int, str, list[int] | None]]) -> list:
+    """ZB-V on `world` pp ranks. For each (m, remat, balance; None: uniform) returns this rank's
+    (m, remat, grad error, worst param error, eval-loss relative error on the last stage's
+    rank (None elsewhere), pp ranks sharing the tied embedding, weight grads queued for W,
+    queued ones never run)."""
+    cfg = ModelConfig(**TINY)
+    torch.manual_seed(0)
+    base = M2M100Translation(cfg)
+    batch = random_batch(cfg, 8, seed=1)
+    ref = reference_grads(copy.deepcopy(base), batch)
+    with torch.no_grad():
+        ref_sum, ref_tokens = base.loss(batch)
+    ref_loss = float(ref_sum) / ref_tokens
+    mesh = build_mesh(ParallelDims(pp=world, dp=1, tp=1, world_size=world))
+    out = []
+    for m, remat, balance in cases:
+        model = copy.deepcopy(base)
+        balance = balance or uniform_partition(len(model.blocks), 2 * world)
+        pm = build_parallel_model(model, mesh, balance, m, "zbv", 2, remat, label_smoothing=0.0)
+        queued = _count_queued(pm.wgrad_store)
+        pm.train_step([batch.split(m)], loss_scale=1.0 / batch.num_tokens())
+        got = {k: p.grad for k, p in pm.named_params().items()}
+        loss_sum, tokens = pm.eval_loss(batch.split(4))
+        loss_err = abs(loss_sum / tokens - ref_loss) / ref_loss if rank == pm.plan.last_stage_rank else None
+        errors = grad_errors(got, ref)
+        out.append((m, remat, *errors, loss_err, pm.grads.tied_ranks, queued[0], len(pm.wgrad_store)))
+    return out
+
+
+def _count_queued(store) -> list[int]:  # type: ignore[no-untyped-def]
+    """Count the closures `store` defers from now on (a one-element list, updated in place)."""
+    queued = [0]
+    put = store.put
+
+    def counting_put(fn):  # type: ignore[no-untyped-def]
+        queued[0] += 1
+        put(fn)
+
+    store.put = counting_put
+    return queued

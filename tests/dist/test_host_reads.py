@@ -17,6 +17,7 @@ MESHES = [
     (1, 4, 1, "1f1b", False),
     (2, 2, 1, "1f1b", False),
     (2, 2, 1, "zero_bubble", False),
+    (2, 1, 2, "zbv", False),
     (2, 1, 2, "interleaved_1f1b", False),
     (2, 1, 2, "gpipe", True),
     (1, 2, 2, "1f1b", True),

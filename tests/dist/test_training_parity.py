@@ -33,6 +33,9 @@ WORLD4 = {
     "pp2-dp2-interleaved-m2": mesh(pp=2, dp=2, m=2, pipeline_schedule="interleaved_1f1b"),
     "tp2-sequence-parallel": mesh(tp=2, dp=2, sequence_parallel=True),
     "dp4-zero1": mesh(dp=4, data_parallel_sharding="zero1"),
+    "pp2-tp2-zbv-m4-selective": mesh(
+        pp=2, tp=2, m=4, pipeline_schedule="zbv", activation_checkpointing="selective"
+    ),
 }
 WORLD8 = {
     "tp4-dp2": mesh(tp=4, dp=2),

@@ -21,6 +21,7 @@ CASES = {
         ["--tensor_parallel_size", "2", "--data_parallel_size", "2"],
         "pp(1) * dp(2) * tp(2) = 4 != WORLD_SIZE(1)",
     ),
+    "nan-policy": (["--nan_policy", "ignore"], "nan_policy='ignore' is not valid"),
     "heads": (["--encoder_attention_heads", "3"], "d_model=64 is not divisible by encoder_attention_heads=3"),
     "balance": (["--partition_method", "3,3"], "balance [3, 3]"),
     "missing-file": (

@@ -32,6 +32,7 @@ from trainer.evaluate import (
     build_batches,
     compute_metrics,
     evaluate_directions,
+    score_directions,
     strip_output,
     translate,
 )
@@ -150,6 +151,14 @@ def test_evaluate_directions_keys_samples_and_mode(model) -> None:
     assert [s.direction for s in samples] == ["en-de"] * 3 + ["de-fr"] * 2
     assert all(isinstance(s, Sample) for s in samples)
     assert samples[0].source == sets[0].sources[0] and samples[0].reference == sets[0].references[0]
+
+
+def test_score_directions_scores_only_where_hypotheses_are() -> None:
+    """A distributed translator returns None on ranks without hypotheses: nothing scored there."""
+    sets = [DirectionTexts(("en", "de"), sentences(4, 2), sentences(4, 3))]
+    assert score_directions(lambda sources, src, tgt: None, sets) == {SAMPLES_KEY: []}
+    echo = score_directions(lambda sources, src, tgt: list(sets[0].references), sets)
+    assert echo["eval_bleu"] == pytest.approx(100.0) and len(echo[SAMPLES_KEY]) == 3
 
 
 def test_missing_language_tag_raises() -> None:

@@ -121,6 +121,13 @@ def test_memory_model_counts_the_parameters_each_rank_holds() -> None:
     for rank in range(2):
         held = M2M100Translation(mc).keep_only(plan.rank_blocks(rank))
         assert pred.params_per_pp_rank[rank] == sum(p.numel() for p in held.parameters())
+    if ("zbv", 2) in planner.schedule_space():  # V placement: rank 0 holds the first and the last stage
+        v_layout = replace(layout, schedule="zbv")
+        v_pred = predict(v_layout, stage_costs(v_layout, costs, Shape(2, 5, 6), ctx), ctx)
+        v_plan = make_plan(model.blocks, balance, 2, 2, 2, "zbv")
+        for rank in range(2):
+            held = M2M100Translation(mc).keep_only(v_plan.rank_blocks(rank))
+            assert v_pred.params_per_pp_rank[rank] == sum(p.numel() for p in held.parameters())
     worst = pred.memory
     assert worst["parameters"] == worst["gradients"] == 4 * max(pred.params_per_pp_rank)
     assert worst["optimizer"] == 8 * max(pred.params_per_pp_rank)

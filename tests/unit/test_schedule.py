@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import pytest
@@ -11,12 +12,20 @@ from parallel.schedule import (
     SCHEDULES,
     Action,
     ActionType,
+    Placement,
     ScheduleError,
     build_schedule,
-    rank_stages,
-    stage_to_rank,
+    forward_only,
+    placement_for,
 )
-from parallel.validate import compute_order, format_schedule, peer_action, validate_schedule, walk_ranks
+from parallel.validate import (
+    compute_order,
+    format_schedule,
+    peer_action,
+    recognise_placement,
+    validate_schedule,
+    walk_ranks,
+)
 
 # p: pipeline ranks, m: micro-batches, v: virtual stages per rank
 
@@ -41,6 +50,8 @@ def valid_cases() -> list[tuple[str, int, int, int]]:
                 if name == "interleaved_1f1b":
                     if m % p == 0:
                         cases.append((name, p, m, 2))
+                elif name == "zbv":
+                    cases.append((name, p, m, 2))
                 else:
                     cases.append((name, p, m, 1))
     return cases
@@ -64,9 +75,27 @@ def test_action_parse_rejects(bad: str) -> None:
 
 
 def test_interleaved_placement() -> None:
-    assert [stage_to_rank(s, 4) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
-    assert rank_stages(1, 4, 2) == [1, 5]
-    assert rank_stages(0, 1, 3) == [0, 1, 2]
+    placement = Placement(4, 2)
+    assert [placement.rank_of(s) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert placement.stages_of(1) == [1, 5]
+    assert Placement(1, 3).stages_of(0) == [0, 1, 2]
+    assert placement_for("interleaved_1f1b", 4, 2) == placement
+    assert placement_for("1f1b", 4) == Placement(4, 1)
+
+
+def test_v_placement() -> None:
+    # ZB-V: chunk 0 runs down the ranks, chunk 1 back up; the turn (stages 3, 4) is on
+    # rank 3, and the first and last stage (the tied embedding) share rank 0.
+    placement = placement_for("zbv", 4, 2)
+    assert placement == Placement(4, 2, v_shape=True)
+    assert [placement.rank_of(s) for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert [placement.stages_of(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert not placement.is_remote(4, 3) and placement.is_remote(4, 2) and not placement.is_remote(8, 0)
+    assert Placement(1, 2, v_shape=True).stages_of(0) == [0, 1]
+    with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zb-v'"):
+        placement_for("zb-v", 4, 2)
+    with pytest.raises(ValueError, match=r"p >= 1 ranks and v >= 1 stages per rank; got p=0, v=2"):
+        Placement(0, 2)
 
 
 # ---------------------------------------------------------------------------
@@ -124,6 +153,97 @@ def test_zero_bubble_p4_m4_defers_r_weight_grads() -> None:
     ]
 
 
+def test_zbv_p2_m4() -> None:
+    # ZB-V (Qi et al. 2024 sec 6, PyTorch's ScheduleZBVZeroBubble): rank 0 holds stages 0 and 3,
+    # rank 1 stages 1 and 2. Rank 0 warms up with 2(p-r)-1 = 3 chunk-0 forwards, then F I W on
+    # chunk 1 (the loss stage) p-r = 2 times; rank 1 with one chunk-0 forward, r = 1 pair
+    # (F2, F1), then F I W on chunk 1. Steady state: F I W per chunk; cool-down: rank 1 runs
+    # the I's of both chunks first (I1.2 I2.3 I1.3), its W's fill the tail.
+    assert orders("zbv", 2, 4, 2) == [
+        "F0.0 F0.1 F0.2 F3.0 I3.0 W3.0 F3.1 I3.1 W3.1 F0.3 I0.0 W0.0 F3.2 I3.2 W3.2 "
+        "I0.1 W0.1 F3.3 I3.3 W3.3 I0.2 W0.2 I0.3 W0.3",
+        "F1.0 F2.0 F1.1 F2.1 I2.0 W2.0 F1.2 I1.0 W1.0 F2.2 I2.1 W2.1 F1.3 I1.1 W1.1 "
+        "F2.3 I2.2 W2.2 I1.2 I2.3 I1.3 W1.2 W2.3 W1.3",
+    ]
+
+
+def test_zbv_p4_m4_drops_the_missing_microbatches() -> None:
+    # m < 2p - 1: the order of 2p - 1 = 7 micro-batches with mbs 4..6 left out, as PyTorch does.
+    assert orders("zbv", 4, 4, 2) == [
+        "F0.0 F0.1 F0.2 F0.3 F7.0 I7.0 W7.0 F7.1 I7.1 W7.1 F7.2 I7.2 W7.2 F7.3 I7.3 W7.3 "
+        "I0.0 W0.0 I0.1 W0.1 I0.2 W0.2 I0.3 W0.3",
+        "F1.0 F1.1 F1.2 F1.3 F6.0 F6.1 I6.0 W6.0 F6.2 I6.1 W6.1 F6.3 I6.2 W6.2 I1.0 W1.0 "
+        "I6.3 W6.3 I1.1 W1.1 I1.2 W1.2 I1.3 W1.3",
+        "F2.0 F2.1 F2.2 F5.0 F2.3 F5.1 F5.2 I5.0 W5.0 F5.3 I5.1 W5.1 I2.0 W2.0 I5.2 W5.2 "
+        "I2.1 W2.1 I5.3 W5.3 I2.2 W2.2 I2.3 W2.3",
+        "F3.0 F4.0 F3.1 F4.1 F3.2 F4.2 F3.3 F4.3 I4.0 W4.0 I3.0 W3.0 I4.1 W4.1 I3.1 W3.1 "
+        "I4.2 W4.2 I3.2 W3.2 I4.3 W4.3 I3.3 W3.3",
+    ]
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 6])
+def test_zbv_orders_equal_pytorch(p: int) -> None:
+    # The same compute order as torch.distributed.pipelining's ScheduleZBVZeroBubble, whose
+    # per-rank generator needs only these three attributes of the schedule object; its
+    # actions print as "<stage><F|I|W><micro-batch>" (e.g. "3I2").
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+
+    generate = ScheduleZBVZeroBubble._calculate_single_rank_operations
+    for m in range(1, 3 * p + 2):
+        fake = SimpleNamespace(pp_group_size=p, num_stages=2 * p, _n_microbatches=m)
+        theirs = [
+            " ".join(
+                re.sub(r"^(\d+)([FIW])(\d+)$", r"\2\1.\3", str(a)) for a in generate(fake, r) if a is not None
+            )
+            for r in range(p)
+        ]
+        assert orders("zbv", p, m, 2) == theirs, f"p={p} m={m}"
+
+
+def test_zbv_validates_on_a_grid() -> None:
+    # Odd p and every m around 2p - 1 (where the dropped micro-batches start), beyond valid_cases.
+    for p in (3, 5):
+        for m in range(1, 2 * p + 2):
+            validate_schedule(build_schedule("zbv", p, m, 2), p, m, 2, placement_for("zbv", p, 2))
+
+
+def test_zbv_comm_skips_the_turn_of_the_v() -> None:
+    # Stages p-1 and p share rank p-1: nothing is sent between them. Rank 0 receives the
+    # activation of stage 3 from rank 1 and sends nothing out of stage 3 (the last stage).
+    p, m = 2, 4
+    lines = format_schedule(build_schedule("zbv", p, m, 2), comm=True).splitlines()
+    assert lines[1].startswith("rank 1: [RF1.0] F1.0  F2.0  [RF1.1 SF2.0] F1.1  F2.1  [RB2.0] I2.0")
+    comm = [a for actions in build_schedule("zbv", 4, 8, 2) for a in actions if a.type.is_comm]
+    assert not any(a.stage in (3, 4) and peer_action(a).stage in (3, 4) for a in comm)
+    assert not any(a.type is ActionType.SEND_FORWARD and a.stage == 7 for a in comm)
+
+
+def test_forward_only_follows_the_placement() -> None:
+    # Evaluation under the V: each rank runs its two stages per micro-batch, no p2p at the
+    # turn, and the batched comm completes (one global message order).
+    v_shape = placement_for("zbv", 3, 2)
+    schedule = forward_only(v_shape, 2)
+    assert [compute_order(a) for a in schedule] == [
+        "F0.0 F5.0 F0.1 F5.1",
+        "F1.0 F4.0 F1.1 F4.1",
+        "F2.0 F3.0 F2.1 F3.1",
+    ]
+    assert " ".join(map(str, schedule[2][:4])) == "RF2.0 F2.0 F3.0 SF3.0"
+    posted: set[Action] = set()
+
+    def try_batch(rank: int, batch: Sequence[Action]) -> bool:
+        posted.update(batch)
+        return all(peer_action(a) in posted for a in batch)
+
+    for placement in (v_shape, Placement(3, 2), placement_for("zbv", 4, 2)):
+        for m in (1, 3):
+            posted.clear()
+            schedule = forward_only(placement, m)
+            assert walk_ranks(schedule, lambda r, a: None, try_batch) == [len(a) for a in schedule]
+
+
 def test_comm_golden_gpipe_p2_m2() -> None:
     # Sends follow their producer, recvs precede their consumer; the last stage goes
     # straight from F1.1 to B1.1 (same rank, no comm).
@@ -165,6 +285,14 @@ def test_generated_schedules_validate(name: str, p: int, m: int, v: int) -> None
         assert stats.peak_in_flight == [min(p - r, m) for r in range(p)]
     if name == "gpipe":
         assert stats.peak_in_flight == [m] * p
+    if name == "zbv":
+        # Half-stage chunks: 2p of them on every rank once m >= 2p - 1, i.e. the activation
+        # memory 1F1B holds on its first rank (p full stages), now on every rank.
+        assert all(peak <= min(2 * p, 2 * m) for peak in stats.peak_in_flight)
+        if m >= 2 * p - 1:
+            assert stats.peak_in_flight == [2 * p] * p
+        recognised = recognise_placement(schedule, p, v)
+        assert [recognised.rank_of(s) for s in range(2 * p)] == [*range(p), *reversed(range(p))]
     for r in range(p):
         forwards = stats.action_counts[r][ActionType.FORWARD]
         assert forwards == m * v
@@ -185,6 +313,9 @@ def test_build_schedule_errors() -> None:
         build_schedule("interleaved_1f1b", 4, 6, 2)
     with pytest.raises(ValueError, match=r"zero_bubble: supports only v=1.*v=2"):
         build_schedule("zero_bubble", 2, 4, 2)
+    for v in (1, 3):
+        with pytest.raises(ValueError, match=rf"zbv: needs exactly v=2 stages per rank .*got v={v}"):
+            build_schedule("zbv", 2, 4, v)
 
 
 def test_format_schedule_one_line_per_rank() -> None:
@@ -222,6 +353,9 @@ def test_action_on_wrong_rank() -> None:
     broken = parse(GPIPE_2_2[0], GPIPE_2_2[1] + " F0.0")
     with pytest.raises(ScheduleError, match=r"F0.0 runs on rank 1 .* stage 0 lives on rank 0"):
         validate_schedule(broken, 2, 2)
+    # A ZB-V schedule checked against the interleaved placement: stage 3 is not on rank 1 there.
+    with pytest.raises(ScheduleError, match=r"F3.0 runs on rank 0 .* stage 3 lives on rank 1"):
+        validate_schedule(build_schedule("zbv", 2, 4, 2), 2, 4, 2, placement_for("1f1b", 2, 2))
 
 
 def test_backward_before_its_forward() -> None:

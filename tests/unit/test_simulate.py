@@ -67,12 +67,38 @@ def test_interleaved_beats_1f1b(p: int, m: int) -> None:
     assert interleaved.bubble_fraction == pytest.approx(bubble_theory(p, m, 2), abs=1e-12)
 
 
+@pytest.mark.parametrize("rendezvous", [False, True])
+def test_zbv_matches_its_theory(rendezvous: bool) -> None:
+    # ZB-V with F = I = W: each rank idles only the V's fill, (p-1)/2 stage-times, once m is
+    # large enough (m >= 2p - 1), so the makespan is 3m + (p-1)/2; fewer micro-batches leave
+    # the empty slots of the 2p - 1 order (bubble_theory's docstring).
+    for p in range(1, 7):
+        for m in range(1, 3 * p + 2):
+            result = run("zbv", p, m, 2, rendezvous=rendezvous)
+            assert result.bubble_fraction == pytest.approx(bubble_theory(p, m, 2, "zbv"), abs=1e-12)
+            if m >= 2 * p - 1:
+                assert result.makespan == pytest.approx(3 * m + (p - 1) / 2)
+                assert result.bubble_fraction == pytest.approx((p - 1) / (6 * m + p - 1))
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (4, 4), (4, 8), (4, 16), (8, 16), (8, 32)])
+def test_zbv_halves_the_zero_bubble_bubble(p: int, m: int) -> None:
+    # Same work per rank (two half-stage chunks); with m >= 2p - 1 ZB-V idles (p-1)/2 where
+    # ZB-H1 idles p-1; with fewer micro-batches it is never worse.
+    zbv, zb = run("zbv", p, m, 2), run("zero_bubble", p, m)
+    assert zbv.bubble_fraction <= zb.bubble_fraction + 1e-12
+    if m >= 2 * p - 1:
+        assert zb.makespan - 3 * m == pytest.approx(2 * (zbv.makespan - 3 * m))
+
+
 @pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (4, 4), (4, 8), (8, 4)])
 def test_peak_in_flight(p: int, m: int) -> None:
     # 1F1B caps rank 0 at p micro-batches; GPipe holds all m.
     assert run("1f1b", p, m).peak_activation_bytes[0] == min(p, m)
     assert run("gpipe", p, m).peak_activation_bytes[0] == m
     assert run("zero_bubble", p, m).peak_activation_bytes[0] == min(p, m)
+    if m >= 2 * p - 1:  # ZB-V: 2p half-stage chunks on every rank, 1F1B's rank-0 peak
+        assert run("zbv", p, m, 2).peak_activation_bytes == [2 * p] * p
     assert validate_schedule(build_schedule("1f1b", p, m), p, m).peak_in_flight[0] == min(p, m)
 
 
@@ -89,7 +115,9 @@ def test_link_time_adds_to_the_critical_path() -> None:
     assert result.makespan == pytest.approx(1 + 0.5 + 1 + 2 + 0.5 + 2)
 
 
-@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1)])
+@pytest.mark.parametrize(
+    "name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1), ("zbv", 2)]
+)
 def test_rendezvous_never_beats_buffered_sends(name: str, v: int) -> None:
     # Uneven stages: a blocking send can only add waiting, never remove it.
     n = 4 * v
@@ -115,6 +143,9 @@ def test_bubble_theory_formula() -> None:
     assert bubble_theory(1, 8) == 0.0
     assert bubble_theory(4, 8) == pytest.approx(3 / 11)
     assert bubble_theory(4, 8, 2) == pytest.approx(3 / 19)
+    assert bubble_theory(4, 8, 2, "zbv") == pytest.approx(3 / 51)  # (p-1) / (6m + p - 1)
+    assert bubble_theory(4, 4, 2, "zbv") == pytest.approx(3 / 15)  # idle 2p-1-m = 3 of 3m + 3
+    assert bubble_theory(1, 1, 2, "zbv") == 0.0
     with pytest.raises(ValueError, match="m=0"):
         bubble_theory(4, 0)
 

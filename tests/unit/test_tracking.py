@@ -38,3 +38,30 @@ def test_wandb_runs_offline_without_key(tmp_path, monkeypatch, capsys) -> None:
     t.log_samples(1, [("en-de", "one", "eins", "eins")])
     t.close()
     assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline W&B run directory"
+
+
+def test_dashboard_keys_are_grouped_like_the_hf_trainer() -> None:
+    from trainer.tracking import dashboard_key
+
+    assert dashboard_key("loss") == "train/loss"
+    assert dashboard_key("tokens_per_sec") == "train/tokens_per_sec"
+    assert dashboard_key("eval_loss") == "eval/loss"
+    assert dashboard_key("eval_bleu_en-de") == "eval/bleu_en-de"
+
+
+def test_tensorboard_and_wandb_together(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    t = Tracker(str(tmp_path), enabled=True, report_to=["wandb", "tensorboard"], disable_tqdm=True)
+    assert t.wandb is not None and t.tensorboard is not None
+    t.log({"step": 1, "loss": 2.5, "lr": 1e-3})
+    t.log({"step": 2, "loss": 2.0, "eval_bleu": 3.0})
+    t.close()
+    acc = EventAccumulator(str(tmp_path / "runs"))
+    acc.Reload()
+    assert {"train/loss", "train/lr", "eval/bleu"} <= set(acc.Tags()["scalars"])
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 2.5), (2, 2.0)]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[1] == {"step": 2, "loss": 2.0, "eval_bleu": 3.0}  # the file keeps the flat names

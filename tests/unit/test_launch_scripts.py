@@ -1,0 +1,115 @@
+"""The launch scripts, run by bash with their external commands (`srun`, `scontrol`,
+`torchrun`) replaced by recorders (no SLURM or cluster here): what they hand on.
+
+The sbatch tests pin three bugs of its first version: `srun` did not pass --cpus-per-task
+(Slurm >= 22.05 steps do not inherit it, so each node's 8 workers shared one CPU), the
+GPU count was hard-coded to 8, and its flags overrode the config's documented schedule
+and micro-batches. The launcher tests pin SIGUSR1 forwarding (torchrun dies on it by
+default, orphaning the workers) and the per-attempt rendezvous store under restarts.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run_sbatch(tmp_path: Path, *args: str, gpus: str = "4") -> tuple[list[str], dict[str, str]]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "srun.txt"
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho node-a; echo node-b\n")
+    (bin_dir / "srun").write_text(
+        "#!/usr/bin/env bash\n"
+        f'printf "%s\\n" "$@" > {record}\n'
+        f'echo "NPROC_PER_NODE=$NPROC_PER_NODE MASTER_ADDR=$MASTER_ADDR NNODES=$NNODES" >> {record}.env\n'
+    )
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": "node-[a-b]",
+        "SLURM_CPUS_PER_TASK": "64",
+        "SLURM_GPUS_ON_NODE": gpus,
+        "SLURM_SUBMIT_DIR": str(REPO),
+    }
+    subprocess.run(
+        ["bash", str(REPO / "scripts/slurm_example.sbatch"), *args],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+    env_line = (tmp_path / "srun.txt.env").read_text().split()
+    return record.read_text().splitlines(), dict(kv.split("=", 1) for kv in env_line)
+
+
+def test_sbatch_passes_cpus_gpus_and_keeps_the_config_layout(tmp_path: Path) -> None:
+    argv, env = _run_sbatch(tmp_path, "--max_steps", "5", gpus="4")
+    assert "--cpus-per-task=64" in argv
+    assert env == {"NPROC_PER_NODE": "4", "MASTER_ADDR": "node-a", "NNODES": "2"}
+    launcher = argv.index("scripts/launch_multinode.sh")
+    trainer_args = argv[launcher + 1 :]
+    assert trainer_args[:2] == ["--config", "configs/m2m100_1b_4x8.yaml"]
+    assert trainer_args[-2:] == ["--max_steps", "5"]  # the job's own extra flags come last
+    for flag in ("--pipeline_schedule", "--num_microbatches", "--tensor_parallel_size", "--bf16"):
+        assert flag not in trainer_args, f"{flag} would override the config's documented layout"
+
+
+def test_sbatch_log_path_needs_no_directory() -> None:
+    text = (REPO / "scripts/slurm_example.sbatch").read_text()
+    outputs = [
+        ln.split("=", 1)[1]
+        for ln in text.splitlines()
+        if ln.startswith(("#SBATCH --output", "#SBATCH --error"))
+    ]
+    assert outputs and all("/" not in o for o in outputs), outputs
+
+
+def test_sbatch_signals_the_workers_before_the_time_limit() -> None:
+    text = (REPO / "scripts/slurm_example.sbatch").read_text()
+    assert "#SBATCH --signal=USR1@" in text and "--signal=B:" not in text
+
+
+def _run_launcher(tmp_path: Path, *, with_signal_flag: bool, max_restarts: str) -> tuple[list[str], str]:
+    """launch_multinode.sh with TORCHRUN pointing at a recorder: its argv and the store variable."""
+    fake = tmp_path / "torchrun"
+    record = tmp_path / "argv.txt"
+    help_text = "  --signals-to-handle SIGNALS_TO_HANDLE" if with_signal_flag else "  --max-restarts"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [[ "$1" == "--help" ]]; then echo "{help_text}"; exit 0; fi\n'
+        f'printf "%s\\n" "$@" > {record}\n'
+        f'echo "${{TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-unset}}" > {record}.store\n'
+    )
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCH_DISABLE"))}
+    env.update({"TORCHRUN": str(fake), "NPROC_PER_NODE": "2", "MAX_RESTARTS": max_restarts})
+    subprocess.run(
+        ["bash", str(REPO / "scripts/launch_multinode.sh"), "--config", "configs/tiny.yaml"],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+    return record.read_text().splitlines(), (tmp_path / "argv.txt.store").read_text().strip()
+
+
+def test_launcher_forwards_sigusr1_and_isolates_restart_stores(tmp_path: Path) -> None:
+    argv, store = _run_launcher(tmp_path, with_signal_flag=True, max_restarts="1")
+    i = argv.index("--signals-to-handle")
+    assert "SIGUSR1" in argv[i + 1].split(",") and "SIGTERM" in argv[i + 1].split(",")
+    assert argv[argv.index("--max-restarts") + 1] == "1" and store == "1"
+    assert argv[-4:] == ["-m", "trainer.train", "--config", "configs/tiny.yaml"]
+
+
+def test_launcher_without_the_signal_flag_or_restarts(tmp_path: Path) -> None:
+    argv, store = _run_launcher(tmp_path, with_signal_flag=False, max_restarts="0")
+    assert "--signals-to-handle" not in argv  # an older torchrun would reject the flag
+    assert store == "unset"
