@@ -1,4 +1,6 @@
-"""Measure each block's cost on a sample micro-batch, for `partition_method: time | memory`.
+"""Measure each block's cost on a sample micro-batch: for `partition_method: time | memory`
+(`profile_blocks`) and for the planner (`profile_block_phases`: forward, backward, the
+zero-bubble I / W split and the activation bytes the executor's meter counts, per block).
 
 Every block runs forward and backward alone on the state the blocks before it
 produce (inputs detached, so each timing covers one block only; a random
@@ -12,9 +14,11 @@ fewer decoder layers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -80,3 +84,129 @@ def _block_params(model: M2M100Translation, spec: BlockSpec) -> list[torch.nn.Pa
         return params
     table = {id(p) for p in model.shared.parameters()}
     return [p for p in params if id(p) not in table]
+
+
+@dataclass(frozen=True)
+class BlockPhases:
+    """One block's costs on one micro-batch, phase by phase (seconds; bytes).
+
+    forward_s: the forward (the head's includes the loss, as the last stage runs it).
+    backward_s: the full backward (input and weight grads, as 1F1B's B).
+    backward_input_s / backward_weight_s: the zero-bubble split: I with the linear
+        weight grads deferred, then W running them (`parallel.zero_bubble`).
+    activation_bytes: what the forward keeps for backward, counted by the executor's
+        `SavedTensorMeter` (the block's input included; rematerialised regions count
+        only the inputs they keep).
+    """
+
+    forward_s: float
+    backward_s: float
+    backward_input_s: float
+    backward_weight_s: float
+    activation_bytes: int
+
+
+def profile_block_phases(
+    model: M2M100Translation,
+    batch: Seq2SeqBatch,
+    repeats: int = 3,
+    autocast_dtype: torch.dtype | None = None,
+    timed: bool = True,
+) -> list[BlockPhases]:
+    """Per block of `model.blocks`: forward, backward and the I / W split, medians of `repeats`.
+
+    Every block runs alone on the state the blocks before it produce (inputs detached),
+    as `profile_blocks` does. `model` is changed in place: its linears are routed through
+    the zero-bubble store (exactly `F.linear` outside a deferral), so pass a copy; apply the
+    remat policy to it first to measure the policy's recompute and kept bytes.
+
+    Args:
+        model: the single-device model (any remat policy applied).
+        batch: one micro-batch on the model's device.
+        repeats: timed repetitions after one warm-up.
+        autocast_dtype: run forwards under autocast (bf16 runs), as the executor does.
+        timed: False measures only the activation bytes (one forward per block, times 0).
+
+    Returns:
+        One `BlockPhases` per block, in block order.
+    """
+    from parallel.memory import SavedTensorMeter
+    from parallel.zero_bubble import WeightGradStore, enable_deferred_wgrad
+
+    store = WeightGradStore()
+    enable_deferred_wgrad(model, store)
+    meter = SavedTensorMeter(model)
+    phases: list[BlockPhases] = []
+    state: State = {}
+    for spec in model.blocks:
+        inputs = {k: v.detach().requires_grad_(v.is_floating_point()) for k, v in state.items()}
+        run = functools.partial(_run_block, model, spec, inputs, batch, autocast_dtype)
+        samples = []
+        for _ in range(repeats + 1 if timed else 0):
+            samples.append(_time_phases(model, spec, inputs, run, meter, store))
+        meter.reset()
+        with meter.record(spec, inputs):
+            out, _ = run()
+        act = meter.held.get(spec, 0)
+        meter.reset()
+        times = [statistics.median(s[k] for s in samples[1:]) if timed else 0.0 for k in range(4)]
+        phases.append(BlockPhases(times[0], times[1], times[2], times[3], int(act)))
+        state = {k: v.detach() for k, v in out.items() if k != "logits"}
+    model.zero_grad(set_to_none=True)
+    return phases
+
+
+def _run_block(
+    model: M2M100Translation,
+    spec: BlockSpec,
+    inputs: State,
+    batch: Seq2SeqBatch,
+    autocast_dtype: torch.dtype | None,
+) -> tuple[State, list[Tensor]]:
+    """The block's output and the tensors its backward starts from (the head's: its loss)."""
+    device = batch.input_ids.device
+    cast = (
+        torch.autocast(device.type, dtype=autocast_dtype)
+        if autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
+    with cast:
+        out = model.run_block(spec, dict(inputs), batch)
+        if spec.kind is BlockKind.HEAD:
+            return out, [cross_entropy_sum(out["logits"], batch.labels)]
+    return out, [t for t in out.values() if t.requires_grad]
+
+
+def _time_phases(model, spec, inputs, run, meter, store) -> tuple[float, float, float, float]:  # type: ignore[no-untyped-def]
+    """(F, B, I, W) seconds of one micro-batch through one block; forwards metered, as in a timed flush."""
+    device = next(model.parameters()).device
+    model.zero_grad(set_to_none=True)
+    meter.reset()
+    _sync(device)
+    t0 = time.perf_counter()
+    with meter.record(spec, inputs):
+        _, roots = run()
+    _sync(device)
+    t1 = time.perf_counter()
+    grads = None if spec.kind is BlockKind.HEAD else [torch.randn_like(t) for t in roots]
+    t1b = time.perf_counter()
+    torch.autograd.backward(roots, grads)
+    _sync(device)
+    t2 = time.perf_counter()
+    with meter.record(spec, inputs):
+        _, roots = run()
+    _sync(device)
+    t3 = time.perf_counter()
+    with store.deferring(spec):
+        torch.autograd.backward(roots, grads)
+    _sync(device)
+    t4 = time.perf_counter()
+    store.flush(spec)
+    _sync(device)
+    t5 = time.perf_counter()
+    return t1 - t0, t2 - t1b, t4 - t3, t5 - t4
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

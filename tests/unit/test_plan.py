@@ -1,0 +1,184 @@
+"""The planner (`python -m trainer.plan`): valid layouts only, plan.json, args the trainer accepts,
+and the memory model against the parameters a real pipeline rank holds.
+
+One small planning run (tiny config, fixed sentence length, given link, no data loading) is
+shared by the tests that read its plan.json.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from models.config import ModelConfig
+from models.m2m100 import BlockKind, M2M100Translation
+from parallel.parallelize import make_plan
+from trainer import plan as planner
+from trainer.config import parse_config
+from trainer.plan_cost import (
+    CostContext,
+    Layout,
+    LinkModel,
+    Shape,
+    block_costs,
+    block_param_counts,
+    device_spec,
+    measure_kind_costs,
+    predict,
+    stage_costs,
+    tp_shape,
+)
+from trainer.train import validate_early
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("plan") / "plan.json"
+    planner.main(
+        ["--config", TINY, "--world_size", "2", "--seq_len", "12", "--link_gbps", "1", "--repeats", "1",
+         "--remat", "none,full", "--output", str(out), "--max_microbatches", "4", "--keep", "1000"]
+    )  # fmt: skip
+    return json.loads(out.read_text())
+
+
+def test_meshes_are_the_ones_parallel_dims_accepts() -> None:
+    arch = ModelConfig(vocab_size=100, d_model=48, encoder_attention_heads=3, decoder_attention_heads=3,
+                       encoder_ffn_dim=96, decoder_ffn_dim=96)  # fmt: skip
+    valid, rejected = planner.meshes(world=4, gpus_per_node=2, arch=arch)
+    assert sorted((d.pp, d.tp, d.dp) for d in valid) == [(1, 1, 4), (2, 1, 2), (4, 1, 1)]
+    reasons = dict(rejected)
+    assert "does not divide encoder_attention_heads(3)" in reasons["pp=1 tp=2 dp=2"]
+    assert "LOCAL_WORLD_SIZE(2)" in reasons["pp=1 tp=4 dp=1"]
+
+
+def test_batch_cuts_keep_the_global_batch() -> None:
+    cfg = parse_config(["--config", TINY])  # 8 sentences x m=1 x g=1 x dp=2 on 2 ranks
+    budget = planner.batch_budget(cfg, world=2)
+    assert budget.total == 16 and not budget.token_mode
+    for dp in (1, 2):
+        cuts = list(planner.batch_cuts(budget, dp, max_m=64))
+        assert cuts and all(b * m * g * dp == 16 for m, g, b in cuts)
+    assert list(planner.batch_cuts(budget, 3, max_m=64)) == []
+    tokens = parse_config(["--config", TINY, "--max_tokens_per_microbatch", "256"])
+    tb = planner.batch_budget(tokens, world=2)
+    assert tb.token_mode and tb.total == 512
+    assert all(cap >= tb.longest for _, _, cap in planner.batch_cuts(tb, 1, max_m=64))
+
+
+def test_plan_json_ranks_valid_candidates(tiny_plan: dict) -> None:
+    rows = tiny_plan["candidates"]
+    assert rows, tiny_plan["rejected_counts"]
+    times = [r["predicted_step_time_s"] for r in rows]
+    assert times == sorted(times) and all(t > 0 for t in times)
+    assert [r["rank"] for r in rows] == list(range(1, len(rows) + 1))
+    for r in rows:
+        assert r["predicted_peak_memory_bytes"] > 0 and r["reason"]
+        lay = r["layout"]
+        assert lay["pp"] * lay["tp"] * lay["dp"] == 2
+        assert lay["microbatch"] * lay["m"] * lay["g"] * lay["dp"] == 16  # the config's global batch
+        assert lay["remat"] in ("none", "full")
+    assert {(r["layout"]["pp"], r["layout"]["tp"]) for r in rows} == {(1, 1), (2, 1), (1, 2)}
+    # interleaved 1F1B needs m % p == 0: the trainer's own check dropped those, with its message
+    reasons = [x["reason"] for x in tiny_plan["rejected"]]
+    assert any("trainer rejects it" in x and "multiple of pipeline_parallel_size" in x for x in reasons)
+
+
+def test_candidate_args_run_the_predicted_layout(tiny_plan: dict) -> None:
+    for row in tiny_plan["candidates"][:: max(1, len(tiny_plan["candidates"]) // 12)]:
+        cfg = parse_config(row["args"])
+        dims = validate_early(cfg, world=2)
+        lay = row["layout"]
+        assert (dims.pp, dims.tp, dims.dp) == (lay["pp"], lay["tp"], lay["dp"])
+        p = cfg.parallel
+        assert (p.num_microbatches, p.pipeline_schedule, p.virtual_stages, p.activation_checkpointing) == (
+            lay["m"], lay["schedule"], lay["v"], lay["remat"])  # fmt: skip
+        assert cfg.training.gradient_accumulation_steps == lay["g"]
+        assert cfg.training.per_device_train_batch_size == lay["microbatch"]
+        if lay["pp"] * lay["v"] > 1:
+            assert p.partition_balance() == lay["balance"]
+
+
+def test_memory_model_counts_the_parameters_each_rank_holds() -> None:
+    mc = ModelConfig(vocab_size=300, d_model=32, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=48)  # fmt: skip
+    per_block, table = block_param_counts(mc)
+    model = M2M100Translation(mc)
+    assert sum(per_block) + table == sum(p.numel() for p in model.parameters()) == mc.num_parameters()
+    # 9 blocks, 2 ranks x 2 virtual stages: rank 0 holds both embeddings, rank 1 the head
+    balance = (2, 2, 3, 2)
+    layout = Layout(2, 1, 1, 2, 1, 2, "interleaved_1f1b", 2, "none", "explicit", balance)
+    ctx = CostContext(mc, LinkModel(1e-5, 1e9, 1e-5, 1e9), 2, False, False, False, 1e-9)
+    kinds = measure_kind_costs(mc, Shape(2, 5, 6), "none", bf16=False, repeats=1)
+    costs = block_costs(kinds, kinds, 1.0, mc, Shape(2, 5, 6), 1, ctx)
+    pred = predict(layout, stage_costs(layout, costs, Shape(2, 5, 6), ctx), ctx)
+    plan = make_plan(model.blocks, balance, 2, 2, 2, "interleaved_1f1b")
+    for rank in range(2):
+        held = M2M100Translation(mc).keep_only(plan.rank_blocks(rank))
+        assert pred.params_per_pp_rank[rank] == sum(p.numel() for p in held.parameters())
+    if ("zbv", 2) in planner.schedule_space():  # V placement: rank 0 holds the first and the last stage
+        v_layout = replace(layout, schedule="zbv")
+        v_pred = predict(v_layout, stage_costs(v_layout, costs, Shape(2, 5, 6), ctx), ctx)
+        v_plan = make_plan(model.blocks, balance, 2, 2, 2, "zbv")
+        for rank in range(2):
+            held = M2M100Translation(mc).keep_only(v_plan.rank_blocks(rank))
+            assert v_pred.params_per_pp_rank[rank] == sum(p.numel() for p in held.parameters())
+    worst = pred.memory
+    assert worst["parameters"] == worst["gradients"] == 4 * max(pred.params_per_pp_rank)
+    assert worst["optimizer"] == 8 * max(pred.params_per_pp_rank)
+    assert pred.peak_memory_bytes == sum(worst.values())
+    zero1_layout = replace(layout, dp=2)
+    zero1_ctx = replace(ctx, zero1=True, gpus_per_node=4)
+    zero1 = predict(zero1_layout, stage_costs(zero1_layout, costs, Shape(2, 5, 6), zero1_ctx), zero1_ctx)
+    assert zero1.memory["optimizer"] == worst["optimizer"] / 2
+
+
+def test_tp_rank_is_costed_on_its_share_of_rows() -> None:
+    assert tp_shape(Shape(8, 10, 12), 2) == (Shape(4, 10, 12), 1.0)
+    shape, factor = tp_shape(Shape(1, 10, 12), 4)
+    assert shape.b == 1 and factor == pytest.approx(0.25)
+
+
+def test_device_table_errors_name_the_valid_choices() -> None:
+    assert device_spec("H100", bf16=True).peak_flops == 989e12
+    with pytest.raises(ValueError, match=r"unknown device 'B300'.*'A100', 'H100', 'H200'"):
+        device_spec("B300", bf16=True)
+    with pytest.raises(SystemExit):
+        planner.parse_args(["--config", TINY, "--world_size", "8", "--gpus_per_node", "3"])
+    with pytest.raises(SystemExit):
+        planner.parse_args(["--config", TINY, "--world_size", "2", "--remat", "sometimes"])
+
+
+def test_memory_limit_drops_layouts_with_the_reason(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    planner.main(
+        ["--config", TINY, "--world_size", "2", "--device", "H100", "--device_memory_gib", "0.0005",
+         "--seq_len", "12", "--remat", "none", "--schedules", "1f1b", "--max_microbatches", "2",
+         "--output", str(out)]
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    fits = result["candidates"]
+    assert all(r["predicted_peak_memory_bytes"] <= 0.9 * 0.0005 * 2**30 for r in fits)
+    dropped = [x for x in result["rejected"] if x["reason"].startswith("does not fit")]
+    assert dropped and "GiB per rank" in dropped[0]["reason"]
+    assert result["costs"] == "device table: H100"
+
+
+def test_block_profile_counts_what_remat_keeps() -> None:
+    mc = ModelConfig(vocab_size=200, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)  # fmt: skip
+    shape = Shape(2, 7, 5)
+    none = measure_kind_costs(mc, shape, "none", bf16=False, timed=False)
+    full = measure_kind_costs(mc, shape, "full", bf16=False, timed=False)
+    selective = measure_kind_costs(mc, shape, "selective", bf16=False, timed=False)
+    for kind in (BlockKind.ENC_LAYER, BlockKind.DEC_LAYER):
+        assert full[kind].activation_bytes < selective[kind].activation_bytes < none[kind].activation_bytes
+        assert none[kind].forward_s == none[kind].backward_s == 0.0  # timed=False measures bytes only
+    # full remat keeps the layer input (B, S, H) fp32; the decoder also the encoder output
+    assert full[BlockKind.ENC_LAYER].activation_bytes == 4 * 2 * 7 * 32
+    assert full[BlockKind.DEC_LAYER].activation_bytes == 4 * 2 * (7 + 5) * 32
