@@ -181,6 +181,30 @@ class DataArguments:
     )
     spm_character_coverage: float = field(default=1.0, metadata={"help": "SentencePiece character coverage."})
     spm_input_sentence_size: int = field(default=200000, metadata={"help": "Sentences sampled to train SPM."})
+    sampling_temperature: float = field(
+        default=1.0,
+        metadata={
+            "help": "Direction d is drawn with probability p_d ~ w_d^(1/T), w_d its pair count (or its "
+            "sampling_weights entry): 1 = proportional to the data, 5 = M2M100 / NLLB, large = uniform."
+        },
+    )
+    sampling_weights: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Weights replacing the pair counts w_d of every direction, e.g. 'en-de:2 de-en:1'; "
+            "sampling_temperature still applies (T=1 keeps the weights' ratio as given)."
+        },
+    )
+    preprocessing_num_workers: int | None = field(
+        default=None, metadata={"help": "Processes that tokenize the corpus (None = this process only)."}
+    )
+    cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Where tokenized data is cached as memory-mapped Arrow files, keyed by a fingerprint "
+            "of data, tokenizer and lengths (default: <output_dir>/data_cache)."
+        },
+    )
     max_bad_record_fraction: float = field(
         default=0.01,
         metadata={
@@ -205,6 +229,48 @@ class DataArguments:
             if pair.count("-") != 1 or not all(pair.split("-")):
                 raise ConfigError(f"language_pairs entry {pair!r} is not of the form src-tgt (e.g. en-de)")
         self._check_sources()
+        _check_range(self, ("sampling_temperature",), 0, low_open=True)
+        _check_range(self, ("preprocessing_num_workers",), 1, optional=True)
+        self.sampling_weights = self._check_weights()
+
+    def _check_weights(self) -> list[str]:
+        """`sampling_weights` as `src-tgt:w` entries, one per direction of the run, each w > 0."""
+        entries = self.sampling_weights or []
+        if isinstance(entries, str):
+            entries = [e for e in entries.replace(",", " ").split() if e]
+        if not entries:
+            return []
+        weights = self.direction_weights(entries)
+        names = ["-".join(d) for d in self.directions()]
+        if sorted(weights) != sorted(names):
+            raise ConfigError(
+                f"sampling_weights name {sorted(weights)} but the run's directions are {names}; "
+                "give one weight per direction"
+            )
+        return list(entries)
+
+    @staticmethod
+    def direction_weights(entries: list[str]) -> dict[str, float]:
+        """`['en-de:2', 'de-en:1'] -> {'en-de': 2.0, 'de-en': 1.0}`.
+
+        Raises:
+            ConfigError: an entry not of the form `src-tgt:w` with a finite w > 0, or a repeated direction.
+        """
+        out: dict[str, float] = {}
+        for entry in entries:
+            name, _, text = entry.rpartition(":")
+            try:
+                w = float(text)
+            except ValueError:
+                w = math.nan
+            if name.count("-") != 1 or not all(name.split("-")) or not (math.isfinite(w) and w > 0):
+                raise ConfigError(
+                    f"sampling_weights entry {entry!r} is not of the form src-tgt:w with w > 0 (e.g. en-de:2)"
+                )
+            if name in out:
+                raise ConfigError(f"sampling_weights names {name!r} twice")
+            out[name] = w
+        return out
 
     def _check_sources(self) -> None:
         """One data source and one way of naming the directions, or an error naming both."""

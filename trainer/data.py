@@ -40,6 +40,13 @@ import torch
 
 from models.m2m100 import IGNORE_INDEX, Seq2SeqBatch
 from trainer.config import DataArguments
+from trainer.sampling import (
+    DirectionSampling,
+    SamplingError,
+    direction_probabilities,
+    draw_epoch,
+    epoch_counts,
+)
 from trainer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -646,6 +653,20 @@ def _column(ds: Any, name: str) -> np.ndarray:
     return np.asarray(ds.with_format("numpy")[name], dtype=np.int64)
 
 
+def direction_ids(ds: Any) -> tuple[list[str], np.ndarray]:
+    """(direction names sorted, each example's index into them), computed column-wise in Arrow."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = ds.with_format("arrow").select_columns(["src_lang", "tgt_lang"])[:]
+    joined = pc.binary_join_element_wise(table["src_lang"], table["tgt_lang"], "-")
+    if isinstance(joined, pa.ChunkedArray):
+        joined = joined.combine_chunks()
+    names = sorted(pc.unique(joined).to_pylist())
+    codes = pc.index_in(joined, value_set=pa.array(names, pa.string()))
+    return names, np.asarray(codes.to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
 def _sentence_slots(order: np.ndarray, lengths: np.ndarray, layout: BatchLayout) -> list[list[np.ndarray]]:
     g, b = layout.per_device_batch_size * layout.num_slots, layout.per_device_batch_size
     batches = []
@@ -675,30 +696,51 @@ def _token_slots(order: np.ndarray, lengths: np.ndarray, layout: BatchLayout) ->
 class GlobalBatchSampler:
     """Length-bucketed, seeded, resumable sequence of global batches over epochs.
 
-    Per epoch: shuffle all examples (seed, epoch); cut into chunks of
+    Per epoch: shuffle all examples (seed, epoch) -- or, with temperature / weighted sampling
+    across directions (`trainer.sampling`), draw N examples by direction and shuffle them; cut into chunks of
     `CHUNK_GLOBAL_BATCHES` global batches; sort each chunk by length; cut into global
     batches (dropping the last partial one); shuffle the order of global batches.
     `state_dict()` holds (epoch, position): a restored sampler continues exactly.
     """
 
     def __init__(
-        self, train: Any, layout: BatchLayout, seed: int, pad_id: int, decoder_start_id: int
+        self,
+        train: Any,
+        layout: BatchLayout,
+        seed: int,
+        pad_id: int,
+        decoder_start_id: int,
+        sampling: DirectionSampling | None = None,
     ) -> None:
         """
         Args:
-            train: tokenized training examples (`tokenize_datasets(...).train`).
+            train: tokenized training examples (`tokenize_datasets(...).train`); only the length
+                and direction columns are read into memory (numpy), rows are fetched per batch.
             layout: the batch layout of this mesh.
             seed: data-order seed.
             pad_id, decoder_start_id: `Tokenizer.pad_id` and `special_ids()["decoder_start_token_id"]`.
+            sampling: temperature / weights across directions (default: proportional, T=1).
 
         Raises:
-            DataError: fewer examples than one global batch, or an example longer than the token cap.
+            DataError: fewer examples than one global batch, an example longer than the token
+                cap, or sampling weights that do not fit the data's directions.
         """
         self.train, self.layout, self.seed = train, layout, seed
         self.pad_id, self.decoder_start_id = pad_id, decoder_start_id
         self.src_len, self.tgt_len = _column(train, "src_len"), _column(train, "tgt_len")
         self.lengths = np.maximum(self.src_len, self.tgt_len)  # padded cost per row
         self._check_size()
+        self.sampling = sampling or DirectionSampling()
+        self.directions, self.direction_of = direction_ids(train)
+        self._groups = [np.flatnonzero(self.direction_of == d) for d in range(len(self.directions))]
+        sizes = {name: len(g) for name, g in zip(self.directions, self._groups)}
+        try:
+            self.probabilities = direction_probabilities(sizes, self.sampling)
+        except SamplingError as e:
+            raise DataError(str(e)) from None
+        # one direction or T=1 without weights: today's plain shuffle, bit for bit
+        self._resample = not self.sampling.proportional and len(self.directions) > 1
+        self.drawn = np.zeros(len(self.directions), np.int64)  # examples per direction in batches served
         self.epoch, self.position, self.step = 0, 0, 0
         self._plan: list[list[np.ndarray]] | None = None
 
@@ -725,7 +767,11 @@ class GlobalBatchSampler:
     def epoch_plan(self, epoch: int) -> list[list[np.ndarray]]:
         """The global batches of `epoch`, each as its K slots (pure function of data, seed, layout)."""
         rng = np.random.default_rng([self.seed, epoch])
-        order = rng.permutation(len(self.lengths))
+        if self._resample:
+            counts = epoch_counts(list(self.probabilities.values()), len(self.lengths))
+            order = draw_epoch(rng, self._groups, counts)
+        else:
+            order = rng.permutation(len(self.lengths))
         chunk = self._chunk_size()
         for start in range(0, len(order), chunk):
             piece = order[start : start + chunk]
@@ -752,6 +798,7 @@ class GlobalBatchSampler:
         num_tokens = int(sum(int(self.tgt_len[s].sum()) for s in slots))
         num_src = int(sum(int(self.src_len[s].sum()) for s in slots))
         batch = GlobalBatch(self.step, self.epoch, slots, num_tokens, num_src, self.layout, self._fetch)
+        self.drawn += np.bincount(self.direction_of[np.concatenate(slots)], minlength=len(self.directions))
         self.position += 1
         self.step += 1
         return batch
@@ -761,22 +808,39 @@ class GlobalBatchSampler:
         idx = np.concatenate(batch.slots)
         return self.src_len[idx], self.tgt_len[idx]
 
+    def shares(self) -> dict[str, dict[str, float]]:
+        """Per direction: the `expected` share p_d, the `realised` share of the examples served so
+        far (over the run: the counts travel in the state dict) and the `examples` count."""
+        total = max(1, int(self.drawn.sum()))
+        return {
+            name: {"expected": round(p, 6), "realised": round(int(n) / total, 6), "examples": int(n)}
+            for (name, p), n in zip(self.probabilities.items(), self.drawn)
+        }
+
+    def _identity(self) -> dict[str, Any]:
+        return {"seed": self.seed, "num_examples": len(self.lengths), **self.layout.signature(),
+                **self.sampling.signature()}  # fmt: skip
+
     def state_dict(self) -> dict[str, Any]:
-        """The position to resume from (JSON-serialisable)."""
-        return {"epoch": self.epoch, "position": self.position, "step": self.step, "seed": self.seed,
-                "num_examples": len(self.lengths), **self.layout.signature()}  # fmt: skip
+        """The position to resume from, and the examples drawn per direction (JSON-serialisable)."""
+        drawn = {name: int(n) for name, n in zip(self.directions, self.drawn)}
+        return {"epoch": self.epoch, "position": self.position, "step": self.step, "drawn": drawn,
+                **self._identity()}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`; the global batch sequence must be the same one.
 
         Raises:
-            DataError: if the data size, seed or global batch differ from the saved state's.
+            DataError: if the data size, seed, global batch or direction sampling differ from the saved state's.
         """
-        mine = {"seed": self.seed, "num_examples": len(self.lengths), **self.layout.signature()}
-        theirs = {k: state.get(k) for k in mine}
+        mine = self._identity()
+        keys = set(mine) | {"sampling_temperature", "sampling_weights"}
+        theirs = {k: state[k] for k in keys if k in state}
         if theirs != mine:
             raise DataError(f"data state from a different run: saved {theirs}, this run {mine}")
         self.epoch, self.position, self.step = int(state["epoch"]), int(state["position"]), int(state["step"])
+        drawn = state.get("drawn", {})  # absent in states saved before sampling existed
+        self.drawn = np.array([int(drawn.get(name, 0)) for name in self.directions], np.int64)
         self._plan = None
 
 

@@ -12,7 +12,8 @@ clear error on all ranks and leaves output_dir as it was.
                       spm_input_sentence_size; tokenizer/ must still hash to the checkpoint's
         model         model_name_or_path and the architecture fields
         data          what the sequence of global batches depends on: seed, the source and
-                      the directions, builtin_size, max_train_samples, max_*_length
+                      the directions, builtin_size, max_train_samples, max_*_length,
+                      sampling_temperature, sampling_weights
         lr schedule   learning_rate, lr_scheduler_type, warmup_steps: the checkpoint's
                       scheduler state (its base lr included) is restored, so a new value
                       would be silently ignored or mixed with the old one
@@ -24,7 +25,7 @@ clear error on all ranks and leaves output_dir as it was.
         the mesh and the pipeline engine, max_steps (the lr decay then stretches to the new
         end, as in the HF Trainer), logging / eval / save cadence and limits, evaluation and
         generation settings, validation data, file paths of the same training data (its
-        example count is checked by the sampler), optimizer betas / eps / weight decay and
+        example count is checked by the sampler), tokenization workers and cache_dir, optimizer betas / eps / weight decay and
         clipping (applied from the resumed step on; DCP restores only the moment tensors),
         regularisation (dropout, label smoothing), the divergence guard (nan_policy), precision /
         compile, timeouts, tracking, output_dir.
@@ -84,6 +85,8 @@ MUST_MATCH: dict[str, tuple[str, ...]] = {
         "max_source_length",
         "max_target_length",
         "max_tokens_per_microbatch",
+        "sampling_temperature",
+        "sampling_weights",
     ),
     "lr schedule": ("learning_rate", "lr_scheduler_type", "warmup_steps"),
 }
@@ -98,6 +101,8 @@ MAY_CHANGE = (
     "validation_file",
     "max_eval_samples",
     "max_bad_record_fraction",
+    "preprocessing_num_workers",
+    "cache_dir",
     "pipeline_parallel_size",
     "tensor_parallel_size",
     "data_parallel_size",
