@@ -41,6 +41,7 @@ from trainer import checkpoint as ckpt
 from trainer.config import ConfigError, JobConfig, parse_config
 from trainer.data import (
     BatchLayout,
+    DataError,
     GlobalBatchSampler,
     TranslationData,
     eval_batches,
@@ -65,6 +66,7 @@ from trainer.loop import LogWindow, StepStats, bubble_stats, build_optimizer, bu
 from trainer.outdir import claim_output_dir
 from trainer.partitioning import choose_balance
 from trainer.resume import ResumePoint, adopt_tokenizer, find_resume, log_changes, run_identity
+from trainer.sampling import DirectionSampling
 from trainer.timeline import write_timeline
 from trainer.tokenizer import Tokenizer, load_or_train_tokenizer
 from trainer.tracking import Tracker
@@ -102,6 +104,29 @@ def setup_tokenizer(cfg: JobConfig, raw: Any, out: Path, rank: int, resume: Resu
         tok.save(tok_dir)
     dist.barrier()
     return Tokenizer.load(tok_dir, languages) if rank != 0 else tok
+
+
+def tokenize_shared(cfg: JobConfig, raw: Any, tok: Tokenizer, out: Path, rank: int) -> TranslationData:
+    """Rank 0 tokenizes into the on-disk cache (`cache_dir`, default <output_dir>/data_cache); the
+    others wait, then load it (a cache hit; on a node without the shared disk they build their own).
+
+    Rank 0's failure is broadcast, so every rank raises it instead of waiting at a barrier
+    (one collective: broadcast_object_list).
+    """
+    cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else out / "data_cache"
+    data: TranslationData | None = None
+    failure: list[str | None] = [None]
+    if rank == 0:
+        try:
+            data = tokenize_datasets(raw, tok, cfg.data, cache)
+        except Exception as e:
+            failure = [f"{type(e).__name__}: {e}"]
+            dist.broadcast_object_list(failure, src=0)
+            raise
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise DataError(f"rank 0 could not tokenize the data: {failure[0]}")
+    return data if data is not None else tokenize_datasets(raw, tok, cfg.data, cache)
 
 
 def _has_tokenizer(path: str) -> bool:
@@ -303,7 +328,7 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint
 
     raw = load_raw_datasets(cfg.data, cfg.training.seed)
     tok = setup_tokenizer(cfg, raw, out, rank, resume)
-    data = tokenize_datasets(raw, tok, cfg.data)
+    data = tokenize_shared(cfg, raw, tok, out, rank)
     mc = resume.model_config(cfg) if resume else model_config_for(cfg, tok)
     dims.validate(mc)
     mesh = build_mesh(dims, device.type)
@@ -347,9 +372,21 @@ def build_sampler(cfg: JobConfig, dp: int, data: TranslationData, tok: Tokenizer
         dp,
         cfg.data.max_tokens_per_microbatch,
     )
-    return GlobalBatchSampler(
-        data.train, layout, cfg.training.seed, tok.pad_id, tok.special_ids()["decoder_start_token_id"]
+    weights = cfg.data.direction_weights(cfg.data.sampling_weights)
+    sampling = DirectionSampling(cfg.data.sampling_temperature, weights)
+    sampler = GlobalBatchSampler(
+        data.train,
+        layout,
+        cfg.training.seed,
+        tok.pad_id,
+        tok.special_ids()["decoder_start_token_id"],
+        sampling,
     )
+    expected = {name: share["expected"] for name, share in sampler.shares().items()}
+    logger.info(
+        "direction sampling T=%g weights %s: expected shares %s", sampling.temperature, weights, expected
+    )
+    return sampler
 
 
 def record_setup(
@@ -626,6 +663,7 @@ def finish_run(
         "timeline_png": str(out / "timeline.png") if pp > 1 else None,
         "timeline_trace": str(out / "timeline_trace.json") if pp > 1 else None,
         "data_skipped": ctx.data.skipped,
+        "direction_shares": ctx.sampler.shares(),
         "output_dir": str(out),
         "last_checkpoint": str(ckpt.checkpoint_dir(out, step)),
     }
