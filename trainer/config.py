@@ -235,9 +235,9 @@ class DataArguments:
 
     def _check_weights(self) -> list[str]:
         """`sampling_weights` as `src-tgt:w` entries, one per direction of the run, each w > 0."""
-        entries = self.sampling_weights or []
-        if isinstance(entries, str):
-            entries = [e for e in entries.replace(",", " ").split() if e]
+        given = self.sampling_weights or []
+        given = [given] if isinstance(given, str) else given
+        entries = [e for item in given for e in str(item).replace(",", " ").split()]  # 'en-de:2 de-en:1' too
         if not entries:
             return []
         weights = self.direction_weights(entries)
