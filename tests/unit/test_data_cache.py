@@ -1,0 +1,94 @@
+"""Tokenization cached on disk (memory-mapped Arrow, keyed by data + tokenizer + lengths) and
+tokenized by `preprocessing_num_workers` processes, on real multi30k text."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import trainer.data as data_module
+from trainer.config import DataArguments
+from trainer.data import TranslationData, load_raw_datasets, tokenize_datasets
+from trainer.tokenizer import SentencePieceTokenizer, train_tokenizer
+
+DATA = Path("/work/shared/data/multi30k")
+N = 1200
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("text")
+    for lang in ("de", "en"):
+        with gzip.open(DATA / f"train.{lang}.gz", "rt", encoding="utf-8") as f:
+            lines = [line for _, line in zip(range(N), f)]
+        for split, part in (("train", lines[:1000]), ("val", lines[1000:])):
+            with gzip.open(d / f"{split}.{lang}.gz", "wt", encoding="utf-8") as g:
+                g.writelines(part)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tok(text_dir: Path) -> SentencePieceTokenizer:
+    with gzip.open(text_dir / "train.en.gz", "rt") as f, gzip.open(text_dir / "train.de.gz", "rt") as g:
+        return train_tokenizer([*f.read().splitlines(), *g.read().splitlines()], ["de", "en"], 600, seed=0)
+
+
+def _args(text_dir: Path, **kw: Any) -> DataArguments:
+    return DataArguments(train_file=str(text_dir / "train.{lang}.gz"), validation_file=str(text_dir / "val.{lang}.gz"),
+                         language_pairs=["en-de", "de-en"], **{"max_source_length": 24, **kw})  # fmt: skip
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the batches this process tokenizes (a cache hit tokenizes none)."""
+    count = [0]
+    real = data_module._tokenize_batch
+
+    def counting(*a: Any, **kw: Any) -> dict[str, list[Any]]:
+        count[0] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(data_module, "_tokenize_batch", counting)
+    return count
+
+
+def _rows(data: TranslationData) -> tuple[Any, ...]:
+    return data.train[:], {k: v[:] for k, v in data.validation.items()}, data.skipped
+
+
+def test_second_run_loads_the_cache(text_dir: Path, tok: SentencePieceTokenizer, tmp_path: Path,
+                                    calls: list[int]) -> None:  # fmt: skip
+    args = _args(text_dir)
+    first = tokenize_datasets(load_raw_datasets(args, 0), tok, args, tmp_path)
+    assert calls[0] > 0 and first.skipped["train"]["source_too_long"] > 0
+    assert len(list(tmp_path.glob("tokenized-*.arrow"))) == 3  # train + 2 validation directions
+    files = {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()}  # and the filters' index files
+    # the examples live in the cache's Arrow files (memory-mapped), not in this process's heap
+    assert {Path(f["filename"]).parent for f in first.train.cache_files} == {tmp_path}
+
+    tokenized = calls[0]
+    again = tokenize_datasets(load_raw_datasets(args, 0), tok, args, tmp_path)  # data read anew: a restart
+    assert calls[0] == tokenized  # nothing tokenized again
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == files
+    assert _rows(again) == _rows(first)  # skip counts included
+
+    longer = _args(text_dir, max_source_length=40)  # another key: tokenized again, in a new file
+    tokenize_datasets(load_raw_datasets(longer, 0), tok, longer, tmp_path)
+    assert calls[0] > tokenized and len(list(tmp_path.glob("tokenized-*.arrow"))) == 6
+
+
+def test_workers_give_the_same_examples(text_dir: Path, tok: SentencePieceTokenizer, tmp_path: Path,
+                                        calls: list[int]) -> None:  # fmt: skip
+    one = _args(text_dir)
+    single = tokenize_datasets(load_raw_datasets(one, 0), tok, one)  # no cache of ours
+    two = _args(text_dir, preprocessing_num_workers=2)
+    parallel = tokenize_datasets(load_raw_datasets(two, 0), tok, two, tmp_path)
+    assert _rows(parallel) == _rows(single)
+    assert len(list(tmp_path.glob("tokenized-*_of_00002.arrow"))) == 6  # 3 splits x 2 worker shards
+    # the worker count may change on resume: a one-process run loads the two workers' shards
+    tokenized = calls[0]
+    assert _rows(tokenize_datasets(load_raw_datasets(one, 0), tok, one, tmp_path)) == _rows(single)
+    assert calls[0] == tokenized
