@@ -25,7 +25,8 @@ clear error on all ranks and leaves output_dir as it was.
         the mesh and the pipeline engine, max_steps (the lr decay then stretches to the new
         end, as in the HF Trainer), logging / eval / save cadence and limits, evaluation and
         generation settings, validation data, file paths of the same training data (its
-        example count is checked by the sampler), tokenization workers and cache_dir, optimizer betas / eps / weight decay and
+        example count is checked by the sampler), tokenization workers and cache_dir,
+        optimizer betas / eps / weight decay and
         clipping (applied from the resumed step on; DCP restores only the moment tensors),
         regularisation (dropout, label smoothing), the divergence guard (nan_policy), precision /
         compile, timeouts, tracking, output_dir.

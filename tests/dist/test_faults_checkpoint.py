@@ -188,6 +188,7 @@ def test_overwrite_clears_the_earlier_run_but_a_restart_keeps_it(
         ".lock",
         "checkpoint-1",
         "config.yaml",
+        "data_cache",  # the tokenized data outlives a fresh overwrite: the next run loads it
         "metrics.jsonl",
         "model_config.json",
         "run_summary.json",

@@ -1,0 +1,74 @@
+"""Ranks share one tokenization: rank 0 builds the on-disk cache, the others load it after one
+collective; a failure on rank 0 reaches every rank as one error instead of a hang at a barrier."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.dist.harness import run_distributed
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+DATA = Path("/work/shared/data/multi30k")
+
+
+def share_tokenization(rank: int, world: int, text_dir: str, out: str) -> dict[str, Any]:
+    import datasets
+
+    import trainer.data as data_module
+    import trainer.train as train_module
+    from trainer.config import load_config_dict
+    from trainer.data import load_raw_datasets
+    from trainer.tokenizer import Tokenizer
+
+    datasets.disable_progress_bars()
+    cfg = load_config_dict({"train_file": f"{text_dir}/train.{{lang}}.gz", "language_pairs": ["en-de", "de-en"],
+                            "output_dir": out, "max_source_length": 24})  # fmt: skip
+    calls = [0]
+    real = data_module._tokenize_batch
+
+    def counting(*a: Any, **kw: Any) -> Any:
+        calls[0] += 1
+        return real(*a, **kw)
+
+    data_module._tokenize_batch = counting
+    tok = Tokenizer.load(Path(text_dir) / "tokenizer", ["de", "en"])
+    raw = load_raw_datasets(cfg.data, 0)
+    data = train_module.tokenize_shared(cfg, raw, tok, Path(out), rank)
+    res: dict[str, Any] = {"calls": calls[0], "rows": data.train[:]["input_ids"], "skipped": data.skipped}
+
+    if rank == 0:  # rank 0 alone fails (e.g. its disk is full): the others must not wait for it
+
+        def fail(*a: Any, **kw: Any) -> Any:
+            raise OSError("No space left on device")
+
+        train_module.tokenize_datasets = fail  # type: ignore[assignment]
+    try:
+        train_module.tokenize_shared(cfg, raw, tok, Path(out) / "other", rank)
+        res["error"] = None
+    except Exception as e:
+        res["error"] = f"{type(e).__name__}: {e}"
+    return res
+
+
+def test_rank0_tokenizes_the_others_load(tmp_path: Path) -> None:
+    from trainer.tokenizer import train_tokenizer
+
+    lines = {}
+    for lang in ("de", "en"):
+        with gzip.open(DATA / f"train.{lang}.gz", "rt", encoding="utf-8") as f:
+            lines[lang] = [line for _, line in zip(range(800), f)]
+        with gzip.open(tmp_path / f"train.{lang}.gz", "wt", encoding="utf-8") as g:
+            g.writelines(lines[lang])
+    texts = [t.strip() for v in lines.values() for t in v]
+    train_tokenizer(texts, ["de", "en"], 600, seed=0).save(tmp_path / "tokenizer")
+    r0, r1 = run_distributed(share_tokenization, 2, args=(str(tmp_path), str(tmp_path / "out")), timeout=240)
+    assert r0["calls"] > 0 and r1["calls"] == 0  # rank 1 loaded rank 0's Arrow files
+    assert r0["rows"] == r1["rows"] and r0["skipped"] == r1["skipped"]
+    assert any((tmp_path / "out" / "data_cache").glob("tokenized-*.arrow"))
+    assert r0["error"] == "OSError: No space left on device"
+    assert r1["error"] == "DataError: rank 0 could not tokenize the data: OSError: No space left on device"
