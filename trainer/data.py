@@ -222,30 +222,45 @@ def _read_text_files(pattern: str, languages: Sequence[str], what: str, max_bad:
     """Line-aligned files, one per language: `pattern` holds `{lang}`.
 
     A line that is not UTF-8 drops that line number from every language (alignment kept).
+    Two streaming passes (check, then write Arrow through `datasets`' cache, memory-mapped),
+    so a corpus larger than memory is never held in it.
     """
     import datasets
 
-    columns: dict[str, list[str | None]] = {}
+    paths: dict[str, str] = {}
+    counts: dict[str, int] = {}
     skipped: set[int] = set()
     for lang in languages:
         path = Path(pattern.format(lang=lang))
         if not path.is_file():
             found = sorted(p.name for p in path.parent.glob(Path(pattern).name.replace("{lang}", "*")))
             raise DataError(f"{what}: no file {str(path)!r} for language {lang!r}; files there: {found}")
-        bad, lines = BadLines(what, path), []
+        bad = BadLines(what, path)
         for lineno, text, why in _decoded_lines(path, what):
             bad.lines += 1
-            lines.append(text)
             if text is None:
                 bad.add(lineno, why)
                 skipped.add(lineno - 1)
         bad.check(max_bad)
-        columns[lang] = lines
-    counts = {pattern.format(lang=lang): len(lines) for lang, lines in columns.items()}
+        paths[lang], counts[str(path)] = str(path), bad.lines
     if len(set(counts.values())) > 1:
         raise DataError(f"{what}: text files are not line-aligned, line counts differ: {counts}")
-    keep = [i for i in range(len(next(iter(columns.values())))) if i not in skipped]
-    return datasets.Dataset.from_dict({k: [v[i] for i in keep] for k, v in columns.items()}), len(skipped)
+    stats = [(p, Path(p).stat().st_size, Path(p).stat().st_mtime_ns) for p in paths.values()]
+    key = hashlib.sha256(json.dumps([stats, sorted(skipped)]).encode()).hexdigest()[:32]
+    features = datasets.Features({lang: datasets.Value("string") for lang in paths})
+    ds = datasets.Dataset.from_generator(
+        _text_rows, features=features, gen_kwargs={"paths": paths, "skip": sorted(skipped)}, fingerprint=key
+    )
+    return ds, len(skipped)
+
+
+def _text_rows(paths: dict[str, str], skip: list[int]) -> Iterator[dict[str, str | None]]:
+    """The rows of line-aligned files, without the line indices in `skip` (for `from_generator`)."""
+    drop = set(skip)
+    readers = [_decoded_lines(Path(p), "text file") for p in paths.values()]
+    for i, lines in enumerate(zip(*readers)):
+        if i not in drop:
+            yield {lang: text for lang, (_, text, _) in zip(paths, lines)}
 
 
 def _json_translation(ds: Any, languages: Sequence[str], what: str) -> Any:
