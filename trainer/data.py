@@ -1,8 +1,10 @@
 """Parallel text in, mesh-independent global batches out.
 
     load_raw_datasets   files / `datasets` name / builtin corpus -> pairs per direction
-    tokenize_datasets   pairs -> `__src__ x </s>` / `__tgt__ y </s>` ids (datasets.map, batched)
-    GlobalBatchSampler  -> GlobalBatch k (depends on data, seed, global batch size only)
+    tokenize_datasets   pairs -> `__src__ x </s>` / `__tgt__ y </s>` ids (datasets.map, batched,
+                        `preprocessing_num_workers` processes, cached as memory-mapped Arrow files)
+    GlobalBatchSampler  -> GlobalBatch k (depends on data, seed, global batch size and the
+                        direction sampling of `trainer.sampling` only; holds lengths, not rows)
     GlobalBatch.shard   -> one dp replica's share: gas x m `Seq2SeqBatch`es
     eval_batches        -> per-direction batches with reference strings for BLEU
 
