@@ -239,9 +239,12 @@ class HFTokenizer(Tokenizer):
             raise TokenizerError(
                 f"tokenizer {hf.name_or_path!r} lacks one of pad/bos/eos/unk tokens (ids {ids}); all four are needed"
             )
+        tags = self.available_tags()
         if languages is None:  # every tag of the vocabulary, as a language code
-            languages = [t if NLLB_CODE.fullmatch(t) else t[2:-2] for t in self.available_tags()]
-        super().__init__(languages, len(hf), *(int(i) for i in (ids[0], ids[1], ids[2], ids[3])))
+            languages = [t if NLLB_CODE.fullmatch(t) else t[2:-2] for t in tags]
+        # M2M100Tokenizer's language tokens lie past len(): its ids are len(vocab.json) + i.
+        size = max([len(hf), *(int(hf.convert_tokens_to_ids(t)) + 1 for t in tags)])
+        super().__init__(languages, size, *(int(i) for i in (ids[0], ids[1], ids[2], ids[3])))
 
     @classmethod
     def load_dir(cls, path: Path, languages: Sequence[str] | None) -> HFTokenizer:
@@ -268,7 +271,9 @@ class HFTokenizer(Tokenizer):
 
     def available_tags(self) -> list[str]:
         """Every language tag (`__xx__` or `eng_Latn`) of the vocabulary, sorted."""
-        return sorted(t for t in self.hf.get_vocab() if is_tag(t))
+        hf = self.hf  # M2M100Tokenizer lists its language tokens only in lang_token_to_id
+        found = [*hf.get_vocab(), *hf.all_special_tokens, *getattr(hf, "lang_token_to_id", {})]
+        return sorted({t for t in found if is_tag(t)})
 
     def save(self, directory: str | Path) -> None:
         """Write with `save_pretrained` (loadable by `Tokenizer.load` and `AutoTokenizer`)."""
