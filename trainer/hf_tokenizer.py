@@ -87,7 +87,7 @@ def is_bpe(model_proto: bytes) -> bool:
     """Whether a SentencePiece model is BPE (else Unigram)."""
     from sentencepiece import sentencepiece_model_pb2 as pb
 
-    proto = pb.ModelProto()
+    proto = pb.ModelProto()  # type: ignore[attr-defined]  # generated protobuf module
     proto.ParseFromString(model_proto)
     return bool(proto.trainer_spec.model_type == 2)
 

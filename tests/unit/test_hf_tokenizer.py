@@ -232,9 +232,9 @@ def test_stock_nllb_and_m2m100_tokenizers_load(corpus: list[str], tmp_path: Path
     nllb = Tokenizer.load(stock_nllb(corpus, tmp_path / "nllb"), ["eng_Latn", "deu_Latn"])
     assert isinstance(nllb, HFTokenizer) and nllb.languages == ["deu_Latn", "eng_Latn"]
     assert nllb.lang_id("eng_Latn") == nllb.hf.convert_tokens_to_ids("eng_Latn") >= 300
-    assert nllb.encode("eng_Latn") == nllb.hf("eng_Latn", add_special_tokens=False, split_special_tokens=True)[
-        "input_ids"
-    ] and nllb.lang_id("eng_Latn") not in nllb.encode("x eng_Latn y")
+    assert nllb.encode("eng_Latn") == nllb.hf(
+        "eng_Latn", add_special_tokens=False, split_special_tokens=True
+    )["input_ids"] and nllb.lang_id("eng_Latn") not in nllb.encode("x eng_Latn y")
     with pytest.raises(ValueError, match=r"has no tag __en__; it has \['deu_Latn', 'eng_Latn', 'fra_Latn'\]"):
         Tokenizer.load(tmp_path / "nllb", ["en"])
     m2m = Tokenizer.load(stock_m2m100(corpus, tmp_path / "m2m"), ["en", "de"])
@@ -264,7 +264,11 @@ def test_finetune_with_stock_tokenizers_and_nllb_files(corpus: list[str], tmp_pa
     base = base_config(str(tmp_path), max_steps=3, builtin_size=200, spm_model_type="bpe")
     cases = [
         {**files, "tokenizer_name": str(nllb_dir), "output_dir": str(tmp_path / "nllb-run")},
-        {"tokenizer_name": str(m2m_dir), "language_pairs": ["en-de"], "output_dir": str(tmp_path / "m2m-run")},
+        {
+            "tokenizer_name": str(m2m_dir),
+            "language_pairs": ["en-de"],
+            "output_dir": str(tmp_path / "m2m-run"),
+        },
         {**files, "output_dir": str(tmp_path / "own-run")},
     ]
     histories = run_distributed(train_cases, 1, (base, cases), timeout=240)[0]

@@ -118,7 +118,11 @@ def test_hf_autotokenizer_round_trip(
     if bpe:
         hf.src_lang = "__de__"
         assert hf(text)["input_ids"] == source
-        assert hf("__de__ " + text)["input_ids"] == [tok.lang_id("de"), *tok.encode("__de__ " + text), tok.eos_id]
+        assert hf("__de__ " + text)["input_ids"] == [
+            tok.lang_id("de"),
+            *tok.encode("__de__ " + text),
+            tok.eos_id,
+        ]
     else:  # how a user builds our source format on the plain tokenizer
         assert hf("__de__ " + text)["input_ids"] == source
     assert tok.lang_id("en") not in tok.encode("a__en__b")
