@@ -190,3 +190,23 @@ def _tokenizer_config(
             mask_token=None,  # NLLB's <mask> would be a new id past the model's vocabulary
         )
     return config
+
+
+def loadable_by_transformers4(directory: str | Path) -> None:
+    """Rewrite a `tokenizer_config.json` saved by transformers 5 so that 4.x loads it too.
+
+    5.x writes the extra special tokens (e.g. NLLB's language codes) as a list under
+    `extra_special_tokens`, which 4.x reads as a dict of named tokens and fails on; both
+    majors read them as `additional_special_tokens`. A config without that list is left as is.
+    """
+    path = Path(directory) / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    extra = config.get("extra_special_tokens")
+    if not isinstance(extra, list):
+        return
+    del config["extra_special_tokens"]
+    before = config.get("additional_special_tokens") or []
+    config["additional_special_tokens"] = [*before, *(t for t in extra if t not in before)]
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")

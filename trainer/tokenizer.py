@@ -276,8 +276,11 @@ class HFTokenizer(Tokenizer):
         return sorted({t for t in found if is_tag(t)})
 
     def save(self, directory: str | Path) -> None:
-        """Write with `save_pretrained` (loadable by `Tokenizer.load` and `AutoTokenizer`)."""
+        """Write with `save_pretrained` (loadable by `Tokenizer.load` and `AutoTokenizer`, 4.x and 5.x)."""
+        from trainer.hf_tokenizer import loadable_by_transformers4
+
         self.hf.save_pretrained(str(directory))
+        loadable_by_transformers4(directory)
 
     def save_pretrained(self, directory: str | Path, model_max_length: int | None = None) -> None:
         """`save`, with `model_max_length` (where `truncation=True` cuts) set first when given."""
