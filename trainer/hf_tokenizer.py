@@ -16,7 +16,9 @@ merges of `tokenizer.json` (4.x loads `tokenizer.json` as it is). A run trained 
 `spm_model_type: bpe` therefore exports the NllbTokenizer; a Unigram run cannot be carried
 by any stock class with language-code semantics in transformers 5, so it exports a plain
 fast tokenizer (`PreTrainedTokenizerFast`, loadable by 4.x and 5.x) on which the user
-writes the tag into the text: `tok("__en__ " + text)` (logged as a warning at export).
+writes the tag into the text: `tok("__en__ " + text)`. transformers 5 also rebuilds the
+NllbTokenizer's normalizer without SentencePiece's strip of trailing whitespace: a text
+ending in spaces gets one more `▁` piece than `encode` gives (strip such text first).
 
 Both forms truncate at `model_max_length` (the model's `max_position_embeddings` when the
 export knows it). The NllbTokenizer form sets `split_special_tokens`, so text that spells a
@@ -114,15 +116,21 @@ def save_hf_tokenizer(
         The tokenizer class written: "NllbTokenizer" (BPE models) or "PreTrainedTokenizerFast".
 
     Raises:
-        ValueError: `src_lang` / `tgt_lang` is not one of `tags`, or `tags` is empty.
+        TokenizerError: `src_lang` / `tgt_lang` is not one of `tags`, or `tags` is empty.
     """
+    from trainer.tokenizer import TokenizerError
+
     if not tags:
-        raise ValueError("the tokenizer has no language tags; an HF translation tokenizer needs at least one")
+        raise TokenizerError(
+            "the tokenizer has no language tags; an HF translation tokenizer needs at least one"
+        )
     src = src_lang or tags[0]
     tgt = tgt_lang or tags[min(1, len(tags) - 1)]
     for name, code in (("src_lang", src), ("tgt_lang", tgt)):
         if code not in tags:
-            raise ValueError(f"{name}={code!r} is not a language tag of the tokenizer; valid: {list(tags)}")
+            raise TokenizerError(
+                f"{name}={code!r} is not a language tag of the tokenizer; valid: {list(tags)}"
+            )
     from tokenizers import processors
 
     out = Path(directory)
@@ -139,7 +147,7 @@ def save_hf_tokenizer(
         backend.post_processor = processors.TemplateProcessing(
             single=f"$A {EOS}", pair=f"$A $B {EOS}", special_tokens=[(EOS, eos_id)]
         )
-        logger.warning(
+        logger.info(
             "the run's SentencePiece model is unigram: the HF export is a plain fast tokenizer "
             "(write the tag into the text: tok('%s ' + text)); train with spm_model_type=bpe to "
             "export an NllbTokenizer with src_lang/tgt_lang",
