@@ -9,7 +9,8 @@ its extra special tokens, looks them up in the vocabulary (so they keep ids 4..)
 source and label format. It exists in transformers 4.x and 5.x, so the export names
 `"tokenizer_class": "NllbTokenizer"` and the codes are the tags themselves: `eng_Latn` for
 NLLB-style runs, `__en__` for M2M100-style runs (`tok.src_lang = "__en__"`: NllbTokenizer
-has no `en -> __en__` mapping; an unknown code silently becomes `<unk>`, as in stock NLLB).
+has no `en -> __en__` mapping: it looks the code up in the vocabulary, so `en` silently
+becomes `<unk>` or the ordinary piece `en`, as an unknown code does in stock NLLB).
 
 transformers 5 rebuilds an `NllbTokenizer` as SentencePiece-BPE from the vocabulary and
 merges of `tokenizer.json` (4.x loads `tokenizer.json` as it is). A run trained with
