@@ -90,10 +90,10 @@ def predict(ctx: RunContext) -> dict[str, Any]:
     metrics: dict[str, Any] = runner.losses()
     hyps: dict[str, list[str]] = {}
 
-    def translate(sources: Sequence[str], src: str, tgt: str) -> list[str] | None:
-        got = runner.translate_3d(sources, src, tgt)
+    def translate(sources: Sequence[str], src_lang: str, tgt_lang: str) -> list[str] | None:
+        got = runner.translate_3d(sources, src_lang, tgt_lang)
         if got is not None:
-            hyps[f"{src}-{tgt}"] = got
+            hyps[f"{src_lang}-{tgt_lang}"] = got
         return got
 
     texts = [  # file order (the batches are length-sorted; translate_3d returns hypotheses in input order)

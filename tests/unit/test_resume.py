@@ -101,7 +101,7 @@ def test_global_batch_must_match_but_the_mesh_may_change(tmp_path: Path) -> None
                tensor_parallel_size=2, max_steps=20, logging_steps=5)  # fmt: skip
     point = find_resume(cfg, _dims(cfg, 2))
     assert point is not None and point.step == 2
-    assert "max_steps: 100 -> 20" in point.changes and "tensor_parallel_size: 1 -> 2" in point.changes
+    assert "max_steps: -1 -> 20" in point.changes and "tensor_parallel_size: 1 -> 2" in point.changes
 
 
 def test_tokenizer_rewritten_after_the_checkpoint_is_refused(tmp_path: Path) -> None:
