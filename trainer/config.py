@@ -576,7 +576,7 @@ class TrainingArguments:
                 "predict_with_generate=False is not supported: evaluation and do_predict always decode "
                 "(eval_bleu, predictions); remove it or set it to true"
             )
-        if self.load_best_model_at_end or self.early_stopping_patience:
+        if self.load_best_model_at_end or self.early_stopping_patience or self.metric_for_best_model:
             from trainer.strategies import check_best_model_args
 
             check_best_model_args(self)

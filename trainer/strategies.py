@@ -48,6 +48,8 @@ def check_best_model_args(args: TrainingArguments) -> None:
     args.metric_for_best_model = metric if metric.startswith("eval_") else f"eval_{metric}"
     if args.greater_is_better is None:
         args.greater_is_better = not args.metric_for_best_model.endswith("loss")
+    if not (args.load_best_model_at_end or args.early_stopping_patience):
+        return  # metric_for_best_model alone: best_metric is recorded at the evaluations there are
     asked = "load_best_model_at_end" if args.load_best_model_at_end else "early_stopping_patience"
     if args.eval_strategy == "no" or (args.eval_strategy == "steps" and not args.eval_steps):
         raise _error(
@@ -66,6 +68,11 @@ def check_best_model_args(args: TrainingArguments) -> None:
             f"load_best_model_at_end needs save_steps to be a multiple of eval_steps, got save_steps="
             f"{args.save_steps} and eval_steps={args.eval_steps}"
         )
+
+
+def tracks_best(args: TrainingArguments) -> bool:
+    """Whether evaluations feed the best-model record (and are broadcast from the logging rank)."""
+    return bool(args.load_best_model_at_end or args.early_stopping_patience or args.metric_for_best_model)
 
 
 def resolve_max_steps(args: TrainingArguments, steps_per_epoch: int) -> int:

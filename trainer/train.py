@@ -67,7 +67,7 @@ from trainer.outdir import claim_output_dir
 from trainer.partitioning import choose_balance
 from trainer.predict import check_predict_args, predict
 from trainer.resume import ResumePoint, adopt_tokenizer, find_resume, log_changes, run_identity
-from trainer.strategies import BestModel, interval_due, resolve_max_steps
+from trainer.strategies import BestModel, interval_due, resolve_max_steps, tracks_best
 from trainer.timeline import write_timeline
 from trainer.tokenizer import Tokenizer, load_or_train_tokenizer
 from trainer.tracking import Tracker
@@ -629,7 +629,7 @@ def evaluate_at(
     metrics = evaluator.run(step, tracker)
     tracker.log({"step": step, **metrics})
     args = ctx.cfg.training
-    if args.load_best_model_at_end or args.early_stopping_patience:
+    if tracks_best(args):
         box = [metrics]
         dist.broadcast_object_list(box, src=ctx.log_rank)
         metrics = box[0]
@@ -639,9 +639,13 @@ def evaluate_at(
 
 
 def load_best_model(ctx: RunContext, step: int) -> None:
-    """load_best_model_at_end: read the best checkpoint's weights into the model (collective)."""
-    best = ctx.best.best_model_checkpoint
-    if not ctx.cfg.training.load_best_model_at_end or best is None or ctx.best.best_step == step:
+    """load_best_model_at_end: read the best checkpoint's weights into the model (collective).
+
+    Only after training (do_train): a do_train=false run evaluates / predicts the checkpoint it
+    was given (resume_from_checkpoint or model_name_or_path), as HF's does.
+    """
+    best, args = ctx.best.best_model_checkpoint, ctx.cfg.training
+    if not (args.do_train and args.load_best_model_at_end) or best is None or ctx.best.best_step == step:
         return
     ckpt.load_checkpoint(Path(best), [ctx.pm.model], None, to_logical=ctx.pm.to_logical, restore_rng=False)
     logger.info("loaded the best model: %s (%s = %s)", best, ctx.best.metric, ctx.best.best_metric)
@@ -673,7 +677,7 @@ def finish_run(
     if args.do_train and totals.last_save != step:
         save(ctx, step)
     load_best_model(ctx, step)
-    if args.load_best_model_at_end and ctx.best.best_metrics is not None:
+    if args.do_train and args.load_best_model_at_end and ctx.best.best_metrics is not None:
         after = ctx.best.best_metrics  # the model the run ends with
     predicted = predict(ctx) if args.do_predict else {}
     summary = run_summary(ctx, totals, before, after)

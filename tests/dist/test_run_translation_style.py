@@ -30,6 +30,15 @@ ROOT = Path(__file__).resolve().parents[2]
 VALIDATION = "configs/data/en-de_sample/validation.jsonl"
 
 
+def _train(out: Path, *flags: str) -> None:
+    cmd = [sys.executable, "-m", "trainer.train", "--config", "configs/run_translation_style.yaml",
+           "--output_dir", str(out), *flags]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 @pytest.mark.dist
 def test_run_translation_style_config_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "run"
@@ -39,12 +48,7 @@ def test_run_translation_style_config_end_to_end(tmp_path: Path) -> None:
     decisions = ["--metric_for_best_model", "eval_loss", "--greater_is_better", "true",
                  "--early_stopping_patience", "1", "--early_stopping_threshold", "1e9",
                  "--save_total_limit", "1", "--test_file", VALIDATION]  # fmt: skip
-    cmd = [sys.executable, "-m", "trainer.train", "--config", "configs/run_translation_style.yaml",
-           "--output_dir", str(out), *tiny, *decisions]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _train(out, *tiny, *decisions)
 
     summary = json.loads((out / "run_summary.json").read_text())
     evals = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").open()) if "eval_loss" in r}
@@ -64,3 +68,11 @@ def test_run_translation_style_config_end_to_end(tmp_path: Path) -> None:
     lines = (out / "predictions_en-de.txt").read_text().splitlines()
     assert len(lines) == results["predict_samples"]["en-de"] == 16  # max_eval_samples caps the test too
     assert (out / "generated_predictions.txt").read_text() == (out / "predictions_en-de.txt").read_text()
+
+    # do_train=false: evaluate and predict a given checkpoint (here the best one), write no checkpoint
+    only = tmp_path / "predict_only"
+    _train(only, *tiny, *decisions, "--do_train", "false", "--resume_from_checkpoint", best)
+    again = json.loads((only / "predict_results.json").read_text())
+    assert again["predict_loss"] == pytest.approx(evals[6]["eval_loss"], rel=1e-6)
+    assert (only / "predictions_en-de.txt").read_text() == (out / "predictions_en-de.txt").read_text()
+    assert not list(only.glob("checkpoint-*"))
