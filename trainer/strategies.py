@@ -70,6 +70,25 @@ def check_best_model_args(args: TrainingArguments) -> None:
         )
 
 
+def check_metric_name(metric: str | None, directions: list[str]) -> None:
+    """`metric_for_best_model` must be a key evaluation produces for this run's directions.
+
+    Raises:
+        ConfigError: naming the metric and the valid keys.
+    """
+    if metric is None:
+        return
+    valid = [
+        f"eval_{m}{suffix}"
+        for suffix in ["", *(f"_{d}" for d in directions)]
+        for m in ("loss", "bleu", "chrf")
+    ]
+    if metric not in valid:
+        raise _error(
+            f"metric_for_best_model={metric!r} is not an evaluation metric of this run; choose from {valid}"
+        )
+
+
 def tracks_best(args: TrainingArguments) -> bool:
     """Whether evaluations feed the best-model record (and are broadcast from the logging rank)."""
     return bool(args.load_best_model_at_end or args.early_stopping_patience or args.metric_for_best_model)

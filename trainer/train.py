@@ -67,7 +67,7 @@ from trainer.outdir import claim_output_dir
 from trainer.partitioning import choose_balance
 from trainer.predict import check_predict_args, predict
 from trainer.resume import ResumePoint, adopt_tokenizer, find_resume, log_changes, run_identity
-from trainer.strategies import BestModel, interval_due, resolve_max_steps, tracks_best
+from trainer.strategies import BestModel, check_metric_name, interval_due, resolve_max_steps, tracks_best
 from trainer.timeline import write_timeline
 from trainer.tokenizer import Tokenizer, load_or_train_tokenizer
 from trainer.tracking import Tracker
@@ -195,6 +195,7 @@ def validate_early(cfg: JobConfig, world: int) -> ParallelDims:
         validate_balance(balance, n_blocks, p * v)
     build_schedule(cfg.parallel.pipeline_schedule, p, cfg.parallel.num_microbatches, v)
     check_predict_args(cfg)
+    check_metric_name(cfg.training.metric_for_best_model, [f"{s}-{t}" for s, t in cfg.data.directions()])
     return dims
 
 

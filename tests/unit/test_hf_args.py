@@ -15,7 +15,7 @@ import pytest
 
 from trainer.checkpoint import rotation_victims
 from trainer.config import ConfigError, DataArguments, TrainingArguments, load_config_dict, parse_config
-from trainer.strategies import BestModel, interval_due, resolve_max_steps
+from trainer.strategies import BestModel, check_metric_name, interval_due, resolve_max_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 STYLE = str(ROOT / "configs/run_translation_style.yaml")
@@ -175,3 +175,18 @@ def test_do_predict_needs_an_existing_test_file() -> None:
         ConfigError, match=r"test_file='/nonexistent/test\.jsonl': '/nonexistent/test\.jsonl' does not"
     ):
         check_predict_args(cfg)
+
+
+def test_metric_for_best_model_is_checked_against_the_run() -> None:
+    check_metric_name("eval_bleu_en-de", ["en-de", "de-en"])
+    check_metric_name(None, ["en-de"])
+    with pytest.raises(
+        ConfigError, match=r"metric_for_best_model='eval_bleu_en-fr' is not an evaluation metric"
+    ):
+        check_metric_name("eval_bleu_en-fr", ["en-de"])
+    with pytest.raises(
+        ConfigError, match=r"'eval_accuracy' is not an evaluation metric of this run; choose from"
+    ):
+        check_metric_name(
+            TrainingArguments(metric_for_best_model="accuracy").metric_for_best_model, ["en-de"]
+        )
