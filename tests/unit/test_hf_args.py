@@ -26,7 +26,9 @@ def test_run_translation_style_config_parses_with_hf_defaults() -> None:
     cfg = parse_config(["--config", STYLE])
     t = cfg.training
     assert (t.max_steps, t.num_train_epochs, t.eval_strategy, t.save_strategy) == (-1, 10.0, "epoch", "epoch")
-    assert t.metric_for_best_model == "eval_loss" and t.greater_is_better is False and t.load_best_model_at_end
+    assert (
+        t.metric_for_best_model == "eval_loss" and t.greater_is_better is False and t.load_best_model_at_end
+    )
     assert cfg.data.test_file and Path(ROOT / cfg.data.test_file).is_file()
     assert all((ROOT / getattr(cfg.data, f)).is_file() for f in ("train_file", "validation_file"))
 
