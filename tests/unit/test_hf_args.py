@@ -192,3 +192,13 @@ def test_metric_for_best_model_is_checked_against_the_run() -> None:
         check_metric_name(
             TrainingArguments(metric_for_best_model="accuracy").metric_for_best_model, ["en-de"]
         )
+
+
+def test_predictions_are_written_per_direction(tmp_path: Path) -> None:
+    from trainer.predict import write_predictions
+
+    write_predictions(tmp_path, {"en-de": ["a", "b\nc"], "de-en": ["x"]}, {"predict_bleu": 1.0})
+    assert (tmp_path / "predictions_en-de.txt").read_text() == "a\nb c\n"  # one line per hypothesis
+    assert (tmp_path / "predictions_de-en.txt").read_text() == "x\n"
+    assert not (tmp_path / "generated_predictions.txt").exists()  # HF's name only for one direction
+    assert (tmp_path / "predict_results.json").read_text().startswith("{")
