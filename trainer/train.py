@@ -672,9 +672,9 @@ def finish_run(
     return (collective: eval, save, load, predict, barrier)."""
     step, args = totals.step, ctx.cfg.training
     after: dict[str, Any] = {}
-    if args.do_eval:
-        done = totals.last_eval is not None and totals.last_eval[0] == step
-        after = totals.last_eval[1] if done else evaluate_at(ctx, tracker, evaluator, step, totals)  # type: ignore[index]
+    if args.do_eval:  # an evaluation at this very step (early stopping) is not repeated
+        last = totals.last_eval
+        after = last[1] if last and last[0] == step else evaluate_at(ctx, tracker, evaluator, step, totals)
     if args.do_train and totals.last_save != step:
         save(ctx, step)
     load_best_model(ctx, step)
