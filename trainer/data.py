@@ -505,6 +505,7 @@ def tokenize_pairs(pairs: Any, tokenizer: Tokenizer, data_args: DataArguments, s
         fn_kwargs={"tokenizer": tokenizer, "max_source_length": max_src, "max_target_length": max_tgt},
         new_fingerprint=_fingerprint(pairs, tokenizer, max_src, max_tgt) + ("t" if keep_text else ""),
         desc=f"tokenize ({split})",
+        num_proc=data_args.preprocessing_num_workers,  # run_translation's name for the map workers
     )
     return _count_and_drop(out, split, skipped)
 
