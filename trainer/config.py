@@ -215,7 +215,11 @@ class DataArguments:
         default=None, metadata={"help": "Cap a micro-batch by padded tokens instead of sentence count."}
     )
     spm_model_type: str = field(
-        default="unigram", metadata={"help": "SentencePiece model type: unigram or bpe."}
+        default="bpe",
+        metadata={
+            "help": "SentencePiece model type: bpe (as M2M100 and NLLB; its export is an NllbTokenizer "
+            "honouring src_lang/tgt_lang/text_target) or unigram (exported as a plain fast tokenizer)."
+        },
     )
     spm_character_coverage: float = field(default=1.0, metadata={"help": "SentencePiece character coverage."})
     spm_input_sentence_size: int = field(default=200000, metadata={"help": "Sentences sampled to train SPM."})

@@ -64,8 +64,8 @@ def test_every_config_field_is_classified_once() -> None:
     "change,message",
     [
         (
-            {"spm_model_type": "bpe"},
-            r"spm_model_type='bpe' but the checkpoint's run has 'unigram' \(tokenizer\)",
+            {"spm_model_type": "unigram"},
+            r"spm_model_type='unigram' but the checkpoint's run has 'bpe' \(tokenizer\)",
         ),
         ({"vocab_size": 800}, r"vocab_size=800 but the checkpoint's run has 1000 \(tokenizer\)"),
         ({"tokenizer_name": "/tok"}, r"tokenizer_name='/tok' but the checkpoint's run has None"),
