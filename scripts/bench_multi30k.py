@@ -160,8 +160,8 @@ def prepare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     data = tokenize_datasets(raw, tok, cfg.data)
     hf_tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
     train = raw.train
-    hf_src = hf_tok([f"__{SRC}__ {s}" for s in train["source"]])["input_ids"]
-    hf_tgt = hf_tok([f"__{TGT}__ {t}" for t in train["target"]])["input_ids"]
+    hf_src = hf_encode(hf_tok, SRC, train["source"])
+    hf_tgt = hf_encode(hf_tok, TGT, train["target"])
     ours_src, ours_tgt = data.train["input_ids"], data.train["labels"]
     if len(ours_src) != len(hf_src):
         raise SystemExit(f"our data kept {len(ours_src)} of {len(hf_src)} pairs; filter the HF side too")
@@ -367,11 +367,20 @@ def run_hf(args: argparse.Namespace, work: Path, shared: dict[str, Any]) -> dict
 # ----------------------------------------------------------------------------- evaluation
 
 
+def hf_encode(hf_tok: Any, lang: str, texts: list[str]) -> list[list[int]]:
+    """`__lang__ tokens </s>` by the exported tokenizer: its `src_lang` (NllbTokenizer, BPE runs),
+    or the tag written into the text (the plain fast tokenizer of Unigram runs)."""
+    if hasattr(hf_tok, "src_lang"):
+        hf_tok.src_lang = f"__{lang}__"
+        return hf_tok(list(texts))["input_ids"]
+    return hf_tok([f"__{lang}__ {t}" for t in texts])["input_ids"]
+
+
 def hf_translate(model: Any, hf_tok: Any, sources: list[str], batch_size: int = 64) -> list[str]:
     """Greedy HF `generate` (num_beams 1, max_length 64), forced `__de__`, length-sorted batches."""
     model.eval()
     forced = hf_tok.convert_tokens_to_ids(f"__{TGT}__")
-    encoded = hf_tok([f"__{SRC}__ {s}" for s in sources])["input_ids"]
+    encoded = hf_encode(hf_tok, SRC, sources)
     order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
     out: dict[int, str] = {}
     with torch.no_grad():

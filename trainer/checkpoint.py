@@ -133,6 +133,19 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def rotation_victims(checkpoints: list[Path], limit: int, keep: Path | None = None) -> list[Path]:
+    """The checkpoints (oldest first) that `save_total_limit=limit` deletes, as the HF Trainer does.
+
+    Without `keep`, all but the newest `limit`. With `keep` (the best checkpoint) among them,
+    it stays and the newest `limit - 1` others do (at least the newest one, so limit 1 keeps
+    the best and the last).
+    """
+    if keep is None or Path(keep) not in checkpoints:
+        return checkpoints[:-limit]
+    others = [c for c in checkpoints if c != Path(keep)]
+    return others[: -max(1, limit - 1)]
+
+
 class CheckpointWriteError(OSError):
     """A checkpoint save failed on some rank (disk full, quota, file size limit, I/O error).
 
@@ -199,8 +212,12 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     to_logical: ToLogical = _identity,
     save_total_limit: int | None = None,
+    keep: Path | None = None,
 ) -> None:
     """Write checkpoint `path` (collective: every rank calls it); the checksummed marker last.
+
+    `keep` (the best checkpoint, load_best_model_at_end) survives save_total_limit
+    (`rotation_victims`).
 
         rank 0 clears path -> every rank: DCP shards, its rng file, the hashes of its files
         (rank 0: trainer_state.json too) -> all_gather (records, failure) -> rank 0: hashes
@@ -240,7 +257,7 @@ def save_checkpoint(
         _barrier()  # the partial directory is gone on every rank's return
         raise CheckpointWriteError(failure) from local
     if rank == 0 and save_total_limit:
-        for old in list_checkpoints(path.parent)[:-save_total_limit]:
+        for old in rotation_victims(list_checkpoints(path.parent), save_total_limit, keep):
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
 

@@ -29,6 +29,44 @@ SHARDING_CHOICES = ("none", "zero1")
 REPORT_CHOICES = ("wandb", "tensorboard")  # report_to: any of these, "all" or "none"
 NAN_POLICIES = ("stop", "skip")
 SCHEDULER_CHOICES = ("linear", "cosine", "constant", "constant_with_warmup", "inverse_sqrt", "polynomial")
+STRATEGY_CHOICES = ("no", "steps", "epoch")  # eval_strategy / save_strategy, as IntervalStrategy
+
+# HF Trainer / run_translation names this trainer does not take, with the field to use instead.
+# Consulted when a key (file or flag) is unknown, so the error points at ours.
+HF_NAME_HINTS: dict[str, str] = {
+    "evaluation_strategy": "eval_strategy (the name HF renamed it to)",
+    "per_gpu_train_batch_size": "per_device_train_batch_size",
+    "per_gpu_eval_batch_size": "per_device_eval_batch_size",
+    "deepspeed": "the parallel fields: data_parallel_size, data_parallel_sharding (zero1), "
+    "pipeline_parallel_size, tensor_parallel_size",
+    "fsdp": "data_parallel_sharding (zero1) and tensor_parallel_size / pipeline_parallel_size",
+    "fsdp_config": "data_parallel_sharding (zero1) and tensor_parallel_size / pipeline_parallel_size",
+    "gradient_checkpointing": "activation_checkpointing (none | full | stage | selective)",
+    "gradient_checkpointing_kwargs": "activation_checkpointing (none | full | stage | selective)",
+    "lr_scheduler_kwargs": "lr_scheduler_type with warmup_steps (no scheduler kwargs)",
+    "optim": "nothing: the optimizer is AdamW (adam_beta1, adam_beta2, adam_epsilon, weight_decay)",
+    "warmup_ratio": "warmup_steps",
+    "torch_compile_backend": "torch_compile (inductor, per layer)",
+    "tf32": "nothing: fp32 matmul precision is PyTorch's default; use bf16 for speed",
+    "bf16_full_eval": "bf16 (evaluation runs in the training precision)",
+    "fp16_full_eval": "bf16",
+    "half_precision_backend": "bf16",
+    "logging_strategy": "logging_steps (a row every N steps)",
+    "save_safetensors": "nothing: checkpoints are sharded DCP; `python -m trainer.export` writes safetensors",
+    "local_rank": "nothing: torchrun sets LOCAL_RANK",
+    "ddp_timeout": "dist_timeout_s",
+    "ddp_backend": "nothing: NCCL on GPUs, gloo on CPUs",
+    "dataloader_num_workers": "preprocessing_num_workers (tokenization); batches are built in process",
+    "max_predict_samples": "max_eval_samples (it caps test directions too)",
+    "generation_config": "generation_num_beams and generation_max_length",
+    "num_beams": "generation_num_beams",
+    "config_name": "the model fields (d_model, encoder_layers, ...) or model_name_or_path",
+    "overwrite_cache": "nothing: the tokenization cache is keyed by data, tokenizer and lengths",
+    "cache_dir": "nothing: set HF_HOME / HF_DATASETS_CACHE",
+    "pad_to_max_length": "nothing: batches are padded to their longest example (length-bucketed)",
+    "ignore_pad_token_for_loss": "nothing: padding never counts in the loss",
+    "val_max_target_length": "generation_max_length (decoding) / max_target_length (data)",
+}
 
 
 class ConfigError(ValueError):
@@ -177,10 +215,33 @@ class DataArguments:
         default=None, metadata={"help": "Cap a micro-batch by padded tokens instead of sentence count."}
     )
     spm_model_type: str = field(
-        default="unigram", metadata={"help": "SentencePiece model type: unigram or bpe."}
+        default="bpe",
+        metadata={
+            "help": "SentencePiece model type: bpe (as M2M100 and NLLB; its export is an NllbTokenizer "
+            "honouring src_lang/tgt_lang/text_target) or unigram (exported as a plain fast tokenizer)."
+        },
     )
     spm_character_coverage: float = field(default=1.0, metadata={"help": "SentencePiece character coverage."})
     spm_input_sentence_size: int = field(default=200000, metadata={"help": "Sentences sampled to train SPM."})
+    test_file: str | None = field(
+        default=None, metadata={"help": "do_predict: test data, same formats as train_file."}
+    )
+    forced_bos_token: str | None = field(
+        default=None,
+        metadata={
+            "help": "run_translation's name for the decoder's forced first token: a language code (de or "
+            "__de__); it must be the target of every direction (each direction's decoder is always forced "
+            "to its own target tag), so it only confirms the target."
+        },
+    )
+    source_prefix: str | None = field(
+        default=None,
+        metadata={"help": "T5's task prefix (run_translation); M2M100/NLLB use tags: empty only."},
+    )
+    preprocessing_num_workers: int | None = field(
+        default=None,
+        metadata={"help": "Processes that tokenize the corpus (datasets num_proc; same result as one)."},
+    )
     sampling_temperature: float = field(
         default=1.0,
         metadata={
@@ -194,9 +255,6 @@ class DataArguments:
             "help": "Weights replacing the pair counts w_d of every direction, e.g. 'en-de:2 de-en:1'; "
             "sampling_temperature still applies (T=1 keeps the weights' ratio as given)."
         },
-    )
-    preprocessing_num_workers: int | None = field(
-        default=None, metadata={"help": "Processes that tokenize the corpus (None = this process only)."}
     )
     cache_dir: str | None = field(
         default=None,
@@ -228,10 +286,29 @@ class DataArguments:
         for pair in self.language_pairs:
             if pair.count("-") != 1 or not all(pair.split("-")):
                 raise ConfigError(f"language_pairs entry {pair!r} is not of the form src-tgt (e.g. en-de)")
-        self._check_sources()
-        _check_range(self, ("sampling_temperature",), 0, low_open=True)
         _check_range(self, ("preprocessing_num_workers",), 1, optional=True)
+        if self.source_prefix:
+            raise ConfigError(
+                f"source_prefix={self.source_prefix!r}: a T5 task prefix; M2M100/NLLB mark the direction "
+                f"with language tags (source_lang/target_lang or language_pairs), so leave it empty"
+            )
+        self._check_sources()
+        self._check_forced_bos()
+        _check_range(self, ("sampling_temperature",), 0, low_open=True)
         self.sampling_weights = self._check_weights()
+
+    def _check_forced_bos(self) -> None:
+        """`forced_bos_token` must name the target language of every direction (tag or code)."""
+        if not self.forced_bos_token or not (self.language_pairs or (self.source_lang and self.target_lang)):
+            return
+        code = self.forced_bos_token.strip("_")
+        targets = sorted({t for _, t in self.directions()})
+        if targets != [code]:
+            raise ConfigError(
+                f"forced_bos_token={self.forced_bos_token!r} conflicts with the run's target language(s) "
+                f"{targets}: each direction's decoder is forced to its own target tag; remove it or set "
+                f"it to the one target"
+            )
 
     def _check_weights(self) -> list[str]:
         """`sampling_weights` as `src-tgt:w` entries, one per direction of the run, each w > 0."""
@@ -398,7 +475,19 @@ class TrainingArguments:
             "first removes the earlier run's checkpoints, metrics, summary, tokenizer, configs and logs."
         },
     )
-    max_steps: int = field(default=100, metadata={"help": "Optimizer steps."})
+    max_steps: int = field(
+        default=-1,
+        metadata={
+            "help": "Optimizer steps; > 0 overrides num_train_epochs (as in HF); -1: from num_train_epochs."
+        },
+    )
+    num_train_epochs: float = field(
+        default=3.0,
+        metadata={
+            "help": "Epochs when max_steps is -1: max_steps = ceil(num_train_epochs x global batches per "
+            "epoch) (a fraction is allowed)."
+        },
+    )
     learning_rate: float = field(default=5e-4, metadata={"help": "Peak learning rate."})
     warmup_steps: int = field(default=0, metadata={"help": "Linear warmup steps."})
     lr_scheduler_type: str = field(default="linear", metadata={"help": f"One of {list(SCHEDULER_CHOICES)}."})
@@ -424,10 +513,71 @@ class TrainingArguments:
     per_device_eval_batch_size: int = field(default=32, metadata={"help": "Sentence pairs per eval batch."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Pipeline flushes per step."})
     logging_steps: int = field(default=10, metadata={"help": "Log every N steps."})
-    eval_steps: int = field(default=0, metadata={"help": "Evaluate every N steps (0: only at the end)."})
+    eval_strategy: str = field(
+        default="steps",
+        metadata={
+            "help": f"One of {list(STRATEGY_CHOICES)}: evaluate during training every eval_steps, at each "
+            "epoch's end, or not (do_eval still evaluates before and after)."
+        },
+    )
+    eval_steps: int = field(
+        default=0, metadata={"help": "eval_strategy=steps: every N steps (0: only at the end)."}
+    )
+    do_train: bool = field(default=True, metadata={"help": "Train (false: only evaluate and/or predict)."})
     do_eval: bool = field(default=True, metadata={"help": "Evaluate before and after training."})
-    save_steps: int = field(default=0, metadata={"help": "Checkpoint every N steps (0: only at the end)."})
-    save_total_limit: int | None = field(default=None, metadata={"help": "Keep at most N checkpoints."})
+    do_predict: bool = field(
+        default=False,
+        metadata={
+            "help": "After training, translate test_file per direction: predictions_<src>-<tgt>.txt and "
+            "predict_results.json (predict_bleu, predict_chrf per direction) in output_dir."
+        },
+    )
+    predict_with_generate: bool = field(
+        default=True,
+        metadata={"help": "Accepted for run_translation configs: evaluation and prediction always decode."},
+    )
+    save_strategy: str = field(
+        default="steps",
+        metadata={
+            "help": f"One of {list(STRATEGY_CHOICES)}: checkpoint every save_steps, at each epoch's end, or "
+            "not during training; the final checkpoint is always written when training."
+        },
+    )
+    save_steps: int = field(
+        default=0, metadata={"help": "save_strategy=steps: every N steps (0: only at the end)."}
+    )
+    save_total_limit: int | None = field(
+        default=None, metadata={"help": "Keep at most N checkpoints (the best one is always kept)."}
+    )
+    load_best_model_at_end: bool = field(
+        default=False,
+        metadata={
+            "help": "Track the best checkpoint by metric_for_best_model and load it at the end (before "
+            "predict and the summary); needs the same eval and save strategy (save_steps a multiple of "
+            "eval_steps), as in HF."
+        },
+    )
+    metric_for_best_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "An evaluation key (eval_loss, eval_bleu, eval_chrf, eval_bleu_en-de, ...; the eval_ "
+            "prefix may be left out); default eval_loss when a best model or early stopping is asked for."
+        },
+    )
+    greater_is_better: bool | None = field(
+        default=None,
+        metadata={"help": "Whether a larger metric is better; default: false for a *loss metric, else true."},
+    )
+    early_stopping_patience: int | None = field(
+        default=None,
+        metadata={
+            "help": "Stop after this many evaluations in a row without improving metric_for_best_model by "
+            "more than early_stopping_threshold (HF EarlyStoppingCallback)."
+        },
+    )
+    early_stopping_threshold: float = field(
+        default=0.0, metadata={"help": "The improvement that counts for early stopping."}
+    )
     resume_from_checkpoint: str | None = field(
         default=None, metadata={"help": "A checkpoint directory, or 'latest' for the newest in output_dir."}
     )
@@ -435,6 +585,9 @@ class TrainingArguments:
     bf16: bool = field(
         default=False,
         metadata={"help": "bf16 working weights (cast once per step) over fp32 masters, bf16 autocast."},
+    )
+    fp16: bool = field(
+        default=False, metadata={"help": "Not supported (no loss scaling in the pipeline); use bf16."}
     )
     torch_compile: bool = field(
         default=False, metadata={"help": "torch.compile each encoder/decoder layer (regional compilation)."}
@@ -460,7 +613,7 @@ class TrainingArguments:
         self.report_to = _resolve_report_to(self.report_to)
         _check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULER_CHOICES)
         _check_choice("nan_policy", self.nan_policy, NAN_POLICIES)
-        positive = ("max_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
+        positive = ("per_device_train_batch_size", "per_device_eval_batch_size",
                     "gradient_accumulation_steps", "logging_steps", "generation_num_beams",
                     "generation_max_length", "nan_max_consecutive_skips")  # fmt: skip
         _check_range(self, positive, 1)
@@ -471,6 +624,32 @@ class TrainingArguments:
         _check_range(self, ("adam_epsilon",), 0, low_open=True)
         _check_range(self, ("save_total_limit",), 1, optional=True)
         _check_range(self, ("seed",), 0, 2**32 - 1)  # numpy's seed range
+        self._check_hf_fields()
+
+    def _check_hf_fields(self) -> None:
+        """The run_translation / Seq2SeqTrainingArguments fields: length, strategies, best model, fp16."""
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ConfigError(f"max_steps={self.max_steps} must be >= 1, or -1 to train num_train_epochs")
+        if self.max_steps == -1:
+            _check_range(self, ("num_train_epochs",), 0, low_open=True)
+        _check_choice("eval_strategy", self.eval_strategy, STRATEGY_CHOICES)
+        _check_choice("save_strategy", self.save_strategy, STRATEGY_CHOICES)
+        _check_range(self, ("early_stopping_patience",), 1, optional=True)
+        _check_range(self, ("early_stopping_threshold",), 0)
+        if self.fp16:
+            raise ConfigError(
+                "fp16=True is not supported (the pipeline has no loss scaling); use bf16: true "
+                "(bf16 working weights over fp32 masters, on GPUs with bf16 and on CPUs)"
+            )
+        if not self.predict_with_generate:
+            raise ConfigError(
+                "predict_with_generate=False is not supported: evaluation and do_predict always decode "
+                "(eval_bleu, predictions); remove it or set it to true"
+            )
+        if self.load_best_model_at_end or self.early_stopping_patience or self.metric_for_best_model:
+            from trainer.strategies import check_best_model_args
+
+            check_best_model_args(self)
 
 
 @dataclass
@@ -533,7 +712,7 @@ def parse_config(argv: list[str] | None = None) -> JobConfig:
     unknown = sorted(set(file_values) - known)
     if unknown:
         raise ConfigError(
-            f"unknown config key(s) {unknown}; see `python -m trainer.train --help` for valid keys"
+            f"unknown config key(s) {unknown}{_hints(unknown)}; see `python -m trainer.train --help` for valid keys"
         )
     parser = HfArgumentParser(SECTIONS, usage=USAGE, description=DESCRIPTION)  # type: ignore[arg-type]
     file_values.update(_take_nulls(argv, known))
@@ -541,7 +720,9 @@ def parse_config(argv: list[str] | None = None) -> JobConfig:
     flags = [a.split("=", 1)[0][2:] for a in argv if a.startswith("--")]
     bad = sorted({f for f in flags if f not in known and f != "help"})
     if bad:
-        raise ConfigError(f"unknown flag(s) {['--' + b for b in bad]}; see --help for valid flags")
+        raise ConfigError(
+            f"unknown flag(s) {['--' + b for b in bad]}{_hints(bad)}; see --help for valid flags"
+        )
     try:
         model, data, parallel, training = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as e:
@@ -558,6 +739,12 @@ DESCRIPTION = (
     "flat field: value pairs, e.g. configs/tiny.yaml) gives every field below; flags override it; "
     "`--field null` unsets a value the file set. Fields follow the HF TrainingArguments names."
 )
+
+
+def _hints(names: list[str]) -> str:
+    """`; use X for Y` for the unknown names that are HF Trainer names we spell differently."""
+    hints = [f"{n}: use {HF_NAME_HINTS[n]}" for n in names if n in HF_NAME_HINTS]
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def _take_nulls(argv: list[str], known: set[str]) -> dict[str, None]:
@@ -595,7 +782,7 @@ def load_config_dict(values: dict[str, Any]) -> JobConfig:
     known = {f.name for cls in SECTIONS for f in fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ConfigError(f"unknown config key(s) {unknown}")
+        raise ConfigError(f"unknown config key(s) {unknown}{_hints(unknown)}")
     parts: list[Any] = []
     for cls in SECTIONS:
         names = {f.name for f in fields(cls)}

@@ -12,7 +12,9 @@ tensors. Only the "model" part is read; optimizer state is ignored.
 DIR receives config.json, model.safetensors, generation_config.json
 (decoder_start / eos / pad / bos ids, num_beams, max_length) and the tokenizer
 files that stock `AutoTokenizer` loads (from the run's `tokenizer/`, by default
-the checkpoint's parent directory's). Everything is written into a temporary
+the checkpoint's parent directory's; `model_max_length` is the model's
+`max_position_embeddings`). transformers 4.46+ and 5.x load both (see
+`trainer.hf_tokenizer` for the tokenizer class and `tests/hf4_roundtrip.py`). Everything is written into a temporary
 directory beside DIR and renamed at the end, so a failure leaves no half-written
 export. Bad input fails with one line on stderr and exit status 2.
 """
@@ -191,7 +193,7 @@ def export(args: ExportArguments) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         save_hf_model(state, config, tmp, generation)
-        save_pretrained(tmp)
+        save_pretrained(tmp, model_max_length=config.max_position_embeddings)  # truncation=True cuts there
         _default_permissions(tmp)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))

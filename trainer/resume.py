@@ -29,7 +29,8 @@ clear error on all ranks and leaves output_dir as it was.
         optimizer betas / eps / weight decay and
         clipping (applied from the resumed step on; DCP restores only the moment tensors),
         regularisation (dropout, label smoothing), the divergence guard (nan_policy), precision /
-        compile, timeouts, tracking, output_dir.
+        compile, timeouts, tracking, output_dir; num_train_epochs, the eval/save strategies,
+        best-model and early-stopping settings, do_train/do_predict and test_file.
 """
 
 from __future__ import annotations
@@ -102,7 +103,6 @@ MAY_CHANGE = (
     "validation_file",
     "max_eval_samples",
     "max_bad_record_fraction",
-    "preprocessing_num_workers",
     "cache_dir",
     "pipeline_parallel_size",
     "tensor_parallel_size",
@@ -144,6 +144,23 @@ MAY_CHANGE = (
     "run_name",
     "wandb_project",
     "disable_tqdm",
+    # run_translation / Seq2SeqTrainingArguments names (trainer/strategies.py, trainer/predict.py)
+    "num_train_epochs",  # like max_steps: the lr decay stretches to the new end
+    "eval_strategy",
+    "save_strategy",
+    "do_train",
+    "do_predict",
+    "predict_with_generate",
+    "load_best_model_at_end",
+    "metric_for_best_model",  # a changed metric or direction restarts the best-model record
+    "greater_is_better",
+    "early_stopping_patience",
+    "early_stopping_threshold",
+    "fp16",
+    "test_file",
+    "forced_bos_token",  # only confirms the directions' target, which must match
+    "source_prefix",
+    "preprocessing_num_workers",  # how, not what, is tokenized
 )
 
 
@@ -194,7 +211,7 @@ def find_resume(cfg: JobConfig, dims: ParallelDims) -> ResumePoint | None:
         return None
     state = json.loads((path / "trainer_state.json").read_text())
     point = ResumePoint(path, state)
-    if cfg.training.max_steps < point.step:
+    if 0 < cfg.training.max_steps < point.step:  # -1 (epochs): checked once resolved (trainer.train)
         raise ConfigError(
             f"max_steps={cfg.training.max_steps} is below the step of resume_from_checkpoint={path} "
             f"({point.step}); valid: max_steps >= {point.step}"

@@ -6,22 +6,18 @@ Id layout of a trained model (the M2M100 / fairseq convention):
     4 .. 4+L-1    __xx__ language tags of the run, sorted: CONTROL symbols
     4+L ..        pieces learnt from the data
 
+A language's tag is `__en__` for M2M100-style codes (`en`) and the code itself for
+NLLB-style codes (`eng_Latn`), as the M2M100 and NLLB tokenizers define them (`lang_tag`).
 Tags are SentencePiece *control* symbols: `encode("__en__ hi")` never yields the tag
 id (the text is cut into ordinary pieces), so data cannot inject a language switch.
 Sequences are built by the data pipeline: source `__src__ tokens </s>`, labels
 `__tgt__ tokens </s>`, decoder input `</s> __tgt__ tokens`.
 
-Hugging Face export: `save_pretrained(dir)` writes a `tokenizer.json` converted from
-the SentencePiece model (Metaspace + Unigram/BPE, the tags as special tokens, a
-`$A </s>` post-processor) that stock `AutoTokenizer.from_pretrained(dir)` loads as a
-fast tokenizer. It gives the same ids as `encode`, and a user builds our source
-format with
-
-    tok("__en__ " + text)["input_ids"]  ==  [tag(en)] + encode(text) + [eos]
-
-(`add_special_tokens=False` drops the `</s>`). `M2M100Tokenizer` was not used: its
-language codes are a fixed list of 100 appended after the vocabulary, which cannot
-express a small run-specific tag set at ids 4.. .
+Hugging Face export: `save_pretrained(dir)` writes files that stock
+`AutoTokenizer.from_pretrained(dir)` loads in transformers 4.x and 5.x, with the same ids
+(an `NllbTokenizer` honouring `src_lang` / `tgt_lang` / `text_target` for BPE models; see
+`trainer.hf_tokenizer` for the choice of class). A directory holding a stock
+`NllbTokenizer` or `M2M100Tokenizer` is used as is (`HFTokenizer`).
 """
 
 from __future__ import annotations
@@ -30,7 +26,6 @@ import io
 import json
 import logging
 import re
-import types
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -47,9 +42,19 @@ class TokenizerError(ValueError):
     """A tokenizer cannot be built or loaded as asked; the message names the bad value."""
 
 
+# NLLB-200 / FLORES-200 codes: ISO 639-3 + ISO 15924 script, e.g. eng_Latn, zho_Hant.
+NLLB_CODE = re.compile(r"[a-z]{3}_[A-Z][a-z]{3}")
+M2M100_TAG = re.compile(r"__[A-Za-z_-]+__")
+
+
 def lang_tag(lang: str) -> str:
-    """The M2M100 language tag of `lang`, e.g. `__en__`."""
-    return f"__{lang}__"
+    """The tag of `lang`: NLLB codes are their own tag (`eng_Latn`), others M2M100's (`en` -> `__en__`)."""
+    return lang if NLLB_CODE.fullmatch(lang) else f"__{lang}__"
+
+
+def is_tag(token: str) -> bool:
+    """Whether a vocabulary token has the form of a language tag (`__en__` or `eng_Latn`)."""
+    return bool(M2M100_TAG.fullmatch(token) or NLLB_CODE.fullmatch(token))
 
 
 class Tokenizer(ABC):
@@ -84,8 +89,9 @@ class Tokenizer(ABC):
         """Write the tokenizer so that `Tokenizer.load(directory)` restores it."""
 
     @abstractmethod
-    def save_pretrained(self, directory: str | Path) -> None:
-        """Write files that stock `transformers.AutoTokenizer.from_pretrained(directory)` loads."""
+    def save_pretrained(self, directory: str | Path, model_max_length: int | None = None) -> None:
+        """Write files that stock `transformers.AutoTokenizer.from_pretrained(directory)` loads,
+        truncating at `model_max_length` (None: no limit)."""
 
     # -- shared
     def encode(self, text: str) -> list[int]:
@@ -190,7 +196,7 @@ class SentencePieceTokenizer(Tokenizer):
         return None if i == self.unk_id and piece != UNK else int(i)
 
     def available_tags(self) -> list[str]:
-        """Every `__xx__` control symbol in the vocabulary."""
+        """The run's tags (control symbols at ids 4..), in id order."""
         return [lang_tag(x) for x in self.languages]
 
     def save(self, directory: str | Path) -> None:
@@ -210,69 +216,21 @@ class SentencePieceTokenizer(Tokenizer):
         except (OSError, ValueError, KeyError, RuntimeError) as e:
             raise TokenizerError(f"tokenizer at {path} is unreadable: {e}") from None
 
-    def to_hf(self) -> Any:
-        """A `transformers` fast tokenizer with the same ids (see the module docstring)."""
-        from tokenizers import processors
-        from transformers import PreTrainedTokenizerFast
+    def save_pretrained(self, directory: str | Path, model_max_length: int | None = None) -> None:
+        """Write the files `AutoTokenizer.from_pretrained` loads (see `trainer.hf_tokenizer`).
 
-        backend = _convert_spm(self.model_proto)
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"$A {EOS}", pair=f"$A $B {EOS}", special_tokens=[(EOS, self.eos_id)]
-        )
-        return PreTrainedTokenizerFast(
-            tokenizer_object=backend,
-            bos_token=BOS,
-            eos_token=EOS,
-            pad_token=PAD,
-            unk_token=UNK,
-            additional_special_tokens=self.available_tags(),
-        )
+        Args:
+            directory: destination.
+            model_max_length: where `truncation=True` cuts (the model's max positions); None: no limit.
+        """
+        from trainer.hf_tokenizer import save_hf_tokenizer
 
-    def save_pretrained(self, directory: str | Path) -> None:
-        """Write `tokenizer.json` + `tokenizer_config.json` for `AutoTokenizer.from_pretrained`."""
-        self.to_hf().save_pretrained(str(directory))
-
-
-def _convert_spm(model_proto: bytes) -> Any:
-    """A `tokenizers.Tokenizer` from a SentencePiece model, via `transformers`' `SpmConverter`.
-
-    transformers 5.x's converter breaks on BPE models (`SentencePieceExtractor.extract`
-    is called with the score list as `model_type`), so the BPE model is built here:
-    SentencePiece BPE scores are minus the merge rank, so merges ordered by the vocab
-    rank of the merged piece reproduce it exactly (checked in the tests).
-    """
-    import tempfile
-
-    from tokenizers import AddedToken
-    from tokenizers import Tokenizer as HFBackend
-    from tokenizers.models import BPE
-    from transformers.convert_slow_tokenizer import SpmConverter
-    from transformers.tokenization_utils_base import generate_merges
-
-    class _Converter(SpmConverter):
-        def tokenizer(self, proto: Any) -> Any:
-            if proto.trainer_spec.model_type != 2:
-                return super().tokenizer(proto)
-            vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
-            model = BPE(vocab, generate_merges(vocab), unk_token=proto.trainer_spec.unk_piece, fuse_unk=True)
-            backend = HFBackend(model)
-            backend.add_tokens(
-                [
-                    AddedToken(p.piece, normalized=False, special=p.type == 3)
-                    for p in proto.pieces
-                    if p.type in (3, 4)
-                ]
-            )
-            return backend
-
-    with tempfile.NamedTemporaryFile(suffix=".model") as f:
-        f.write(model_proto)
-        f.flush()
-        return _Converter(types.SimpleNamespace(vocab_file=f.name)).converted()
+        save_hf_tokenizer(self.model_proto, self.available_tags(), directory, model_max_length)
 
 
 class HFTokenizer(Tokenizer):
-    """Any `transformers` tokenizer directory whose language tags are `__xx__` tokens (e.g. M2M100)."""
+    """Any `transformers` tokenizer directory whose language tags are tokens of its vocabulary:
+    `__en__` (M2M100Tokenizer; the run's language `en`) or `eng_Latn` (NllbTokenizer)."""
 
     def __init__(self, hf: Any, languages: Sequence[str] | None = None) -> None:
         self.hf = hf
@@ -281,9 +239,12 @@ class HFTokenizer(Tokenizer):
             raise TokenizerError(
                 f"tokenizer {hf.name_or_path!r} lacks one of pad/bos/eos/unk tokens (ids {ids}); all four are needed"
             )
-        if languages is None:  # every __xx__ token of the vocabulary
-            languages = [t[2:-2] for t in self.available_tags()]
-        super().__init__(languages, len(hf), *(int(i) for i in (ids[0], ids[1], ids[2], ids[3])))
+        tags = self.available_tags()
+        if languages is None:  # every tag of the vocabulary, as a language code
+            languages = [t if NLLB_CODE.fullmatch(t) else t[2:-2] for t in tags]
+        # M2M100Tokenizer's language tokens lie past len(): its ids are len(vocab.json) + i.
+        size = max([len(hf), *(int(hf.convert_tokens_to_ids(t)) + 1 for t in tags)])
+        super().__init__(languages, size, *(int(i) for i in (ids[0], ids[1], ids[2], ids[3])))
 
     @classmethod
     def load_dir(cls, path: Path, languages: Sequence[str] | None) -> HFTokenizer:
@@ -298,7 +259,8 @@ class HFTokenizer(Tokenizer):
         return cls(hf, languages)
 
     def _encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.hf(texts, add_special_tokens=False)["input_ids"]
+        # split_special_tokens: a text spelling `__de__` or `eng_Latn` is ordinary pieces, never the tag.
+        return self.hf(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
     def _decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
@@ -308,15 +270,22 @@ class HFTokenizer(Tokenizer):
         return None if i is None or (i == self.unk_id and piece != self.hf.unk_token) else int(i)
 
     def available_tags(self) -> list[str]:
-        """Every `__xx__` token of the vocabulary, sorted."""
-        return sorted(t for t in self.hf.get_vocab() if re.fullmatch(r"__[A-Za-z_]+__", t))
+        """Every language tag (`__xx__` or `eng_Latn`) of the vocabulary, sorted."""
+        hf = self.hf  # M2M100Tokenizer lists its language tokens only in lang_token_to_id
+        found = [*hf.get_vocab(), *hf.all_special_tokens, *getattr(hf, "lang_token_to_id", {})]
+        return sorted({t for t in found if is_tag(t)})
 
     def save(self, directory: str | Path) -> None:
-        """Write with `save_pretrained` (loadable by `Tokenizer.load` and `AutoTokenizer`)."""
-        self.hf.save_pretrained(str(directory))
+        """Write with `save_pretrained` (loadable by `Tokenizer.load` and `AutoTokenizer`, 4.x and 5.x)."""
+        from trainer.hf_tokenizer import loadable_by_transformers4
 
-    def save_pretrained(self, directory: str | Path) -> None:
-        """Same as `save`."""
+        self.hf.save_pretrained(str(directory))
+        loadable_by_transformers4(directory)
+
+    def save_pretrained(self, directory: str | Path, model_max_length: int | None = None) -> None:
+        """`save`, with `model_max_length` (where `truncation=True` cuts) set first when given."""
+        if model_max_length is not None:
+            self.hf.model_max_length = int(model_max_length)
         self.save(directory)
 
 

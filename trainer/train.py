@@ -11,8 +11,9 @@ in its own module, and `run` is a short sequence of named steps:
     resume_state     checkpoint -> model, optimizer, scheduler, sampler; the step
     build_tracker, build_evaluator, eval before training
     train_loop       per step: train_step (guarded) -> log_row -> timeline (once) -> preempted? save + exit
-                     -> maybe_eval_and_save
-    finish_run       final eval -> checkpoint -> run_summary.json
+                     -> maybe_eval_and_save (eval/save strategies, best model, early stop: trainer.strategies)
+    finish_run       final eval -> checkpoint -> best model loaded -> do_predict (trainer.predict)
+                     -> run_summary.json
 """
 
 from __future__ import annotations
@@ -65,8 +66,10 @@ from trainer.guard import (
 from trainer.loop import LogWindow, StepStats, bubble_stats, build_optimizer, build_scheduler, train_step
 from trainer.outdir import claim_output_dir
 from trainer.partitioning import choose_balance
+from trainer.predict import check_predict_args, predict
 from trainer.resume import ResumePoint, adopt_tokenizer, find_resume, log_changes, run_identity
 from trainer.sampling import DirectionSampling
+from trainer.strategies import BestModel, check_metric_name, interval_due, resolve_max_steps, tracks_best
 from trainer.timeline import write_timeline
 from trainer.tokenizer import Tokenizer, load_or_train_tokenizer
 from trainer.tracking import Tracker
@@ -216,6 +219,8 @@ def validate_early(cfg: JobConfig, world: int) -> ParallelDims:
     if balance is not None:
         validate_balance(balance, n_blocks, p * v)
     build_schedule(cfg.parallel.pipeline_schedule, p, cfg.parallel.num_microbatches, v)
+    check_predict_args(cfg)
+    check_metric_name(cfg.training.metric_for_best_model, [f"{s}-{t}" for s, t in cfg.data.directions()])
     return dims
 
 
@@ -251,6 +256,8 @@ class RunContext:
     t_start: float  # perf_counter() before data loading; the summary's wall_time_s counts from here
     fault: FaultInjection | None = None  # TRAINER_FAULT_INJECT, the failure tests' hook
     resume: ResumePoint | None = None  # the checkpoint this session continues, checked by find_resume
+    steps_per_epoch: int = 1  # global batches in the sampler's epoch (num_train_epochs, "epoch" strategies)
+    best: BestModel = field(default_factory=BestModel)  # best evaluation / checkpoint, early-stop count
 
     @property
     def is_logger(self) -> bool:
@@ -271,6 +278,9 @@ class LoopTotals:
     time_in_steps: float = 0.0
     bubbles: list[float] = field(default_factory=list)  # measured bubble_fraction per logged step (pp > 1)
     skipped_steps: int = 0  # updates the guard dropped (nan_policy=skip)
+    early_stopped: bool = False  # early_stopping_patience ended training before max_steps
+    last_eval: tuple[int, dict[str, Any]] | None = None  # (step, metrics) of the latest evaluation
+    last_save: int | None = None  # the step of the latest checkpoint written in the loop
 
 
 def run(cfg: JobConfig) -> dict[str, Any]:
@@ -291,7 +301,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         tracker = build_tracker(ctx, step)
         evaluator = build_evaluator(ctx)
         before: dict[str, Any] | None = None
-        if cfg.training.do_eval and step == 0:
+        if cfg.training.do_eval and step == 0 and cfg.training.do_train:
             before = evaluator.run(step)
             tracker.log({"step": step, **before})
         args = cfg.training
@@ -300,7 +310,9 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         with PreemptionSignals() as signals:
             guard = StepGuard(args.nan_policy, args.nan_max_consecutive_skips, ctx.pm.device, signals)
             try:
-                totals = train_loop(ctx, tracker, evaluator, step, guard)
+                totals = (
+                    train_loop(ctx, tracker, evaluator, step, guard) if args.do_train else LoopTotals(step)
+                )
             except (Preempted, DivergenceError):
                 tracker.close()  # rows are already on disk; this ends the W&B run and the progress bar
                 raise
@@ -336,6 +348,9 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint
     warn_after = p.hang_warning_s or default_warn_after(p.dist_timeout_s)
     start_watchdog(RankIdentity(rank, dims.shape), warn_after, p.dist_timeout_s)
     sampler = build_sampler(cfg, dims.dp, data, tok)
+    steps_per_epoch = len(sampler.epoch_plan(0))
+    cfg.training.max_steps = resolve_max_steps(cfg.training, steps_per_epoch)  # -1: from num_train_epochs
+    logger.info("training %d steps; an epoch is %d global batches", cfg.training.max_steps, steps_per_epoch)
     balance, partition_text = choose_balance(cfg, mc, mesh, sampler, device)
     pm = build_model(cfg, mc, mesh, balance, device)
     optimizer = build_optimizer(pm.model, cfg.training, only=pm.optimizer_params())
@@ -360,6 +375,8 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint
         t_start=t_start,
         fault=fault,
         resume=resume,
+        steps_per_epoch=steps_per_epoch,
+        best=BestModel.from_args(cfg.training),
     )
 
 
@@ -444,7 +461,13 @@ def resume_state(ctx: RunContext) -> int:
     for group, lr in zip(ctx.optimizer.param_groups, ctx.scheduler.get_last_lr()):
         group["lr"] = lr
     ctx.sampler.load_state_dict(state["data"])
+    ctx.best.load_state_dict(state)
     step = int(state["step"])
+    if step > ctx.cfg.training.max_steps:
+        raise ConfigError(
+            f"num_train_epochs={ctx.cfg.training.num_train_epochs} gives max_steps="
+            f"{ctx.cfg.training.max_steps}, below the step of resume_from_checkpoint={resume} ({step})"
+        )
     logger.info("resumed from %s at step %d", resume, step)
     return step
 
@@ -552,7 +575,10 @@ def train_loop(
                 tracker.log_image(step, "pipeline_timeline", png)
         if st.preempt_signal:
             raise preempt(ctx, step, st.preempt_signal)
-        maybe_eval_and_save(ctx, tracker, evaluator, step, guard)
+        if maybe_eval_and_save(ctx, tracker, evaluator, step, guard, totals):
+            totals.early_stopped = True
+            logger.info("early stopping at step %d: %s", step, ctx.best.state_dict())
+            break
     totals.step, totals.skipped_steps = step, guard.skipped
     totals.tokens, totals.time_in_steps = window.total_tokens, window.total_s
     return totals
@@ -602,27 +628,65 @@ def log_row(
 
 
 def maybe_eval_and_save(
-    ctx: RunContext, tracker: Tracker, evaluator: Evaluator, step: int, guard: StepGuard
-) -> None:
-    """Evaluate every eval_steps and checkpoint every save_steps (collective: all ranks, same step).
+    ctx: RunContext, tracker: Tracker, evaluator: Evaluator, step: int, guard: StepGuard, totals: LoopTotals
+) -> bool:
+    """Evaluate and checkpoint when eval_strategy / save_strategy say so (collective: all ranks, same step).
 
     An evaluation runs to its end; a preemption signal that arrived during it is agreed
     on right after (one extra read per evaluation) and saved then, not a step later.
+
+    Returns:
+        Whether early stopping ends training here (same answer on every rank).
 
     Raises:
         Preempted: a preemption signal arrived during the evaluation (step `step` is saved).
     """
     args = ctx.cfg.training
     if step >= args.max_steps:  # the last step's eval and checkpoint are finish_run's
-        return
-    if args.eval_steps and step % args.eval_steps == 0:
-        tracker.log({"step": step, **evaluator.run(step, tracker)})
-        ctx.pm.model.train()
+        return False
+    if interval_due(args.eval_strategy, args.eval_steps, step, ctx.steps_per_epoch):
+        evaluate_at(ctx, tracker, evaluator, step, totals)
         signum = guard.preemption_agreed()
         if signum:
             raise preempt(ctx, step, signum)
-    if args.save_steps and step % args.save_steps == 0:
+    if interval_due(args.save_strategy, args.save_steps, step, ctx.steps_per_epoch):
         save(ctx, step)
+        totals.last_save = step
+    evaluated_now = totals.last_eval is not None and totals.last_eval[0] == step
+    return evaluated_now and ctx.best.should_stop(args.early_stopping_patience)
+
+
+def evaluate_at(
+    ctx: RunContext, tracker: Tracker, evaluator: Evaluator, step: int, totals: LoopTotals
+) -> dict[str, Any]:
+    """Evaluate at `step`, log the row, and (best model / early stopping) record it (collective).
+
+    The metrics live on the logging rank; when a best model is tracked they are broadcast
+    from it (one object per evaluation), so every rank takes the same decisions.
+    """
+    metrics = evaluator.run(step, tracker)
+    tracker.log({"step": step, **metrics})
+    args = ctx.cfg.training
+    if tracks_best(args):
+        box = [metrics]
+        dist.broadcast_object_list(box, src=ctx.log_rank)
+        metrics = box[0]
+        ctx.best.update(step, metrics, args.early_stopping_threshold)
+    totals.last_eval = (step, metrics)
+    return metrics
+
+
+def load_best_model(ctx: RunContext, step: int) -> None:
+    """load_best_model_at_end: read the best checkpoint's weights into the model (collective).
+
+    Only after training (do_train): a do_train=false run evaluates / predicts the checkpoint it
+    was given (resume_from_checkpoint or model_name_or_path), as HF's does.
+    """
+    best, args = ctx.best.best_model_checkpoint, ctx.cfg.training
+    if not (args.do_train and args.load_best_model_at_end) or best is None or ctx.best.best_step == step:
+        return
+    ckpt.load_checkpoint(Path(best), [ctx.pm.model], None, to_logical=ctx.pm.to_logical, restore_rng=False)
+    logger.info("loaded the best model: %s (%s = %s)", best, ctx.best.metric, ctx.best.best_metric)
 
 
 def preempt(ctx: RunContext, step: int, signum: int) -> Preempted:
@@ -640,16 +704,37 @@ def finish_run(
     totals: LoopTotals,
     before: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    """Final eval and checkpoint, then the summary: run_summary.json and the printed table on the
-    logging rank, with `history` added on return (collective: eval, save, barrier)."""
-    step = totals.step
+    """Final eval and checkpoint, the best model loaded, do_predict, then the summary:
+    run_summary.json and the printed table on the logging rank, with `history` added on
+    return (collective: eval, save, load, predict, barrier)."""
+    step, args = totals.step, ctx.cfg.training
     after: dict[str, Any] = {}
-    if ctx.cfg.training.do_eval:
-        after = evaluator.run(step, tracker)
-        tracker.log({"step": step, **after})
-    save(ctx, step)
-    pp, out = ctx.dims.pp, ctx.out
-    summary: dict[str, Any] = {
+    if args.do_eval:  # an evaluation at this very step (early stopping) is not repeated
+        last = totals.last_eval
+        after = last[1] if last and last[0] == step else evaluate_at(ctx, tracker, evaluator, step, totals)
+    if args.do_train and totals.last_save != step:
+        save(ctx, step)
+    load_best_model(ctx, step)
+    if args.do_train and args.load_best_model_at_end and ctx.best.best_metrics is not None:
+        after = ctx.best.best_metrics  # the model the run ends with
+    predicted = predict(ctx) if args.do_predict else {}
+    summary = run_summary(ctx, totals, before, after)
+    summary["predict"] = {k: v for k, v in predicted.items() if k.startswith("predict_")}
+    if ctx.is_logger:
+        (ctx.out / "run_summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        _print_summary(summary)
+    summary["history"] = tracker.history
+    tracker.close()
+    dist.barrier()
+    return summary
+
+
+def run_summary(
+    ctx: RunContext, totals: LoopTotals, before: dict[str, Any] | None, after: dict[str, Any]
+) -> dict[str, Any]:
+    """The run_summary.json fields (without `predict` and `history`)."""
+    pp, out, step = ctx.dims.pp, ctx.out, totals.step
+    return {
         "mesh": mesh_sizes(ctx.dims),
         "partition": ctx.balance,
         "bubble_fraction_theory": ctx.bubble_theory,
@@ -657,6 +742,9 @@ def finish_run(
         "after": after,
         "steps": step,
         "skipped_steps": totals.skipped_steps,
+        "early_stopped": totals.early_stopped,
+        "best_metric": ctx.best.best_metric,
+        "best_model_checkpoint": ctx.best.best_model_checkpoint,
         "wall_time_s": time.perf_counter() - ctx.t_start,
         "tokens_per_sec": totals.tokens / totals.time_in_steps if totals.time_in_steps else 0.0,
         "bubble_fraction": float(np.mean(totals.bubbles)) if totals.bubbles else None,
@@ -665,15 +753,8 @@ def finish_run(
         "data_skipped": ctx.data.skipped,
         "direction_shares": ctx.sampler.shares(),
         "output_dir": str(out),
-        "last_checkpoint": str(ckpt.checkpoint_dir(out, step)),
+        "last_checkpoint": str(ckpt.checkpoint_dir(out, step)) if ctx.cfg.training.do_train else None,
     }
-    if ctx.is_logger:
-        (out / "run_summary.json").write_text(json.dumps(summary, indent=1, default=str))
-        _print_summary(summary)
-    summary["history"] = tracker.history
-    tracker.close()
-    dist.barrier()
-    return summary
 
 
 def mesh_sizes(dims: ParallelDims) -> dict[str, int]:
@@ -703,6 +784,13 @@ def save(ctx: RunContext, step: int) -> None:
         "model_config": ctx.pm.model.config.to_dict(),
         **run_identity(ctx.cfg, ctx.out / "tokenizer"),  # what a resume checks it continues
     }
+    ctx.best.saved(step, str(path))
+    state["best_model"] = ctx.best.state_dict()  # HF's best_metric / best_model_checkpoint, at top level too
+    state["best_metric"], state["best_model_checkpoint"] = (
+        ctx.best.best_metric,
+        ctx.best.best_model_checkpoint,
+    )
+    best = ctx.best.best_model_checkpoint
     ckpt.save_checkpoint(
         path,
         [ctx.pm.model],
@@ -710,6 +798,7 @@ def save(ctx: RunContext, step: int) -> None:
         state,
         to_logical=ctx.pm.to_logical,
         save_total_limit=ctx.cfg.training.save_total_limit,
+        keep=Path(best) if best else None,
     )
 
 
@@ -740,10 +829,16 @@ def _print_summary(s: dict[str, Any]) -> None:
     lines.append(f"wall time            {s['wall_time_s']:.1f} s over {s['steps']} steps")
     lines.append(f"output_dir           {s['output_dir']}")
     lines.append(f"last checkpoint      {s['last_checkpoint']}")
+    if s.get("best_model_checkpoint"):
+        lines.append(
+            f"best checkpoint      {s['best_model_checkpoint']} (best_metric {s['best_metric']:.4g})"
+        )
+    export_from = s.get("best_model_checkpoint") or s["last_checkpoint"]
     export_dir = str(Path(s["output_dir"]) / "hf_export")
-    lines.append(
-        f"export               python -m trainer.export --checkpoint {s['last_checkpoint']} --output {export_dir}"
-    )
+    if export_from:
+        lines.append(
+            f"export               python -m trainer.export --checkpoint {export_from} --output {export_dir}"
+        )
     print("\n".join(lines), flush=True)
 
 

@@ -39,7 +39,10 @@ class TranslateArguments:
         }
     )
     source_lang: str = field(
-        metadata={"help": "Source language code; the tokenizer must have its tag `__xx__`."}
+        metadata={
+            "help": "Source language code; the tokenizer must have its tag "
+            "(`en` -> `__en__`; NLLB codes such as `eng_Latn` are their own tag)."
+        }
     )
     target_lang: str = field(metadata={"help": "Target language code; forced as the first generated token."})
     num_beams: int = field(default=4, metadata={"help": "Beam width; 1 is greedy search."})

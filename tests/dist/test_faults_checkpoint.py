@@ -66,6 +66,8 @@ def fault_story(rank: int, world: int, base: dict[str, Any]) -> dict[str, Any]:
     out, res = Path(base["output_dir"]), {}
 
     def train(**kw: Any) -> list[tuple[int, float]]:
+        if kw.get("resume_from_checkpoint"):
+            kw["tokenizer_name"] = None  # as the run being resumed had it (a resume keeps its tokenizer)
         summary = run(load_config_dict({**base, **kw}))
         return [(r["step"], r["loss"]) for r in summary.get("history", []) if "loss" in r]
 

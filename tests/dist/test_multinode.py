@@ -10,7 +10,7 @@ runs on two real nodes. Checks:
 - the real trainer (configs/tiny.yaml, pp=2 x tp=2, 3 steps) through
   scripts/launch_multinode.sh: 3 finite losses in metrics.jsonl and a checkpoint;
 - tp larger than a node (tp=4 with 2 processes per node) is refused with
-  ParallelDims.validate's `tp(4) > LOCAL_WORLD_SIZE(2)` error: inside the placement
+  ParallelDims.validate's `tensor_parallel_size=4 > LOCAL_WORLD_SIZE(2)` error: inside the placement
   job (LOCAL_WORLD_SIZE from torchrun) and as a unit check.
 
 Every subprocess runs in its own session under a deadline and is killed (with
@@ -246,7 +246,7 @@ def test_placement_tp_inside_nodes_pp_across(tmp_path: Path) -> None:
         assert r["coords"]["pp"] == r["group_rank"], r
         # tp=4 > LOCAL_WORLD_SIZE=2 (from torchrun's environment) is refused by the trainer's size check
         assert r["tp_across_nodes_error"] is not None, r
-        assert "tp(4) > LOCAL_WORLD_SIZE(2)" in r["tp_across_nodes_error"], r
+        assert "tensor_parallel_size=4 > LOCAL_WORLD_SIZE(2)" in r["tp_across_nodes_error"], r
 
 
 @pytest.mark.dist
@@ -284,7 +284,7 @@ def test_two_simulated_nodes_train_tiny_model(tmp_path: Path) -> None:
 
 def test_tp_larger_than_a_node_is_refused() -> None:
     dims = ParallelDims(pp=1, dp=-1, tp=4, world_size=4, local_world_size=2)
-    with pytest.raises(ValueError, match=r"tp\(4\) > LOCAL_WORLD_SIZE\(2\)"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 > LOCAL_WORLD_SIZE\(2\)"):
         dims.validate()
     # the same sizes inside one 4-process node are fine, and the override lifts the check
     assert ParallelDims(pp=1, dp=-1, tp=4, world_size=4, local_world_size=4).validate().dp == 1

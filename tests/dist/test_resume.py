@@ -25,7 +25,7 @@ from tests.dist.train_workers import base_config
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 MISMATCHES = {  # override -> what the error must say
-    "spm_model_type": ("bpe", "spm_model_type='bpe' but the checkpoint's run has 'unigram' (tokenizer)"),
+    "spm_model_type": ("unigram", "spm_model_type='unigram' but the checkpoint's run has 'bpe' (tokenizer)"),
     "vocab_size": (800, "vocab_size=800 but the checkpoint's run has 1000 (tokenizer)"),
     "per_device_train_batch_size": (8, "global batch 8 = per_device_train_batch_size(8)"),
 }

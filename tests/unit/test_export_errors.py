@@ -18,7 +18,7 @@ from models.config import ModelConfig
 from models.m2m100 import M2M100Translation, Seq2SeqBatch
 from trainer.checkpoint import COMMIT_MARKER
 from trainer.export import main
-from trainer.tokenizer import train_tokenizer
+from trainer.tokenizer import Tokenizer, train_tokenizer
 
 LANGS = ["de", "en"]
 TEXTS = [f"{w} number {i} is here and there" for i in range(60) for w in ("hello", "hallo", "welt", "world")]
@@ -27,10 +27,13 @@ TEXTS = [f"{w} number {i} is here and there" for i in range(60) for w in ("hello
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """OUT/{tokenizer, checkpoint-3} of a tiny model built from scratch."""
+    return write_run(tmp_path_factory.mktemp("run"), train_tokenizer(TEXTS, LANGS, 80))
+
+
+def write_run(out: Path, tok: Tokenizer) -> Path:
+    """OUT/{tokenizer, checkpoint-3, reference.pt} of a tiny random model (64 positions) for `tok`."""
     import torch.distributed.checkpoint as dcp
 
-    out = tmp_path_factory.mktemp("run")
-    tok = train_tokenizer(TEXTS, LANGS, 80)
     tok.save(out / "tokenizer")
     config = ModelConfig.from_dict(
         dict(

@@ -64,8 +64,8 @@ def test_every_config_field_is_classified_once() -> None:
     "change,message",
     [
         (
-            {"spm_model_type": "bpe"},
-            r"spm_model_type='bpe' but the checkpoint's run has 'unigram' \(tokenizer\)",
+            {"spm_model_type": "unigram"},
+            r"spm_model_type='unigram' but the checkpoint's run has 'bpe' \(tokenizer\)",
         ),
         ({"vocab_size": 800}, r"vocab_size=800 but the checkpoint's run has 1000 \(tokenizer\)"),
         ({"tokenizer_name": "/tok"}, r"tokenizer_name='/tok' but the checkpoint's run has None"),
@@ -101,7 +101,7 @@ def test_global_batch_must_match_but_the_mesh_may_change(tmp_path: Path) -> None
                tensor_parallel_size=2, max_steps=20, logging_steps=5)  # fmt: skip
     point = find_resume(cfg, _dims(cfg, 2))
     assert point is not None and point.step == 2
-    assert "max_steps: 100 -> 20" in point.changes and "tensor_parallel_size: 1 -> 2" in point.changes
+    assert "max_steps: -1 -> 20" in point.changes and "tensor_parallel_size: 1 -> 2" in point.changes
 
 
 def test_tokenizer_rewritten_after_the_checkpoint_is_refused(tmp_path: Path) -> None:
@@ -145,3 +145,16 @@ def test_max_steps_below_the_checkpoint_step(tmp_path: Path) -> None:
 def test_nothing_to_resume(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path / "empty")
     assert find_resume(cfg, _dims(cfg, 1)) is None
+
+
+def test_epoch_runs_resume_and_hf_fields_may_change(tmp_path: Path) -> None:
+    """max_steps=-1 (from num_train_epochs) is resolved after the data is read, so find_resume lets
+    it through; the run_translation fields (strategies, best model, epochs) may change."""
+    out = _run_dir(tmp_path, max_steps=4)
+    cfg = _cfg(out, num_train_epochs=2.0, eval_strategy="epoch", save_strategy="epoch",
+               load_best_model_at_end=True)  # fmt: skip
+    point = find_resume(cfg, _dims(cfg, 1))
+    assert point is not None and "max_steps: 4 -> -1" in point.changes
+    assert "load_best_model_at_end: False -> True" in point.changes
+    with pytest.raises(ConfigError, match=r"max_steps=1 is below the step of resume_from_checkpoint"):
+        find_resume(_cfg(out, max_steps=1), _dims(cfg, 1))

@@ -1,0 +1,204 @@
+"""run_translation / Seq2SeqTrainingArguments names with the HF Trainer's meaning (pure: no processes).
+
+Regression: a run_translation config was rejected (`do_train`, `eval_strategy`, `forced_bos_token`,
+`fp16`, `num_train_epochs`, `predict_with_generate`, `source_prefix`), and an HF name we spell
+differently (`evaluation_strategy`, `gradient_checkpointing`) failed as a bare "unknown key".
+The decisions (`trainer.strategies`) are checked here on numbers; tests/dist/test_run_translation_style.py
+runs them end to end.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trainer.checkpoint import rotation_victims
+from trainer.config import ConfigError, DataArguments, TrainingArguments, load_config_dict, parse_config
+from trainer.strategies import BestModel, check_metric_name, interval_due, resolve_max_steps
+
+ROOT = Path(__file__).resolve().parents[2]
+STYLE = str(ROOT / "configs/run_translation_style.yaml")
+TINY = str(ROOT / "configs/tiny.yaml")
+
+
+def test_run_translation_style_config_parses_with_hf_defaults() -> None:
+    cfg = parse_config(["--config", STYLE])
+    t = cfg.training
+    assert (t.max_steps, t.num_train_epochs, t.eval_strategy, t.save_strategy) == (-1, 10.0, "epoch", "epoch")
+    assert (
+        t.metric_for_best_model == "eval_loss" and t.greater_is_better is False and t.load_best_model_at_end
+    )
+    assert cfg.data.test_file and Path(ROOT / cfg.data.test_file).is_file()
+    assert all((ROOT / getattr(cfg.data, f)).is_file() for f in ("train_file", "validation_file"))
+
+
+def test_max_steps_overrides_epochs_as_in_hf() -> None:
+    assert resolve_max_steps(TrainingArguments(max_steps=7, num_train_epochs=100), 10) == 7
+    assert resolve_max_steps(TrainingArguments(num_train_epochs=3), 10) == 30
+    assert resolve_max_steps(TrainingArguments(num_train_epochs=0.25), 10) == 3  # ceil of 2.5
+    assert resolve_max_steps(TrainingArguments(num_train_epochs=0.01), 10) == 1
+    with pytest.raises(ConfigError, match=r"max_steps=0 must be >= 1, or -1 to train num_train_epochs"):
+        TrainingArguments(max_steps=0)
+    with pytest.raises(ConfigError, match=r"num_train_epochs=0 must be > 0"):
+        TrainingArguments(num_train_epochs=0)
+
+
+def test_interval_strategies() -> None:
+    due = [s for s in range(1, 13) if interval_due("steps", 4, s, 5)]
+    assert due == [4, 8, 12]
+    assert [s for s in range(1, 13) if interval_due("epoch", 4, s, 5)] == [5, 10]
+    assert not any(interval_due("no", 1, s, 1) for s in range(1, 5))
+    assert not any(interval_due("steps", 0, s, 1) for s in range(1, 5))  # 0: only at the end
+    with pytest.raises(ConfigError, match=r"eval_strategy='sometimes' is not valid; choose one of"):
+        TrainingArguments(eval_strategy="sometimes")
+
+
+def test_best_metric_defaults_follow_hf() -> None:
+    a = TrainingArguments(load_best_model_at_end=True, eval_steps=2, save_steps=4)
+    assert (a.metric_for_best_model, a.greater_is_better) == ("eval_loss", False)
+    b = TrainingArguments(early_stopping_patience=2, eval_steps=2, metric_for_best_model="bleu")
+    assert (b.metric_for_best_model, b.greater_is_better) == ("eval_bleu", True)
+    c = TrainingArguments(early_stopping_patience=2, eval_steps=2, metric_for_best_model="bleu",
+                          greater_is_better=False)  # fmt: skip
+    assert c.greater_is_better is False
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"eval_steps": 2, "save_steps": 3}, r"save_steps to be a multiple of eval_steps, got save_steps=3"),
+        ({"eval_strategy": "epoch", "save_strategy": "steps"}, r"needs save_strategy == eval_strategy"),
+        ({"eval_strategy": "no"}, r"load_best_model_at_end needs evaluations during training"),
+        ({"eval_steps": 0}, r"eval_strategy='steps', eval_steps=0"),
+    ],
+)
+def test_best_model_needs_matching_strategies(kw: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        TrainingArguments(load_best_model_at_end=True, **kw)  # type: ignore[arg-type]
+
+
+def test_best_model_and_early_stopping_follow_hf_callback() -> None:
+    """Best moves on any strict improvement; patience counts evaluations not better by > threshold."""
+    best = BestModel("eval_loss", greater_is_better=False)
+    losses = [5.0, 4.0, 3.95, 3.96, 3.5]
+    improved, counters = [], []
+    for step, loss in enumerate(losses, start=1):
+        improved.append(best.update(step, {"eval_loss": loss}, threshold=0.1))
+        counters.append(best.patience_counter)
+    assert improved == [True, True, True, False, True]
+    assert counters == [0, 0, 1, 2, 0]  # 3.95 beats 4.0 but by less than the threshold
+    assert best.best_metric == 3.5 and best.best_step == 5
+    assert not best.should_stop(3) and not best.should_stop(None)
+    best.update(6, {"eval_loss": 3.6})
+    best.update(7, {"eval_loss": 3.6})
+    assert best.should_stop(2)
+    bleu = BestModel("eval_bleu", greater_is_better=True)
+    assert bleu.update(1, {"eval_bleu": 1.0}) and not bleu.update(2, {"eval_bleu": 0.5})
+    with pytest.raises(ConfigError, match=r"metric_for_best_model='eval_bleu' is not an evaluation metric"):
+        BestModel("eval_bleu", True).update(1, {"eval_loss": 1.0})
+
+
+def test_best_checkpoint_recorded_and_restored() -> None:
+    best = BestModel("eval_loss", False)
+    best.update(4, {"eval_loss": 2.0})
+    best.saved(4, "out/checkpoint-4")
+    best.update(8, {"eval_loss": 3.0})
+    best.saved(8, "out/checkpoint-8")
+    assert best.best_model_checkpoint == "out/checkpoint-4" and best.patience_counter == 1
+    again = BestModel("eval_loss", False)
+    again.load_state_dict({"best_model": best.state_dict()})
+    assert again == best
+    other = BestModel("eval_bleu", True)  # a changed metric restarts the record
+    other.load_state_dict({"best_model": best.state_dict()})
+    assert other.best_metric is None
+
+
+def test_rotation_keeps_the_best_checkpoint() -> None:
+    ckpts = [Path(f"o/checkpoint-{s}") for s in (2, 4, 6, 8)]
+    assert rotation_victims(ckpts, 2) == ckpts[:2]
+    assert rotation_victims(ckpts, 2, keep=ckpts[0]) == ckpts[1:3]  # best + newest
+    assert rotation_victims(ckpts, 1, keep=ckpts[1]) == [ckpts[0], ckpts[2]]  # limit 1: best and last
+    assert rotation_victims(ckpts, 3, keep=ckpts[3]) == ckpts[:1]
+
+
+@pytest.mark.parametrize(
+    "key,hint",
+    [
+        ("evaluation_strategy", r"use eval_strategy"),
+        ("per_gpu_train_batch_size", r"use per_device_train_batch_size"),
+        ("gradient_checkpointing", r"use activation_checkpointing"),
+        ("deepspeed", r"use the parallel fields"),
+        ("lr_scheduler_kwargs", r"use lr_scheduler_type"),
+    ],
+)
+def test_known_hf_name_fails_with_a_hint(tmp_path: Path, key: str, hint: str) -> None:
+    with pytest.raises(ConfigError, match=rf"unknown flag\(s\) \['--{key}'\] \({key}: {hint}"):
+        parse_config(["--config", TINY, f"--{key}", "1"])
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{key}: 1\nmax_steps: 2\n")
+    with pytest.raises(ConfigError, match=rf"unknown config key\(s\) \['{key}'\] \({key}: {hint}"):
+        parse_config(["--config", str(path)])
+    with pytest.raises(ConfigError, match=hint):
+        load_config_dict({key: 1})
+
+
+def test_refused_hf_values_say_what_to_use() -> None:
+    with pytest.raises(ConfigError, match=r"fp16=True is not supported .*use bf16: true"):
+        TrainingArguments(fp16=True)
+    with pytest.raises(ConfigError, match=r"predict_with_generate=False is not supported"):
+        TrainingArguments(predict_with_generate=False)
+    with pytest.raises(ConfigError, match=r"source_prefix='translate English to German: ': a T5 task prefix"):
+        DataArguments(source_prefix="translate English to German: ")
+    assert DataArguments(source_prefix="").source_prefix == ""
+    with pytest.raises(ConfigError, match=r"preprocessing_num_workers=0 must be >= 1 or null"):
+        DataArguments(preprocessing_num_workers=0)
+
+
+def test_forced_bos_token_must_be_the_target() -> None:
+    assert DataArguments(source_lang="en", target_lang="de", forced_bos_token="__de__").forced_bos_token
+    assert DataArguments(language_pairs=["en-de", "fr-de"], forced_bos_token="de").forced_bos_token
+    with pytest.raises(
+        ConfigError, match=r"forced_bos_token='fr' conflicts with the run's target language\(s\) \['de'\]"
+    ):
+        DataArguments(source_lang="en", target_lang="de", forced_bos_token="fr")
+    with pytest.raises(ConfigError, match=r"target language\(s\) \['de', 'en'\]"):
+        DataArguments(language_pairs=["en-de", "de-en"], forced_bos_token="de")
+
+
+def test_do_predict_needs_an_existing_test_file() -> None:
+    from trainer.predict import check_predict_args
+
+    with pytest.raises(ConfigError, match=r"do_predict=True needs test_file"):
+        check_predict_args(parse_config(["--config", TINY, "--do_predict", "true"]))
+    cfg = parse_config(["--config", TINY, "--dataset_name", "null", "--train_file", "x.jsonl",
+                        "--do_predict", "true", "--test_file", "/nonexistent/test.jsonl"])  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"test_file='/nonexistent/test\.jsonl': '/nonexistent/test\.jsonl' does not"
+    ):
+        check_predict_args(cfg)
+
+
+def test_metric_for_best_model_is_checked_against_the_run() -> None:
+    check_metric_name("eval_bleu_en-de", ["en-de", "de-en"])
+    check_metric_name(None, ["en-de"])
+    with pytest.raises(
+        ConfigError, match=r"metric_for_best_model='eval_bleu_en-fr' is not an evaluation metric"
+    ):
+        check_metric_name("eval_bleu_en-fr", ["en-de"])
+    with pytest.raises(
+        ConfigError, match=r"'eval_accuracy' is not an evaluation metric of this run; choose from"
+    ):
+        check_metric_name(
+            TrainingArguments(metric_for_best_model="accuracy").metric_for_best_model, ["en-de"]
+        )
+
+
+def test_predictions_are_written_per_direction(tmp_path: Path) -> None:
+    from trainer.predict import write_predictions
+
+    write_predictions(tmp_path, {"en-de": ["a", "b\nc"], "de-en": ["x"]}, {"predict_bleu": 1.0})
+    assert (tmp_path / "predictions_en-de.txt").read_text() == "a\nb c\n"  # one line per hypothesis
+    assert (tmp_path / "predictions_de-en.txt").read_text() == "x\n"
+    assert not (tmp_path / "generated_predictions.txt").exists()  # HF's name only for one direction
+    assert (tmp_path / "predict_results.json").read_text().startswith("{")

@@ -1,0 +1,319 @@
+"""The HF-way tokenizer (issue 12, items 1 and 2).
+
+Export: a BPE run exports an `NllbTokenizer` that honours `src_lang` / `tgt_lang` /
+`text_target`, truncates at the model's positions, cannot be tag-injected by text, and
+drives `generate` with a forced BOS exactly like our own `models.generate.generate`;
+a Unigram run exports a plain fast tokenizer that transformers 4.x can load too. The 4.x
+round trip runs `scripts/check_hf_export.py` under `$HF4_PYTHON` (skipped without it).
+
+Stock tokenizers: directories holding an `NllbTokenizer` (`eng_Latn` codes) or an
+`M2M100Tokenizer` (`en` -> `__en__`), built here from a tiny SentencePiece model, serve
+as `tokenizer_name` for a fine-tune; training on `train.eng_Latn.gz` files gives the run
+an `eng_Latn` tag.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from models.config import ModelConfig
+from models.generate import generate
+from models.m2m100 import M2M100Translation
+from tests.unit.test_export_errors import write_run
+from trainer.export import main as export_main
+from trainer.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokenizer, lang_tag, train_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = Path("/work/shared/data/multi30k")
+MAX_POSITIONS = 64  # write_run's model: the export's model_max_length
+TEXTS = ["A dog runs in the snow.", "Two men play football."]
+TARGETS = ["Ein Hund rennt im Schnee.", "Zwei Männer spielen Fußball."]
+
+
+def _lines(lang: str, n: int) -> list[str]:
+    with gzip.open(DATA / f"train.{lang}.gz", "rt", encoding="utf-8") as f:
+        return [line.rstrip("\n") for _, line in zip(range(n), f)]
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[str]:
+    return _lines("en", 400) + _lines("de", 400)
+
+
+@pytest.fixture(scope="module", params=[("en", "de"), ("eng_Latn", "deu_Latn")], ids=["m2m100", "nllb"])
+def exported(
+    request: pytest.FixtureRequest, corpus: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[SentencePieceTokenizer, Path, Path, str, str]:
+    """(tokenizer, run dir, export dir, src tag, tgt tag) of a tiny BPE run exported by `trainer.export`."""
+    src, tgt = request.param
+    tok = train_tokenizer(corpus, [src, tgt], 400, model_type="bpe")
+    run = write_run(tmp_path_factory.mktemp("run"), tok)
+    out = run.parent / f"{run.name}-hf"
+    assert export_main(["--checkpoint", str(run / "checkpoint-3"), "--output", str(out)]) == 0
+    return tok, run, out, lang_tag(src), lang_tag(tgt)
+
+
+def _source(tok: Tokenizer, tag: str, text: str) -> list[int]:
+    return [tok._piece_to_id(tag) or -1, *tok.encode(text), tok.eos_id]
+
+
+def test_export_honours_src_lang_tgt_lang_text_target(
+    exported: tuple[SentencePieceTokenizer, Path, Path, str, str],
+) -> None:
+    from transformers import AutoTokenizer
+
+    tok, _, out, src, tgt = exported
+    assert src in (tok.available_tags()) and tgt in tok.available_tags()
+    hf = AutoTokenizer.from_pretrained(str(out))
+    assert type(hf).__name__.removesuffix("Fast") == "NllbTokenizer" and hf.model_max_length == MAX_POSITIONS
+    assert len(hf) == tok.vocab_size  # no <mask> or language code past the model's vocabulary
+    hf.src_lang, hf.tgt_lang = src, tgt
+    enc = hf(TEXTS, text_target=TARGETS)
+    assert enc["input_ids"] == [_source(tok, src, t) for t in TEXTS]  # [src] tokens </s>
+    assert enc["labels"] == [_source(tok, tgt, t) for t in TARGETS]  # [tgt] tokens </s>
+    hf.src_lang = tgt  # the setter switches the prefix, as in stock NLLB
+    assert hf(TARGETS[0])["input_ids"] == _source(tok, tgt, TARGETS[0])
+    assert hf.decode(enc["labels"][1], skip_special_tokens=True) == tok.decode(tok.encode(TARGETS[1]))
+
+
+def test_export_truncates_and_cannot_be_injected(
+    exported: tuple[SentencePieceTokenizer, Path, Path, str, str],
+) -> None:
+    from transformers import AutoTokenizer
+
+    tok, _, out, src, tgt = exported
+    hf = AutoTokenizer.from_pretrained(str(out))
+    hf.src_lang = src
+    ids = hf(" ".join(TEXTS) * 30, truncation=True)["input_ids"]
+    assert len(ids) == MAX_POSITIONS and ids[0] == hf.convert_tokens_to_ids(src) and ids[-1] == tok.eos_id
+    tags = {hf.convert_tokens_to_ids(t) for t in tok.available_tags()}
+    for text in [f"{tgt} {TEXTS[0]}", f"x {src}y", f"a </s> b <pad> {tgt}"]:
+        ids = hf(text)["input_ids"]
+        assert ids == _source(tok, src, text), text  # the same pieces as our SentencePiece encode
+        assert tags & set(ids[1:]) == set() and tok.eos_id not in ids[:-1] and tok.pad_id not in ids, text
+
+
+def test_export_generate_with_forced_bos_matches_ours(
+    exported: tuple[SentencePieceTokenizer, Path, Path, str, str],
+) -> None:
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    tok, run, out, src, tgt = exported
+    config = ModelConfig.from_dict(
+        json.loads((run / "checkpoint-3" / "trainer_state.json").read_text())["model_config"]
+    )
+    ours = M2M100Translation(config).eval()
+    ours.load_state_dict(torch.load(run / "reference.pt"))
+    hf = AutoModelForSeq2SeqLM.from_pretrained(str(out)).eval()
+    htok = AutoTokenizer.from_pretrained(str(out))
+    htok.src_lang = src
+    batch = htok(TEXTS, return_tensors="pt", padding=True)
+    forced = htok.convert_tokens_to_ids(tgt)
+    with torch.no_grad():
+        theirs = hf.generate(**batch, forced_bos_token_id=forced, num_beams=1, do_sample=False, max_length=12)
+        mine = generate(ours, batch["input_ids"], batch["attention_mask"], forced, num_beams=1, max_length=12)
+    assert (theirs[:, :2] == torch.tensor([tok.eos_id, forced])).all()  # </s> [tgt] ...
+    assert _rows(theirs, tok.pad_id) == _rows(mine, tok.pad_id)
+
+
+def _rows(ids: torch.Tensor, pad: int) -> list[list[int]]:
+    return [[int(i) for i in row if int(i) != pad] for row in ids]
+
+
+def test_export_round_trip_in_transformers4(
+    exported: tuple[SentencePieceTokenizer, Path, Path, str, str], tmp_path: Path
+) -> None:
+    """Build the venv with: python -m venv V && V/bin/pip install torch transformers==4.57.* sentencepiece."""
+    python = os.environ.get("HF4_PYTHON")
+    if not python:
+        pytest.skip("HF4_PYTHON is not set: no Python with transformers 4.x to load the export with")
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    tok, _, out, src, tgt = exported
+    hf = AutoTokenizer.from_pretrained(str(out))
+    hf.src_lang, hf.tgt_lang = src, tgt
+    enc = hf(TEXTS, text_target=TARGETS)
+    model = AutoModelForSeq2SeqLM.from_pretrained(str(out)).eval()
+    batch = hf(TEXTS, return_tensors="pt", padding=True)
+    forced = hf.convert_tokens_to_ids(tgt)
+    with torch.no_grad():
+        generated = _rows(model.generate(**batch, forced_bos_token_id=forced, num_beams=1, max_length=12), 1)
+        dec = torch.tensor([generated[0]])
+        logits = model(input_ids=batch["input_ids"][:1], decoder_input_ids=dec).logits[0]
+    expected: dict[str, Any] = dict(
+        src_lang=src, tgt_lang=tgt, texts=TEXTS, targets=TARGETS, input_ids=enc["input_ids"],
+        labels=enc["labels"], plain_ids=tok.encode_batch(TEXTS), model_max_length=MAX_POSITIONS,
+        generated=generated, logits=logits.tolist(),
+    )  # fmt: skip
+    (tmp_path / "expected.json").write_text(json.dumps(expected))
+    res = subprocess.run(
+        [python, str(ROOT / "scripts" / "check_hf_export.py"), str(out), str(tmp_path / "expected.json")],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ""},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr[-2000:]
+    assert "transformers 4." in res.stdout, res.stdout
+    print(
+        res.stdout
+    )  # e.g. "transformers 4.57.6: NllbTokenizerFast, ..." and "8 passed, 0 failed" (pytest -s)
+
+
+def test_unigram_export_is_a_plain_fast_tokenizer_both_majors_load(corpus: list[str], tmp_path: Path) -> None:
+    """transformers 5 rebuilds NllbTokenizer as BPE, so a Unigram run keeps the plain form:
+    `tokenizer_class` PreTrainedTokenizerFast (4.x has no TokenizersBackend), the tag written in the text."""
+    from transformers import AutoTokenizer
+
+    tok = train_tokenizer(corpus, ["de", "en"], 400, model_type="unigram")
+    tok.save_pretrained(tmp_path, model_max_length=16)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and "backend" not in config
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert hf("__en__ " + TEXTS[0])["input_ids"] == _source(tok, "__en__", TEXTS[0])
+    assert len(hf(" ".join(TEXTS) * 10, truncation=True)["input_ids"]) == 16
+
+
+def test_nllb_codes_are_their_own_tags(corpus: list[str]) -> None:
+    assert (lang_tag("en"), lang_tag("eng_Latn"), lang_tag("zho_Hant"), lang_tag("en_XX")) == (
+        "__en__", "eng_Latn", "zho_Hant", "__en_XX__",
+    )  # fmt: skip
+    tok = train_tokenizer(corpus, ["eng_Latn", "deu_Latn"], 400)
+    assert [tok.lang_id("deu_Latn"), tok.lang_id("eng_Latn")] == [4, 5]
+    assert not {4, 5} & set(tok.encode("eng_Latn deu_Latn __en__"))  # control symbols: never from text
+
+
+def _spm(corpus: list[str]) -> bytes:
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_writer=buf, vocab_size=300, model_type="bpe", minloglevel=2,
+        hard_vocab_limit=False,
+    )  # fmt: skip
+    return buf.getvalue()
+
+
+def stock_nllb(corpus: list[str], path: Path) -> Path:
+    """An NllbTokenizer directory as transformers builds one from a SentencePiece model: pieces,
+    then `<mask>` and the language codes appended."""
+    from transformers import NllbTokenizer
+
+    spm_dir = path.parent / f"{path.name}-spm"
+    spm_dir.mkdir(parents=True)
+    (spm_dir / "sentencepiece.bpe.model").write_bytes(_spm(corpus))
+    codes = ["deu_Latn", "eng_Latn", "fra_Latn"]
+    NllbTokenizer.from_pretrained(str(spm_dir), additional_special_tokens=codes).save_pretrained(str(path))
+    return path
+
+
+def stock_m2m100(corpus: list[str], path: Path) -> Path:
+    """An M2M100Tokenizer directory: vocab.json (specials, then the pieces) + the SentencePiece
+    model; its 100 `__xx__` tokens follow the vocabulary."""
+    import sentencepiece as spm
+    from transformers import M2M100Tokenizer
+
+    proto = _spm(corpus)
+    sp = spm.SentencePieceProcessor(model_proto=proto)
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+    for i in range(sp.get_piece_size()):
+        vocab.setdefault(sp.id_to_piece(i), len(vocab))
+    path.mkdir(parents=True)
+    (path / "vocab.json").write_text(json.dumps(vocab))
+    (path / "spm.model").write_bytes(proto)
+    M2M100Tokenizer(str(path / "vocab.json"), str(path / "spm.model")).save_pretrained(str(path))
+    return path
+
+
+def test_stock_nllb_and_m2m100_tokenizers_load(corpus: list[str], tmp_path: Path) -> None:
+    nllb = Tokenizer.load(stock_nllb(corpus, tmp_path / "nllb"), ["eng_Latn", "deu_Latn"])
+    assert isinstance(nllb, HFTokenizer) and nllb.languages == ["deu_Latn", "eng_Latn"]
+    assert nllb.lang_id("eng_Latn") == nllb.hf.convert_tokens_to_ids("eng_Latn") >= 300
+    assert nllb.encode("eng_Latn") == nllb.hf(
+        "eng_Latn", add_special_tokens=False, split_special_tokens=True
+    )["input_ids"] and nllb.lang_id("eng_Latn") not in nllb.encode("x eng_Latn y")
+    with pytest.raises(ValueError, match=r"has no tag __en__; it has \['deu_Latn', 'eng_Latn', 'fra_Latn'\]"):
+        Tokenizer.load(tmp_path / "nllb", ["en"])
+    m2m = Tokenizer.load(stock_m2m100(corpus, tmp_path / "m2m"), ["en", "de"])
+    en = m2m.lang_id("en")
+    assert en == m2m.hf.get_lang_id("en") and m2m.vocab_size > en  # tags lie past len(vocab.json)
+    assert en not in m2m.encode("__en__ hello") and len(m2m.available_tags()) == 100
+    assert m2m.decode([en, *m2m.encode(TEXTS[0]), m2m.eos_id]) == m2m.hf.decode(
+        m2m.encode(TEXTS[0]), skip_special_tokens=True
+    )
+
+
+def test_stock_tokenizers_re_exported_load_in_both_majors(corpus: list[str], tmp_path: Path) -> None:
+    """A fine-tune from a stock tokenizer exports it with `save_pretrained`; transformers 5 writes
+    the codes as a list `extra_special_tokens` that 4.x cannot read, so they become
+    `additional_special_tokens`. Loaded in 4.x too when `HF4_PYTHON` is set."""
+    cases = [
+        (stock_nllb(corpus, tmp_path / "nllb"), ["eng_Latn", "deu_Latn"], "eng_Latn"),
+        (stock_m2m100(corpus, tmp_path / "m2m"), ["en", "de"], "en"),
+    ]
+    for path, langs, src in cases:
+        tok = Tokenizer.load(path, langs)
+        out = tmp_path / f"{path.name}-export"
+        tok.save_pretrained(out, model_max_length=32)
+        config = json.loads((out / "tokenizer_config.json").read_text())
+        assert not isinstance(config.get("extra_special_tokens"), list), config.get("extra_special_tokens")
+        again = Tokenizer.load(out, langs)
+        assert again.encode(TEXTS[0]) == tok.encode(TEXTS[0]) and again.lang_id(src) == tok.lang_id(src)
+        python = os.environ.get("HF4_PYTHON")
+        if python:
+            code = (
+                "import sys; from transformers import AutoTokenizer as A; t = A.from_pretrained(sys.argv[1]); "
+                "t.src_lang = sys.argv[2]; print(t(sys.argv[3])['input_ids'], t.model_max_length)"
+            )
+            res = subprocess.run(
+                [python, "-c", code, str(out), src, TEXTS[0]], capture_output=True, text=True, timeout=120,
+                env={**os.environ, "PYTHONPATH": ""},
+            )  # fmt: skip
+            assert res.returncode == 0, res.stderr[-2000:]
+            assert res.stdout.split()[-1] == "32", res.stdout
+            assert json.loads(res.stdout.rsplit(" ", 1)[0]) == _source(tok, lang_tag(src), TEXTS[0]), (
+                res.stdout
+            )
+
+
+@pytest.mark.dist
+def test_finetune_with_stock_tokenizers_and_nllb_files(corpus: list[str], tmp_path: Path) -> None:
+    """One process, 3 steps each: an NllbTokenizer dir on `train.{eng_Latn,deu_Latn}.gz`, an
+    M2M100Tokenizer dir on the built-in en-de corpus, and our own tokenizer trained on the NLLB files."""
+    from tests.dist.harness import run_distributed
+    from tests.dist.train_workers import base_config, train_cases
+
+    for code, lang in (("eng_Latn", "en"), ("deu_Latn", "de")):
+        with gzip.open(tmp_path / f"train.{code}.gz", "wt", encoding="utf-8") as f:
+            f.write("\n".join(_lines(lang, 200)) + "\n")
+    nllb_dir = stock_nllb(corpus, tmp_path / "nllb")
+    m2m_dir = stock_m2m100(corpus, tmp_path / "m2m")
+    files = dict(
+        dataset_name=None, train_file=str(tmp_path / "train.{lang}.gz"), language_pairs=["eng_Latn-deu_Latn"]
+    )
+    base = base_config(str(tmp_path), max_steps=3, builtin_size=200, spm_model_type="bpe")
+    cases = [
+        {**files, "tokenizer_name": str(nllb_dir), "output_dir": str(tmp_path / "nllb-run")},
+        {
+            "tokenizer_name": str(m2m_dir),
+            "language_pairs": ["en-de"],
+            "output_dir": str(tmp_path / "m2m-run"),
+        },
+        {**files, "output_dir": str(tmp_path / "own-run")},
+    ]
+    histories = run_distributed(train_cases, 1, (base, cases), timeout=240)[0]
+    for hist in histories:
+        assert hist and len(hist) == 3 and all(loss == loss and loss > 0 for _, loss, _ in hist), hist
+    nllb_run = Tokenizer.load(tmp_path / "nllb-run" / "tokenizer", ["eng_Latn", "deu_Latn"])
+    assert nllb_run.lang_id("eng_Latn") == Tokenizer.load(nllb_dir).lang_id("eng_Latn")
+    m2m_run = Tokenizer.load(tmp_path / "m2m-run" / "tokenizer", ["en", "de"])
+    assert m2m_run.lang_id("en") == Tokenizer.load(m2m_dir).lang_id("en")
+    own = Tokenizer.load(tmp_path / "own-run" / "tokenizer", ["eng_Latn", "deu_Latn"])
+    assert isinstance(own, SentencePieceTokenizer) and own.available_tags() == ["deu_Latn", "eng_Latn"]
+    assert [own.lang_id("deu_Latn"), own.lang_id("eng_Latn")] == [4, 5]

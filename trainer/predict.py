@@ -1,0 +1,124 @@
+"""do_predict: translate `test_file` per direction on the 3D model, write predictions and scores.
+
+    output_dir/predictions_<src>-<tgt>.txt   one hypothesis per kept test pair, in file order
+    output_dir/generated_predictions.txt     the same, for a one-direction run (run_translation's name)
+    output_dir/predict_results.json          predict_loss, predict_bleu, predict_chrf (macro over
+                                             directions) and per direction, predict_samples, skipped
+
+The test file is read, filtered and tokenized like validation data (`trainer.data`), so
+test pairs longer than max_source_length / max_target_length are skipped and counted
+(`skipped` in predict_results.json), and max_eval_samples caps each direction. Decoding
+and loss are the evaluation's (`trainer.evaluation_runner.Evaluator`: pipeline_generate
+on the mesh, dp replicas sharing the batches); only the logging rank writes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from trainer.config import ConfigError, JobConfig
+from trainer.data import DataError, TranslationData, eval_batches, load_raw_datasets, tokenize_pairs
+from trainer.evaluate import SAMPLES_KEY, DirectionTexts, score_directions
+from trainer.evaluation_runner import Evaluator
+from trainer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from trainer.train import RunContext
+
+
+def check_predict_args(cfg: JobConfig) -> None:
+    """do_predict needs a test_file that exists (checked before anything runs).
+
+    Raises:
+        ConfigError: do_predict without test_file, or a test_file (or one of its per-language
+            files, for a '{lang}' pattern) that does not exist.
+    """
+    if not cfg.training.do_predict:
+        return
+    test = cfg.data.test_file
+    if not test:
+        raise ConfigError("do_predict=True needs test_file (JSON lines / Parquet / '{lang}' text files)")
+    from trainer.data import run_languages
+
+    paths = [test.format(lang=lang) for lang in run_languages(cfg.data)] if "{lang}" in test else [test]
+    missing = [p for p in paths if not Path(p).is_file()]
+    if missing:
+        raise ConfigError(f"test_file={test!r}: {missing[0]!r} does not exist")
+
+
+def load_test_data(cfg: JobConfig, tok: Tokenizer) -> TranslationData:
+    """The test pairs per direction, tokenized with texts kept (as validation data is)."""
+    args = replace(
+        cfg.data,
+        dataset_name=None,
+        train_file=cfg.data.test_file,
+        validation_file=cfg.data.test_file,
+        max_train_samples=None,  # the reader needs a training split; the test file stands in for it
+    )
+    try:
+        raw = load_raw_datasets(args, cfg.training.seed)
+    except DataError as e:
+        raise DataError(f"test_file={cfg.data.test_file!r}: {e}") from None
+    skipped = {f"test:{k.split(':', 1)[1]}": v for k, v in raw.skipped.items() if k.startswith("validation:")}
+    test = {
+        name: tokenize_pairs(ds, tok, cfg.data, f"test:{name}", skipped, keep_text=True)
+        for name, ds in raw.validation.items()
+    }
+    return TranslationData(None, test, skipped)
+
+
+def predict(ctx: RunContext) -> dict[str, Any]:
+    """Translate and score the test file on the mesh; write the files (collective).
+
+    Args:
+        ctx: the run's `trainer.train.RunContext` (model, mesh, tokenizer, config, log rank, out).
+
+    Returns:
+        The predict_results.json content on the logging rank ({} elsewhere).
+    """
+    cfg, out = ctx.cfg, ctx.out
+    data = load_test_data(cfg, ctx.tok)
+    batches = eval_batches(data, ctx.tok, cfg.training.per_device_eval_batch_size)
+    runner = Evaluator(ctx.pm, ctx.mesh, ctx.tok, batches, cfg.training, ctx.log_rank)
+    runner.pm.model.eval()
+    metrics: dict[str, Any] = runner.losses()
+    hyps: dict[str, list[str]] = {}
+
+    def translate(sources: Sequence[str], src_lang: str, tgt_lang: str) -> list[str] | None:
+        got = runner.translate_3d(sources, src_lang, tgt_lang)
+        if got is not None:
+            hyps[f"{src_lang}-{tgt_lang}"] = got
+        return got
+
+    texts = [  # file order (the batches are length-sorted; translate_3d returns hypotheses in input order)
+        DirectionTexts(tuple(name.split("-", 1)), ds["source"], ds["target"])  # type: ignore[arg-type]
+        for name, ds in data.validation.items()
+    ]
+    metrics.update(score_directions(translate, texts))
+    samples = metrics.pop(SAMPLES_KEY, [])
+    runner.pm.model.train()
+    result: dict[str, Any] = {}
+    if dist.get_rank() == ctx.log_rank:
+        result = {k.replace("eval_", "predict_", 1): v for k, v in metrics.items()}
+        result["predict_samples"] = {name: len(ds) for name, ds in data.validation.items()}
+        result["skipped"] = data.skipped
+        result["samples"] = [list(s) for s in samples]
+        write_predictions(out, hyps, result)
+    dist.barrier()
+    return result
+
+
+def write_predictions(out: Path, hyps: dict[str, list[str]], result: dict[str, Any]) -> None:
+    """predictions_<direction>.txt per direction (and generated_predictions.txt for one), the results."""
+    for name, lines in hyps.items():
+        text = "".join(line.replace("\n", " ") + "\n" for line in lines)
+        (out / f"predictions_{name}.txt").write_text(text)
+        if len(hyps) == 1:
+            (out / "generated_predictions.txt").write_text(text)
+    (out / "predict_results.json").write_text(json.dumps(result, indent=1))
