@@ -92,3 +92,14 @@ def test_workers_give_the_same_examples(text_dir: Path, tok: SentencePieceTokeni
     tokenized = calls[0]
     assert _rows(tokenize_datasets(load_raw_datasets(one, 0), tok, one, tmp_path)) == _rows(single)
     assert calls[0] == tokenized
+
+
+def test_text_files_read_anew_when_they_change(tmp_path: Path) -> None:
+    """Text files stream into `datasets`' cache keyed by path, size and mtime: an edited file is
+    read again, never served from the cache of its earlier content."""
+    for lang, text in (("de", "ein Hund\nzwei Katzen\n"), ("en", "a dog\ntwo cats\n")):
+        (tmp_path / f"t.{lang}").write_text(text)
+    args = DataArguments(train_file=str(tmp_path / "t.{lang}"), language_pairs=["en-de"])
+    assert load_raw_datasets(args, 0).train[:]["target"] == ["ein Hund", "zwei Katzen"]
+    (tmp_path / "t.de").write_text("ein Hund\ndrei Katzen\n")
+    assert load_raw_datasets(args, 0).train[:]["target"] == ["ein Hund", "drei Katzen"]
