@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,6 +34,8 @@ from models.config import ModelConfig
 from parallel.mesh import ParallelDims
 from parallel.simulate import StageCosts
 from trainer.config import SCHEDULE_CHOICES, ConfigError, JobConfig, parse_config
+from trainer.plan_calibrate import Calibration, Mesh, apply, calibrate, should_calibrate
+from trainer.plan_calibrate import report as calibration_rows
 from trainer.plan_cost import (
     GIB,
     Candidate,
@@ -201,7 +204,9 @@ def plan(cfg: JobConfig, base_args: list[str], opts: argparse.Namespace) -> dict
         cfg.parallel.sequence_parallel,
         28.0 / device.hbm_bytes_per_s if device else measure_optimizer_s_per_param(source.mc),
     )  # fmt: skip
-    if device is None:  # this machine: calibrate what the block profile misses, on the config's own shape
+    calibrating, why_not = should_calibrate(opts, measured_here=device is None)
+    if device is None and not calibrating:  # what the block profile misses, on a one-rank mesh
+        logger.info("no calibration runs (%s): executor overheads from a one-rank run", why_not)
         shape0 = source.shape(*_own_cut(cfg, world))
         ctx.action_overhead_s, ctx.step_overhead_s = measure_overheads(
             cfg, source.mc, shape0, source.kind_costs(shape0, "none"), ctx.optimizer_s_per_param
@@ -229,14 +234,24 @@ def plan(cfg: JobConfig, base_args: list[str], opts: argparse.Namespace) -> dict
                     layout, source.block_costs(shape, layout.remat, layout.tp, cut_ctx), shape, cut_ctx
                 )
                 pending.append((lower_bound(layout, sc, cut_ctx), layout, sc, cut_ctx))
-    candidates, pruned = _simulate_best(pending, memory_gib, opts, rejected)
+    fits = calibrate(pending, base_args, opts, _run_root(opts, "calibrate")) if calibrating else {}
+    candidates, pruned = _simulate_best(apply(pending, fits), memory_gib, opts, rejected)
     for c in candidates[: opts.top]:  # the printed rows: their flags through the trainer's own parser
         c.args = layout_args(c.layout, base_args)
         check_args(c.args, world)
     for c in candidates[opts.top :]:
         c.args = layout_args(c.layout, base_args)
-    own = own_layout(cfg, base_args, source, ctx, world, gpn)
-    return build_report(cfg, opts, device, link, memory_gib, candidates, rejected, pruned, own)
+    own = own_layout(cfg, base_args, source, ctx, world, gpn, fits)
+    result = build_report(cfg, opts, device, link, memory_gib, candidates, rejected, pruned, own)
+    result["calibration"] = calibration_rows(fits) if calibrating else why_not
+    return result
+
+
+def _run_root(opts: argparse.Namespace, kind: str) -> Path:
+    """Where calibration / validation runs write: under --validate_dir, else a temporary directory."""
+    if opts.validate_dir:
+        return Path(opts.validate_dir)
+    return Path(tempfile.mkdtemp(prefix=f"plan_{kind}_"))
 
 
 def _simulate_best(
@@ -364,8 +379,9 @@ def _layouts(
 
 
 def own_layout(
-    cfg: JobConfig, base_args: list[str], source: CostSource, ctx: CostContext, world: int, gpn: int
-) -> Candidate | str:
+    cfg: JobConfig, base_args: list[str], source: CostSource, ctx: CostContext, world: int, gpn: int,
+    fits: dict[Mesh, Calibration] | None = None,
+) -> Candidate | str:  # fmt: skip
     """The config's own layout, predicted the same way (or why it cannot run on this world)."""
     p = cfg.parallel
     try:
@@ -384,9 +400,10 @@ def own_layout(
         balance = p.partition_balance() or choose_balance(p.partition_method, costs, params, dims.pp * v)
         layout = Layout(dims.pp, dims.tp, dims.dp, m, g, mb, p.pipeline_schedule, v,
                         p.activation_checkpointing, p.partition_method, tuple(balance), token)  # fmt: skip
-        return Candidate(
-            layout, predict(layout, stage_costs(layout, costs, shape, ctx), ctx), list(base_args)
+        [(_, _, sc, lay_ctx)] = apply(
+            [(0.0, layout, stage_costs(layout, costs, shape, ctx), ctx)], fits or {}
         )
+        return Candidate(layout, predict(layout, sc, lay_ctx), list(base_args))
     except ValueError as e:
         return str(e)
 
@@ -413,7 +430,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--validate_steps", type=int, default=12)
     ap.add_argument("--validate_warmup", type=int, default=3)
     ap.add_argument("--validate_timeout", type=float, default=600)
-    ap.add_argument("--validate_dir", default=None, help="Output dirs of the validation runs.")
+    ap.add_argument(
+        "--validate_dir", default=None, help="Output dirs of the calibration and validation runs."
+    )
+    ap.add_argument(
+        "--calibrate", choices=("auto", "true", "false"), default="auto",
+        help="Fit each mesh's compute scale and step offset from one short trainer run (auto: when the "
+        "world runs on this machine and costs are measured here). --validate_steps/_warmup apply.",
+    )  # fmt: skip
     ap.add_argument("--seq_len", type=int, default=None, help="Fixed sentence length instead of the data's.")
     ap.add_argument("--max_microbatches", type=int, default=64)
     ap.add_argument("--keep", type=int, default=50, help="Fitting layouts simulated before pruning by bound.")

@@ -126,6 +126,17 @@ def format_table(result: dict[str, Any], top: int) -> str:
             f"{own['predicted_step_time_s']:.4g} s/step, bubble {own['predicted_bubble_fraction']:.1%}, "
             f"{own['predicted_peak_memory_bytes'] / GIB:.2f} GiB"
         )
+    calibration = result.get("calibration")
+    if isinstance(calibration, list):
+        for c in calibration:
+            m = c["mesh"]
+            lines.append(
+                f"calibrated pp={m['pp']} tp={m['tp']} dp={m['dp']} on one trainer run: compute x"
+                f"{c['compute_scale']:.2f}, step offset {c['step_offset_s'] * 1e3:+.2f} ms "
+                f"(measured {c['measured_step_time_s']:.4g} s, uncalibrated model {c['model_step_time_s']:.4g} s)"
+            )
+    elif calibration:
+        lines.append(f"not calibrated: {calibration}")
     lines.append(
         f"{len(result['candidates'])} layouts fit; {result['pruned']} not simulated (their lower bound is "
         f"slower than the best kept); rejected: {result['rejected_counts'] or 'none'}"
@@ -142,6 +153,8 @@ def validate(result: dict[str, Any], k: int, opts: argparse.Namespace) -> list[d
     """
     out = []
     root = Path(opts.validate_dir or tempfile.mkdtemp(prefix="plan_validate_"))
+    calibration = result.get("calibration")
+    calibrated_on = [c["args"] for c in calibration] if isinstance(calibration, list) else []
     for row in result["candidates"][:k]:
         run_dir = root / f"candidate_{row['rank']}"
         measured = run_candidate(row["args"], opts.world_size, run_dir, opts)
@@ -152,12 +165,13 @@ def validate(result: dict[str, Any], k: int, opts: argparse.Namespace) -> list[d
             "step_time_error": measured["step_time_s"] / pred - 1,
             "predicted_peak_activation_bytes": act,
             "measured_peak_activation_bytes": measured["peak_activation_bytes"], "output_dir": str(run_dir),
+            "calibration_layout": row["args"] in calibrated_on,
         })  # fmt: skip
     return out
 
 
 def run_candidate(args: list[str], world: int, out_dir: Path, opts: argparse.Namespace) -> dict[str, float]:
-    """Train `args` for `opts.validate_steps` steps into `out_dir`; its median step time and peak.
+    """Train `args` for `opts.validate_steps` steps into `out_dir`; median step time, compute and peak.
 
     Raises:
         RuntimeError: the run failed or timed out (its stderr's tail in the message).
@@ -172,10 +186,10 @@ def run_candidate(args: list[str], world: int, out_dir: Path, opts: argparse.Nam
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=opts.validate_timeout)
     except subprocess.TimeoutExpired:
         raise RuntimeError(
-            f"validation run timed out after {opts.validate_timeout} s: {' '.join(cmd)}"
+            f"trainer run timed out after {opts.validate_timeout} s: {' '.join(cmd)}"
         ) from None
     if proc.returncode != 0:
-        raise RuntimeError(f"validation run failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        raise RuntimeError(f"trainer run failed ({proc.returncode}): {proc.stderr[-2000:]}")
     rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [r for r in rows if "step_time_s" in r][opts.validate_warmup :]
     if not steps:
@@ -185,7 +199,14 @@ def run_candidate(args: list[str], world: int, out_dir: Path, opts: argparse.Nam
     # per step the most loaded stage's peak, then the median step (the prediction is for the mean shape)
     peaks = [max(v for k, v in r.items() if k.startswith("peak_activation_bytes_stage_")) for r in steps]
     peak = statistics.median(peaks)
-    return {"step_time_s": statistics.median(r["step_time_s"] for r in steps), "peak_activation_bytes": peak}
+    compute = statistics.median(
+        sum(v for k, v in r.items() if k.startswith("stage_compute_s_")) for r in steps
+    )  # the pipeline's compute per step, summed over pp ranks
+    return {
+        "step_time_s": statistics.median(r["step_time_s"] for r in steps),
+        "peak_activation_bytes": peak,
+        "compute_s": compute,
+    }
 
 
 def format_validation(rows: list[dict[str, Any]]) -> str:
@@ -197,6 +218,7 @@ def format_validation(rows: list[dict[str, Any]]) -> str:
             f"{r['rank']:>3} {r['predicted_step_time_s']:>11.4g} {r['measured_step_time_s']:>10.4g} "
             f"{r['step_time_error']:>+7.1%} {r['predicted_peak_activation_bytes'] / 2**20:>12.2f} "
             f"{r['measured_peak_activation_bytes'] / 2**20:>12.2f}"
+            + ("  (its mesh's calibration layout)" if r.get("calibration_layout") else "")
         )
     if rows:
         best = min(rows, key=lambda r: r["measured_step_time_s"])

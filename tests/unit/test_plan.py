@@ -42,7 +42,8 @@ def tiny_plan(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("plan") / "plan.json"
     planner.main(
         ["--config", TINY, "--world_size", "2", "--seq_len", "12", "--link_gbps", "1", "--repeats", "1",
-         "--remat", "none,full", "--output", str(out), "--max_microbatches", "4", "--keep", "1000"]
+         "--remat", "none,full", "--output", str(out), "--max_microbatches", "4", "--keep", "1000",
+         "--calibrate", "false"]
     )  # fmt: skip
     return json.loads(out.read_text())
 
@@ -182,3 +183,57 @@ def test_block_profile_counts_what_remat_keeps() -> None:
     # full remat keeps the layer input (B, S, H) fp32; the decoder also the encoder output
     assert full[BlockKind.ENC_LAYER].activation_bytes == 4 * 2 * 7 * 32
     assert full[BlockKind.DEC_LAYER].activation_bytes == 4 * 2 * (7 + 5) * 32
+
+
+def _calibration_entry(pp: int, dp: int, schedule: str = "1f1b", bound: float = 1.0):  # type: ignore[no-untyped-def]
+    link = LinkModel(1e-4, 1e9, 1e-4, 1e9)
+    mc = parse_config(["--config", TINY]).model.model_config(1000, {})
+    ctx = CostContext(mc, link, 2, False, False, False, 1e-9)
+    layout = Layout(pp, 1, dp, 2, 1, 8, schedule, 1, "none", "uniform", (4, 4) if pp == 2 else (8,))
+    from parallel.simulate import StageCosts
+
+    sc = StageCosts([0.01] * pp, [0.02] * pp, [0.0] * pp, 1e-4)
+    return bound, layout, sc, ctx
+
+
+def test_calibration_fit_reproduces_its_run_and_scales_the_mesh() -> None:
+    """The fitted prediction of the calibration layout is its measured step; other layouts of
+    the mesh move by the same compute scale and offset; other meshes are untouched."""
+    from trainer import plan_calibrate as cal
+
+    entry = _calibration_entry(2, 1)
+    _, layout, sc, ctx = entry
+    model_compute = cal.predicted_compute_s(layout, sc)
+    assert model_compute == pytest.approx(2 * (0.01 + 0.02) * 2)  # g m (F + I + W), both stages
+    fit = cal.fit(layout, sc, ctx, {"step_time_s": 0.5, "compute_s": 2 * model_compute}, [])
+    assert fit.compute_scale == pytest.approx(2.0)
+    other = _calibration_entry(1, 2)
+    [(_, lay, sc2, ctx2), (_, lay_o, sc_o, ctx_o)] = cal.apply([entry, other], {(2, 1, 1): fit})
+    assert predict(lay, sc2, ctx2).step_time_s == pytest.approx(0.5)
+    assert list(sc2.forward) == [0.02, 0.02] and sc2.link == sc.link
+    assert sc_o is other[2] and ctx_o is other[3]
+
+
+def test_calibration_layout_is_the_mesh_s_cheapest_1f1b() -> None:
+    from trainer import plan_calibrate as cal
+
+    entries = [_calibration_entry(2, 1, "zero_bubble", 0.1), _calibration_entry(2, 1, "1f1b", 0.3),
+               _calibration_entry(2, 1, "1f1b", 0.2), _calibration_entry(1, 2, "1f1b", 0.5)]  # fmt: skip
+    chosen = cal.calibration_layouts(entries)
+    assert chosen[(2, 1, 1)] is entries[2] and chosen[(1, 1, 2)] is entries[3]
+
+
+def test_calibrate_true_refuses_a_world_this_machine_cannot_run() -> None:
+    import argparse
+
+    from trainer import plan_calibrate as cal
+
+    opts = argparse.Namespace(calibrate="true", world_size=10_000)
+    with pytest.raises(ValueError, match="--world_size 10000 >"):
+        cal.should_calibrate(opts, measured_here=True)
+    opts.calibrate = "auto"
+    assert cal.should_calibrate(opts, measured_here=True)[0] is False
+    assert cal.should_calibrate(opts, measured_here=False) == (
+        False,
+        "costs come from the device table (--device)",
+    )
