@@ -87,6 +87,41 @@ def _block_params(model: M2M100Translation, spec: BlockSpec) -> list[torch.nn.Pa
 
 
 @dataclass(frozen=True)
+class ActivationParts:
+    """Where a block's activation bytes come from, so a stage of several blocks counts each tensor once.
+
+    The executor's meter charges a stage's inputs once and every saved storage once per
+    (stage, micro-batch); a block profiled alone charges its own inputs again (the encoder
+    output that every decoder layer receives, for one). Stage sums use these parts instead
+    (`trainer.plan_cost.stage_activation_bytes`).
+
+    own: bytes saved for backward that are not the block's inputs.
+    inputs: bytes of each input state key; saved_inputs: the input keys it saves.
+    outputs: bytes of each output key; passthrough: output keys that are the input tensor itself.
+    """
+
+    own: int
+    inputs: tuple[tuple[str, int], ...]
+    saved_inputs: frozenset[str]
+    outputs: tuple[tuple[str, int], ...]
+    passthrough: frozenset[str]
+
+    def scaled(self, factor: float) -> ActivationParts:
+        """Every byte count times `factor` (another micro-batch size, or a tp shard)."""
+
+        def scale(pairs: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
+            return tuple((k, int(n * factor)) for k, n in pairs)
+
+        return ActivationParts(
+            int(self.own * factor),
+            scale(self.inputs),
+            self.saved_inputs,
+            scale(self.outputs),
+            self.passthrough,
+        )
+
+
+@dataclass(frozen=True)
 class BlockPhases:
     """One block's costs on one micro-batch, phase by phase (seconds; bytes).
 
@@ -97,6 +132,7 @@ class BlockPhases:
     activation_bytes: what the forward keeps for backward, counted by the executor's
         `SavedTensorMeter` (the block's input included; rematerialised regions count
         only the inputs they keep).
+    parts: the same bytes split by origin (`ActivationParts`), where measured.
     """
 
     forward_s: float
@@ -104,6 +140,7 @@ class BlockPhases:
     backward_input_s: float
     backward_weight_s: float
     activation_bytes: int
+    parts: ActivationParts | None = None
 
 
 def profile_block_phases(
@@ -149,11 +186,57 @@ def profile_block_phases(
             out, _ = run()
         act = meter.held.get(spec, 0)
         meter.reset()
+        parts = _activation_parts(model, inputs, run)
         times = [statistics.median(s[k] for s in samples[1:]) if timed else 0.0 for k in range(4)]
-        phases.append(BlockPhases(times[0], times[1], times[2], times[3], int(act)))
+        phases.append(BlockPhases(times[0], times[1], times[2], times[3], int(act), parts))
         state = {k: v.detach() for k, v in out.items() if k != "logits"}
     model.zero_grad(set_to_none=True)
     return phases
+
+
+def _activation_parts(model: M2M100Translation, inputs: State, run) -> ActivationParts:  # type: ignore[no-untyped-def]
+    """One forward of the block, its saved storages classified as inputs (by key) or its own.
+
+    Counts as `SavedTensorMeter` does: parameters excluded, each storage once, the inputs
+    that rematerialised regions keep included (reported through `parallel.remat`).
+    """
+    from parallel import remat
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    by_ptr = {t.untyped_storage().data_ptr(): k for k, t in inputs.items()}
+    seen: set[int] = set()
+    own, saved = 0, set()
+
+    def charge(t: Tensor) -> None:
+        nonlocal own
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in params or ptr in seen:
+            return
+        seen.add(ptr)
+        if ptr in by_ptr:
+            saved.add(by_ptr[ptr])
+        else:
+            own += t.untyped_storage().nbytes()
+
+    def pack(t: Tensor) -> Tensor:
+        if isinstance(t, Tensor):
+            charge(t)
+        return t
+
+    token = remat.KEPT_INPUT_OBSERVER.set(charge)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out, _ = run()
+    finally:
+        remat.KEPT_INPUT_OBSERVER.reset(token)
+    outputs = {k: v for k, v in out.items() if k != "logits"}
+    return ActivationParts(
+        own,
+        tuple((k, t.untyped_storage().nbytes()) for k, t in inputs.items()),
+        frozenset(saved),
+        tuple((k, t.untyped_storage().nbytes()) for k, t in outputs.items()),
+        frozenset(k for k, t in outputs.items() if k in inputs and t.data_ptr() == inputs[k].data_ptr()),
+    )
 
 
 def _run_block(

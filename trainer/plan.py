@@ -427,8 +427,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--top", type=int, default=10, help="Candidates to print.")
     ap.add_argument("--output", default="plan.json", help="Where the ranked candidates are written.")
     ap.add_argument("--validate", type=int, default=0, help="Run the top K with trainer.train.")
-    ap.add_argument("--validate_steps", type=int, default=12)
-    ap.add_argument("--validate_warmup", type=int, default=3)
+    ap.add_argument("--validate_steps", type=int, default=24)
+    ap.add_argument("--validate_warmup", type=int, default=4)
     ap.add_argument("--validate_timeout", type=float, default=600)
     ap.add_argument(
         "--validate_dir", default=None, help="Output dirs of the calibration and validation runs."

@@ -188,7 +188,7 @@ def block_forward_flops(mc: ModelConfig, kind: BlockKind, shape: Shape) -> tuple
 
 
 def table_kind_costs(
-    mc: ModelConfig, shape: Shape, remat: str, device: DeviceSpec, activation_bytes: dict[BlockKind, int]
+    mc: ModelConfig, shape: Shape, remat: str, device: DeviceSpec, activations: KindCosts, act_scale: float
 ) -> KindCosts:
     """FLOP-based costs on `device`: max(FLOPs / (peak x efficiency), host time) per phase.
 
@@ -196,18 +196,21 @@ def table_kind_costs(
     embeddings compute their weight grads inside I). Host time: a third of the block overhead
     for F, two thirds for B. Remat adds the recomputed forward, FLOPs and host time, to B and
     I: full = the whole layer, selective = its attention modules (counted as half the ops).
+    Activation bytes: `activations` (measured here, at one sentence) times `act_scale`.
     """
     out: KindCosts = {}
     rate = device.peak_flops * device.efficiency
     host = device.block_overhead_s / 3
-    for kind, act in activation_bytes.items():
+    for kind, measured in activations.items():
         fwd, attn = block_forward_flops(mc, kind, shape)
         share = {"full": 1.0, "selective": 0.5}.get(remat, 0.0) if kind in LAYER_KINDS else 0.0
         recompute = {"full": fwd, "selective": attn}.get(remat, 0.0) if kind in LAYER_KINDS else 0.0
         f = max(fwd / rate, host)
         w = fwd / rate if kind in LAYER_KINDS else 0.0
         i = max((2 * fwd + recompute) / rate - w, (2 + share) * host)
-        out[kind] = BlockPhases(f, i + w, i, w, act)
+        act = int(measured.activation_bytes * act_scale)
+        parts = measured.parts.scaled(act_scale) if measured.parts else None
+        out[kind] = BlockPhases(f, i + w, i, w, act, parts)
     return out
 
 
@@ -344,14 +347,15 @@ def block_costs(
         full, ph = kinds[spec.kind], kinds_tp[spec.kind]
         n_f, n_b, length = comm.get(spec.kind, (0, 0, 0))
         ar = ctx.link.all_reduce(shape.b * length * mc.d_model * e, tp, inter) if tp > 1 else 0.0
-        act = full.activation_bytes * (replicated + (1 - replicated) / tp)
+        shard = replicated + (1 - replicated) / tp
         out.append(
             BlockPhases(
                 ph.forward_s * factor + n_f * ar,
                 ph.backward_s * factor + n_b * ar,
                 ph.backward_input_s * factor + n_b * ar,
                 ph.backward_weight_s * factor,
-                int(act),
+                int(full.activation_bytes * shard),
+                full.parts.scaled(shard) if full.parts else None,
             )
         )
     return out
@@ -374,6 +378,27 @@ def _boundary_bytes(mc: ModelConfig, shape: Shape, block_index: int) -> float:
     return 0.0 if kind is BlockKind.SRC_EMBED else 4.0 * shape.b * tokens * mc.d_model
 
 
+def stage_activation_bytes(costs: Sequence[BlockPhases], blocks: range) -> float:
+    """Bytes a stage of `blocks` holds per micro-batch, counted as the executor's meter counts them.
+
+    The stage's inputs once, each block's own saved bytes, and a tensor one block of the stage
+    produces and a later one saves, once (`parallel.profile.ActivationParts`). Summing the
+    blocks' `activation_bytes` instead counts the encoder output once per decoder layer.
+    """
+    parts = [p for p in (costs[i].parts for i in blocks) if p is not None]
+    if not parts or len(parts) < len(blocks):
+        return float(sum(costs[i].activation_bytes for i in blocks))
+    total = sum(n for _, n in parts[0].inputs) + sum(p.own for p in parts)
+    produced: dict[str, int] = {}  # made inside the stage, not counted yet
+    for p in parts:
+        for key in p.saved_inputs:
+            total += produced.pop(key, 0)
+        for key, n in p.outputs:
+            if key not in p.passthrough:
+                produced[key] = n
+    return float(total)
+
+
 def stage_costs(layout: Layout, costs: Sequence[BlockPhases], shape: Shape, ctx: CostContext) -> StageCosts:
     """The simulator's per-stage costs of `layout`: block costs summed by the balance, the p2p link.
 
@@ -388,7 +413,7 @@ def stage_costs(layout: Layout, costs: Sequence[BlockPhases], shape: Shape, ctx:
     fwd = [o + sum(costs[i].forward_s for i in r) for r in ranges]
     bin_ = [o + sum((costs[i].backward_input_s if zb else costs[i].backward_s) for i in r) for r in ranges]
     bw = [sum(costs[i].backward_weight_s for i in r) if zb else 0.0 for r in ranges]
-    act = [float(sum(costs[i].activation_bytes for i in r)) for r in ranges]
+    act = [stage_activation_bytes(costs, r) for r in ranges]
     if layout.remat == "stage":
         bin_ = [b + f for b, f in zip(bin_, fwd)]
         act = [max(_boundary_bytes(mc, shape, r.start), 1.0) for r in ranges]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from models.config import ModelConfig
-from models.m2m100 import BlockKind, M2M100Translation
+from models.m2m100 import M2M100Translation
 from parallel.profile import BlockPhases
 from trainer.config import JobConfig
 from trainer.plan_cost import (
@@ -38,6 +38,9 @@ from trainer.plan_cost import (
 
 logger = logging.getLogger("trainer.plan")
 
+# Global batches whose micro-batches give the median shape: a validation run's first 24 steps
+SHAPE_SAMPLE_BATCHES = 24
+
 
 class CostSource:
     """Micro-batch shapes (from the data, or a fixed length) and per-kind costs, cached."""
@@ -49,7 +52,7 @@ class CostSource:
         self.fetch_s: dict[tuple[int, ...], float] = {}
         self._shapes: dict[tuple[int, ...], Shape] = {}
         self._costs: dict[tuple[Shape, str], KindCosts] = {}
-        self._acts: dict[tuple[int, int, str], dict[BlockKind, int]] = {}
+        self._acts: dict[tuple[int, int, str], KindCosts] = {}
 
     def _load(self, cfg: JobConfig, opts: argparse.Namespace) -> ModelConfig:
         """The architecture; with data at hand (and no --seq_len), its tokenizer's vocabulary too."""
@@ -105,7 +108,7 @@ class CostSource:
         sampler = GlobalBatchSampler(train, layout, self.cfg.training.seed, tok.pad_id,
                                      tok.special_ids()["decoder_start_token_id"])  # fmt: skip
         rows, src, tgt, fetch = [], [], [], []
-        for _ in range(8):
+        for _ in range(SHAPE_SAMPLE_BATCHES):
             gb = next(sampler)
             for flush in gb.replica_slots(0):
                 for idx in flush:
@@ -131,16 +134,14 @@ class CostSource:
             else:
                 one = self._one_sentence_bytes(shape.s, shape.t, remat)
                 scale = shape.b * (0.5 if bf16 else 1.0)  # bf16 keeps 2-byte activations
-                acts = {k: int(n * scale) for k, n in one.items()}
-                self._costs[key] = table_kind_costs(self.mc, shape, remat, self.device, acts)
+                self._costs[key] = table_kind_costs(self.mc, shape, remat, self.device, one, scale)
         return self._costs[key]
 
-    def _one_sentence_bytes(self, s: int, t: int, remat: str) -> dict[BlockKind, int]:
-        """Activation bytes per block kind of one sentence, measured here in fp32 (table mode)."""
+    def _one_sentence_bytes(self, s: int, t: int, remat: str) -> KindCosts:
+        """Activation bytes per block kind of one sentence, measured here in fp32 (table mode; times 0)."""
         key = (s, t, remat)
         if key not in self._acts:
-            one = measure_kind_costs(self.mc, Shape(1, s, t), remat, bf16=False, timed=False)
-            self._acts[key] = {k: ph.activation_bytes for k, ph in one.items()}
+            self._acts[key] = measure_kind_costs(self.mc, Shape(1, s, t), remat, bf16=False, timed=False)
         return self._acts[key]
 
     def block_costs(self, shape: Shape, remat: str, tp: int, ctx: CostContext) -> list[BlockPhases]:

@@ -237,3 +237,34 @@ def test_calibrate_true_refuses_a_world_this_machine_cannot_run() -> None:
         False,
         "costs come from the device table (--device)",
     )
+
+
+def test_stage_activation_bytes_match_the_executor_meter() -> None:
+    """Summed from per-kind profiles, a stage's bytes equal the meter's count of that stage run
+    as one (the encoder output that every decoder layer receives counted once, not per layer)."""
+    from models.loss import cross_entropy_sum
+    from models.m2m100 import block_specs
+    from parallel.memory import SavedTensorMeter
+    from trainer.plan_cost import stage_activation_bytes, synthetic_batch
+
+    mc = parse_config(["--config", TINY]).model.model_config(1000, {})
+    shape = Shape(4, 10, 13)
+    kinds = measure_kind_costs(mc, shape, "none", False, timed=False)
+    costs = [kinds[s.kind] for s in block_specs(mc)]
+    model = M2M100Translation(mc).train()
+    batch = synthetic_batch(mc, shape)
+    meter = SavedTensorMeter(model)
+    summed_blocks_over = 0
+    for lo, hi in [(0, 8), (0, 4), (4, 8), (3, 8), (5, 8), (2, 6), (6, 7)]:
+        state: dict = {}
+        for spec in model.blocks[:lo]:
+            state = {k: v.detach() for k, v in model.run_block(spec, state, batch).items()}
+        inputs = {k: v.detach().requires_grad_(True) for k, v in state.items()}
+        meter.reset()
+        with meter.record("stage", inputs):
+            out = model.run_blocks(dict(inputs), batch, model.blocks[lo:hi])
+            if "logits" in out:  # the last stage's forward includes its loss
+                cross_entropy_sum(out["logits"], batch.labels)
+        assert stage_activation_bytes(costs, range(lo, hi)) == meter.held["stage"], (lo, hi)
+        summed_blocks_over += sum(c.activation_bytes for c in costs[lo:hi]) > meter.held["stage"]
+    assert summed_blocks_over  # the plain sum over blocks does over-count (what this replaces)
