@@ -1,10 +1,13 @@
 """The HF-way tokenizer (issue 12, items 1 and 2).
 
-Export: a BPE run exports an `NllbTokenizer` that honours `src_lang` / `tgt_lang` /
-`text_target`, truncates at the model's positions, cannot be tag-injected by text, and
-drives `generate` with a forced BOS exactly like our own `models.generate.generate`;
-a Unigram run exports a plain fast tokenizer that transformers 4.x can load too. The 4.x
-round trip runs `scripts/check_hf_export.py` under `$HF4_PYTHON` (skipped without it).
+Export (`python -m trainer.export` of a tiny BPE run): an en-de run becomes a stock M2M100
+checkpoint (`M2M100Tokenizer`, `src_lang = "en"`, the vocabulary permuted to its ids), an
+eng_Latn-deu_Latn run an `NllbTokenizer` on our ids. Either honours `src_lang` / `tgt_lang` /
+`text_target`, truncates at the model's positions, cannot be tag-injected by text, gives
+our model's logits on the corresponding ids, drives `generate` with a forced BOS exactly
+like our own `models.generate.generate`, and imports back for a fine-tune. A Unigram run's
+HF files are a plain fast tokenizer that transformers 4.x can load too. The 4.x round trip
+runs `scripts/check_hf_export.py` under `$HF4_PYTHON` (skipped without it).
 
 Stock tokenizers: directories holding an `NllbTokenizer` (`eng_Latn` codes) or an
 `M2M100Tokenizer` (`en` -> `__en__`), built here from a tiny SentencePiece model, serve
