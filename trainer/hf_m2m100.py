@@ -20,7 +20,12 @@ run did not train gets the mean of the trained tag rows (a fine-tune that adds t
 starts from a tag-like embedding; as an output its logit is the mean of the trained tags',
 never above the largest, so greedy decoding cannot prefer it to a trained tag unless all tag
 logits tie, e.g. a one-language run); an unfilled madeup word gets a copy of the `<unk>` row
-(its logit ties `<unk>`'s, and `<unk>`, the lower id, wins an argmax). The specials keep ids
+(its logit ties `<unk>`'s, and `<unk>`, the lower id, wins an argmax). The logits at the
+run's ids are the trained model's, so greedy tokens are too; but the new rows take some of
+the softmax (a model without a logits bias cannot give a row minus infinity), so the
+log-probabilities, the loss, sampling and beam scores (hence possibly beam search's choice)
+differ from the trained model's: on a 2-step tiny model (logits near uniform, the worst
+case) the eval loss rose from 6.968 to 7.085 (tests/dist/test_export.py). The specials keep ids
 0..3, so config.json and generation_config.json ids need no change; as stock, no
 `forced_bos_token_id` is stored: pass `forced_bos_token_id=tok.get_lang_id("de")` to `generate`.
 

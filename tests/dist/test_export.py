@@ -86,9 +86,15 @@ def _eval_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if "eval_loss" in r]
 
 
-def stock_eval_loss(model_dir: Path, values: dict[str, Any], layout: StockLayout | None = None) -> float:
-    """Token-weighted mean CE of the stock HF model in `model_dir` over the run's eval batches
-    (their ids mapped through `layout` for an export in the stock M2M100 vocabulary)."""
+def stock_eval_loss(
+    model_dir: Path, values: dict[str, Any], layout: StockLayout | None = None, our_rows: bool = True
+) -> float:
+    """Token-weighted mean CE of the stock HF model in `model_dir` over the run's eval batches.
+
+    An export in the stock M2M100 vocabulary (`layout`) is fed the batches' ids mapped to its
+    own; `our_rows` scores its logits at the run's ids only (then the loss is the trainer's),
+    else over its whole vocabulary, whose new rows (untrained codes, madeup words) add mass.
+    """
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForSeq2SeqLM
@@ -106,11 +112,14 @@ def stock_eval_loss(model_dir: Path, values: dict[str, Any], layout: StockLayout
         for batches in eval_batches(data, tok, cfg.training.per_device_eval_batch_size).values():
             for eb in batches:
                 b = eb.batch
-                ids, dec, labels = (
-                    (t if layout is None else layout.map_ids(t))
-                    for t in (b.input_ids, b.decoder_input_ids, b.labels)
-                )
+                ids, dec, labels = b.input_ids, b.decoder_input_ids, b.labels
+                if layout is not None:
+                    ids, dec = layout.map_ids(ids), layout.map_ids(dec)
                 logits = model(input_ids=ids, attention_mask=b.attention_mask, decoder_input_ids=dec).logits
+                if layout is not None and our_rows:
+                    logits = logits[..., list(layout.new_id)]  # (B, T, V): back in our id order
+                elif layout is not None:
+                    labels = layout.map_ids(labels)
                 total += F.cross_entropy(
                     logits.reshape(-1, logits.shape[-1]).double(),
                     labels.reshape(-1),
@@ -252,10 +261,12 @@ def test_export_from_3d_checkpoint_matches_trainer_eval_loss(
     layout = run_layout(run_tok, state["model_config"]["vocab_size"])
     assert layout is not None  # en, de, fr: the export is in the stock M2M100 vocabulary
     stock_loss = stock_eval_loss(export_dir, values, layout)
+    full_vocab = stock_eval_loss(export_dir, values, layout, our_rows=False)
     print(
         f"\n3D export: trainer eval_loss {trainer_loss:.8f}  stock HF {stock_loss:.8f}  "
-        f"rel {abs(stock_loss - trainer_loss) / trainer_loss:.2e}"
+        f"rel {abs(stock_loss - trainer_loss) / trainer_loss:.2e}  (over all {layout.size} rows: {full_vocab:.6f})"
     )
+    assert full_vocab > stock_loss  # the new rows take some probability: documented in trainer.hf_m2m100
     assert stock_loss == pytest.approx(trainer_loss, rel=REL_TOL)
 
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer

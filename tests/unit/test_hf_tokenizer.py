@@ -143,6 +143,9 @@ def test_export_truncates_and_cannot_be_injected(exported: Export) -> None:
         ids = hf(text)["input_ids"]
         assert ids == e.to_hf(_source(tok, src, text)), text  # the same pieces as our SentencePiece encode
         assert tags & set(ids[1:]) == set() and tok.eos_id not in ids[:-1] and tok.pad_id not in ids, text
+    if e.tokenizer_class == "M2M100Tokenizer":  # the SentencePiece model itself: whitespace as ours too
+        odd = ["  two  spaces  ", "trailing ", "\ttab and\nnewline", "Ünïcödé ✓ 漢字", "", " "]
+        assert hf(odd, add_special_tokens=False)["input_ids"] == [e.to_hf(x) for x in tok.encode_batch(odd)]
 
 
 def test_export_logits_and_generate_with_forced_bos_match_ours(exported: Export) -> None:
