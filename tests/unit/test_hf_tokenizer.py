@@ -202,6 +202,30 @@ def test_export_imports_back_for_fine_tuning(exported: Export) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.dist
+def test_fine_tune_from_the_export(exported: Export, tmp_path: Path) -> None:
+    """3 steps (one process) with the export as `model_name_or_path` and `tokenizer_name`: the
+    loss falls, and the run's tokenizer keeps the export's ids (M2M100: `__de__` past the pieces)."""
+    from tests.dist.harness import run_distributed
+    from tests.dist.train_workers import base_config, train_cases
+
+    e = exported
+    base = base_config(
+        str(tmp_path), max_steps=3, builtin_size=200, max_source_length=32, max_target_length=32,
+        model_name_or_path=str(e.out), tokenizer_name=str(e.out), language_pairs=[f"{e.src}-{e.tgt}"],
+    )  # fmt: skip
+    if e.src == "eng_Latn":  # the built-in corpus is en-de: the same text under NLLB codes
+        for code, lang in ((e.src, "en"), (e.tgt, "de")):
+            with gzip.open(tmp_path / f"train.{code}.gz", "wt", encoding="utf-8") as f:
+                f.write("\n".join(_lines(lang, 200)) + "\n")
+        base.update(dataset_name=None, train_file=str(tmp_path / "train.{lang}.gz"))
+    (hist,) = run_distributed(train_cases, 1, (base, [{}]), timeout=240)[0]
+    assert hist and len(hist) == 3 and all(loss == loss and loss > 0 for _, loss, _ in hist), hist
+    assert hist[-1][1] < hist[0][1], hist
+    tok = Tokenizer.load(tmp_path / "run-0" / "tokenizer", [e.src, e.tgt])
+    assert tok.lang_id(e.tgt) == e.new_id[e.tok.lang_id(e.tgt)]  # the export's ids, kept by the fine-tune
+
+
 def _rows(ids: torch.Tensor, pad: int) -> list[list[int]]:
     return [[int(i) for i in row if int(i) != pad] for row in ids]
 
