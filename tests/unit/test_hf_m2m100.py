@@ -3,11 +3,14 @@ and what the new rows hold. The round trip through `trainer.export` is in `test_
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from models.config import ModelConfig
-from trainer.hf_m2m100 import permute_model, stock_codes, stock_layout
+from trainer.hf_m2m100 import permute_model, save_m2m100_tokenizer, stock_codes, stock_layout
+from trainer.tokenizer import TokenizerError
 
 SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]
 PIECES = [*SPECIALS, "__de__", "__en__", "▁a", "b", "c"]  # ours: S = 9 (L = 2 tags), N = 7
@@ -69,3 +72,13 @@ def test_shape_errors_name_the_numbers() -> None:
     assert layout is not None
     with pytest.raises(ValueError, match=r"embedding has 10 rows; the layout maps 9"):
         layout.permute_rows(torch.zeros(10, 2))
+
+
+def test_default_codes_must_be_the_runs(tmp_path: Path) -> None:
+    layout = stock_layout(PIECES, ["__de__", "__en__"], 9)
+    assert layout is not None
+    with pytest.raises(
+        TokenizerError, match=r"src_lang='fr' is not a language code of the run; valid: \['de', 'en'\]"
+    ):
+        save_m2m100_tokenizer(b"", layout, tmp_path, src_lang="fr")
+    assert not list(tmp_path.iterdir())  # nothing written
