@@ -6,11 +6,12 @@ Used by `tests/unit/test_hf_tokenizer.py` to run the export round trip in transf
 (`HF4_PYTHON=/path/to/python`, a venv with `torch`, `transformers==4.57.*`, `sentencepiece`),
 and by hand. Imports nothing from this repository, so it runs in a bare venv.
 
-EXPECTED.json (written by the test with the current transformers) holds `src_lang`,
-`tgt_lang`, `texts`, `targets`, and the ids the exported tokenizer must give: `input_ids`
-(`[src] tokens </s>`), `labels` (`[tgt] tokens </s>`), `plain_ids` (no specials),
-`model_max_length`, and the greedy `generated` ids and first-row `logits` of the exported
-model. Prints one line per failed check and exits 1 if any failed, else prints
+EXPECTED.json (written by the test with the current transformers) holds `tokenizer_class`
+(`M2M100Tokenizer` or `NllbTokenizer`), `src_lang`, `tgt_lang` (`en` or `eng_Latn`), `texts`,
+`targets`, and the ids the exported tokenizer must give: `input_ids` (`[src] tokens </s>`),
+`labels` (`[tgt] tokens </s>`), `plain_ids` (no specials), `model_max_length`, and the
+greedy `generated` ids (forced BOS: `get_lang_id(tgt_lang)`, or the code's token id for
+NLLB) and first-row `logits` of the exported model. Prints one line per failed check and exits 1 if any failed, else prints
 `N passed, 0 failed` and exits 0.
 """
 
@@ -36,7 +37,7 @@ def check(export_dir: str, expected: dict[str, Any]) -> tuple[list[str], list[st
             failed.append(f"{name}: got {got!r}, expected {want!r}")
 
     tok = AutoTokenizer.from_pretrained(export_dir)
-    expect("tokenizer class", type(tok).__name__.removesuffix("Fast"), "NllbTokenizer")
+    expect("tokenizer class", type(tok).__name__.removesuffix("Fast"), expected["tokenizer_class"])
     expect("model_max_length", tok.model_max_length, expected["model_max_length"])
     tok.src_lang, tok.tgt_lang = expected["src_lang"], expected["tgt_lang"]
     enc = tok(expected["texts"], text_target=expected["targets"])
@@ -47,7 +48,8 @@ def check(export_dir: str, expected: dict[str, Any]) -> tuple[list[str], list[st
     expect("truncated length", len(long), expected["model_max_length"])
     model = AutoModelForSeq2SeqLM.from_pretrained(export_dir).eval()
     batch = tok(expected["texts"], return_tensors="pt", padding=True)
-    forced = tok.convert_tokens_to_ids(expected["tgt_lang"])
+    code = expected["tgt_lang"]  # M2M100Tokenizer: get_lang_id("de"); NllbTokenizer: the code's token
+    forced = tok.get_lang_id(code) if hasattr(tok, "get_lang_id") else tok.convert_tokens_to_ids(code)
     with torch.no_grad():
         out = model.generate(**batch, forced_bos_token_id=forced, num_beams=1, do_sample=False, max_length=12)
         dec = torch.tensor([expected["generated"][0]])

@@ -217,8 +217,9 @@ class DataArguments:
     spm_model_type: str = field(
         default="bpe",
         metadata={
-            "help": "SentencePiece model type: bpe (as M2M100 and NLLB; its export is an NllbTokenizer "
-            "honouring src_lang/tgt_lang/text_target) or unigram (exported as a plain fast tokenizer)."
+            "help": "SentencePiece model type: bpe (as M2M100 and NLLB) or unigram. Runs on stock M2M100 "
+            "codes export an M2M100Tokenizer either way; others an NllbTokenizer honouring "
+            "src_lang/tgt_lang/text_target (bpe) or a plain fast tokenizer (unigram)."
         },
     )
     spm_character_coverage: float = field(default=1.0, metadata={"help": "SentencePiece character coverage."})

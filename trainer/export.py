@@ -13,8 +13,11 @@ DIR receives config.json, model.safetensors, generation_config.json
 (decoder_start / eos / pad / bos ids, num_beams, max_length) and the tokenizer
 files that stock `AutoTokenizer` loads (from the run's `tokenizer/`, by default
 the checkpoint's parent directory's; `model_max_length` is the model's
-`max_position_embeddings`). transformers 4.46+ and 5.x load both (see
-`trainer.hf_tokenizer` for the tokenizer class and `tests/hf4_roundtrip.py`). Everything is written into a temporary
+`max_position_embeddings`). A run whose tags are all stock M2M100 codes (`__en__`)
+becomes a stock M2M100 checkpoint: `M2M100Tokenizer` (`tok.src_lang = "en"`) and the
+vocabulary permuted to its ids (`trainer.hf_m2m100`); other runs keep their ids (an
+`NllbTokenizer`, see `trainer.hf_tokenizer`). transformers 4.46+ and 5.x load both
+(checked by `tests/unit/test_hf_tokenizer.py` with `scripts/check_hf_export.py`). Everything is written into a temporary
 directory beside DIR and renamed at the end, so a failure leaves no half-written
 export. Bad input fails with one line on stderr and exit status 2.
 """
@@ -40,7 +43,8 @@ from models.hf import CheckpointMismatchError, save_hf_model
 from models.m2m100 import M2M100Translation
 from trainer.checkpoint import COMMIT_MARKER, is_complete, list_checkpoints
 from trainer.commit import verify_checkpoint
-from trainer.tokenizer import Tokenizer, TokenizerError
+from trainer.hf_m2m100 import permute_model, run_layout, save_m2m100_tokenizer
+from trainer.tokenizer import SentencePieceTokenizer, Tokenizer, TokenizerError
 
 
 @dataclass
@@ -189,11 +193,18 @@ def export(args: ExportArguments) -> Path:
         raise ExportError(f"tokenizer at {str(tok_dir)!r} ({type(tokenizer).__name__}) cannot write HF files")
     state = load_full_state(ckpt, config)
     generation: dict[str, Any] = {"num_beams": args.num_beams, "max_length": args.max_length}
+    max_length = config.max_position_embeddings  # truncation=True cuts there
+    own = tokenizer if isinstance(tokenizer, SentencePieceTokenizer) else None  # stock ones: as they are
+    layout = run_layout(own, config.vocab_size) if own is not None else None
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        save_hf_model(state, config, tmp, generation)
-        save_pretrained(tmp, model_max_length=config.max_position_embeddings)  # truncation=True cuts there
+        if own is not None and layout is not None:  # M2M100-style tags, all stock codes: stock M2M100
+            save_hf_model(*permute_model(state, config, layout), tmp, generation)
+            save_m2m100_tokenizer(own.model_proto, layout, tmp, model_max_length=max_length)
+        else:
+            save_hf_model(state, config, tmp, generation)
+            save_pretrained(tmp, model_max_length=max_length)
         _default_permissions(tmp)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))

@@ -2,22 +2,28 @@
 
 Which stock class: our ids are fixed (specials 0..3, the run's tags 4..4+L-1, pieces after;
 see `trainer.tokenizer`). `M2M100Tokenizer` cannot express them: its language tokens are a
-fixed list of 100 (or 4) codes whose ids are `len(vocab.json) + i`, after the vocabulary.
-`NllbTokenizer` (`NllbTokenizerFast` in transformers 4) takes any list of language codes as
-its extra special tokens, looks them up in the vocabulary (so they keep ids 4..), builds
-`[code] tokens </s>` for `src_lang` and, with `text_target=`, for `tgt_lang`, exactly our
-source and label format. It exists in transformers 4.x and 5.x, so the export names
-`"tokenizer_class": "NllbTokenizer"` and the codes are the tags themselves: `eng_Latn` for
-NLLB-style runs, `__en__` for M2M100-style runs (`tok.src_lang = "__en__"`: NllbTokenizer
-has no `en -> __en__` mapping: it looks the code up in the vocabulary, so `en` silently
-becomes `<unk>` or the ordinary piece `en`, as an unknown code does in stock NLLB).
+fixed list of 100 (or 8) codes whose ids are `len(vocab.json) + i`, after the vocabulary.
+So this module writes the form with our ids: `NllbTokenizer` (`NllbTokenizerFast` in
+transformers 4) takes any list of language codes as its extra special tokens, looks them up
+in the vocabulary (so they keep ids 4..), builds `[code] tokens </s>` for `src_lang` and,
+with `text_target=`, for `tgt_lang`, exactly our source and label format. It exists in
+transformers 4.x and 5.x, so the files name `"tokenizer_class": "NllbTokenizer"` and the
+codes are the tags themselves: `eng_Latn` for NLLB-style runs, `__xx__` for M2M100-style
+ones (NllbTokenizer has no `xx -> __xx__` mapping).
+
+This form is what the run's `tokenizer/` holds and what `python -m trainer.export` writes
+for NLLB-style runs and for M2M100-style runs with a code outside stock M2M100's list. An
+M2M100-style run whose codes are all stock is exported as a true M2M100 checkpoint instead,
+`tok.src_lang = "en"` as with `facebook/m2m100_418M`: `M2M100Tokenizer` files and the model's
+vocabulary permuted to its ids (`trainer.hf_m2m100`).
 
 transformers 5 rebuilds an `NllbTokenizer` as SentencePiece-BPE from the vocabulary and
 merges of `tokenizer.json` (4.x loads `tokenizer.json` as it is). A run trained with
-`spm_model_type: bpe` therefore exports the NllbTokenizer; a Unigram run cannot be carried
-by any stock class with language-code semantics in transformers 5, so it exports a plain
+`spm_model_type: bpe` therefore exports the NllbTokenizer; a Unigram run of this form cannot
+be carried by any stock fast class with language-code semantics in transformers 5 (the slow
+M2M100Tokenizer reads any SentencePiece model, but only its fixed codes), so it gets a plain
 fast tokenizer (`PreTrainedTokenizerFast`, loadable by 4.x and 5.x) on which the user
-writes the tag into the text: `tok("__en__ " + text)`. transformers 5 also rebuilds the
+writes the tag into the text: `tok("eng_Latn " + text)`. transformers 5 also rebuilds the
 NllbTokenizer's normalizer without SentencePiece's strip of trailing whitespace: a text
 ending in spaces gets one more `▁` piece than `encode` gives (strip such text first).
 
@@ -149,9 +155,9 @@ def save_hf_tokenizer(
             single=f"$A {EOS}", pair=f"$A $B {EOS}", special_tokens=[(EOS, eos_id)]
         )
         logger.info(
-            "the run's SentencePiece model is unigram: the HF export is a plain fast tokenizer "
-            "(write the tag into the text: tok('%s ' + text)); train with spm_model_type=bpe to "
-            "export an NllbTokenizer with src_lang/tgt_lang",
+            "the run's SentencePiece model is unigram: its HF files are a plain fast tokenizer "
+            "(write the tag into the text: tok('%s ' + text)); trainer.export writes an M2M100Tokenizer "
+            "if every code is a stock M2M100 code, else train with spm_model_type=bpe for an NllbTokenizer",
             tags[0],
         )
     backend.save(str(out / "tokenizer.json"))

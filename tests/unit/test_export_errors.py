@@ -18,7 +18,8 @@ from models.config import ModelConfig
 from models.m2m100 import M2M100Translation, Seq2SeqBatch
 from trainer.checkpoint import COMMIT_MARKER
 from trainer.export import main
-from trainer.tokenizer import Tokenizer, train_tokenizer
+from trainer.hf_m2m100 import run_layout
+from trainer.tokenizer import SentencePieceTokenizer, Tokenizer, train_tokenizer
 
 LANGS = ["de", "en"]
 TEXTS = [f"{w} number {i} is here and there" for i in range(60) for w in ("hello", "hallo", "welt", "world")]
@@ -85,6 +86,8 @@ def _error_line(capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_export_round_trip_logits_equal(run_dir: Path, tmp_path: Path) -> None:
+    """A Unigram de/en run: the export is a stock M2M100Tokenizer (a slow tokenizer reading the
+    SentencePiece model, so Unigram works too) and the model on its permuted ids."""
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
     out = tmp_path / "hf"
@@ -98,16 +101,24 @@ def test_export_round_trip_logits_equal(run_dir: Path, tmp_path: Path) -> None:
     ours = M2M100Translation(config).eval()
     ours.load_state_dict(torch.load(run_dir / "reference.pt"))
     hf = AutoModelForSeq2SeqLM.from_pretrained(str(out)).eval()
-    tok = AutoTokenizer.from_pretrained(str(out))
-    src = tok(["__en__ hello world", "__en__ number 7"], return_tensors="pt", padding=True)
-    dec = torch.tensor(
-        [[2, tok.convert_tokens_to_ids("__de__"), 5, 6], [2, tok.convert_tokens_to_ids("__de__"), 7, 1]]
-    )
-    batch = Seq2SeqBatch(src["input_ids"], src["attention_mask"], dec, torch.full_like(dec, -100))
+    tok = AutoTokenizer.from_pretrained(str(out), src_lang="en")
+    assert type(tok).__name__ == "M2M100Tokenizer"
+    src = tok(["hello world", "number 7"], return_tensors="pt", padding=True)
+    de = tok.get_lang_id("de")
+    dec = torch.tensor([[2, de, 5, 6], [2, de, 7, 1]])  # export ids
+    run_tok = Tokenizer.load(run_dir / "tokenizer")
+    assert isinstance(run_tok, SentencePieceTokenizer)
+    layout = run_layout(run_tok, config.vocab_size)
+    assert layout is not None and layout.map_ids(torch.tensor([run_tok.lang_id("de")])).item() == de
+    back = torch.empty(layout.size, dtype=torch.long)
+    back[list(layout.new_id)] = torch.arange(len(layout.new_id))  # export ids -> ours
+    batch = Seq2SeqBatch(back[src["input_ids"]], src["attention_mask"], back[dec], torch.full_like(dec, -100))
     with torch.no_grad():
         expected = ours(batch)
-        got = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask, decoder_input_ids=dec).logits
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        got = hf(
+            input_ids=src["input_ids"], attention_mask=src["attention_mask"], decoder_input_ids=dec
+        ).logits
+    torch.testing.assert_close(got[..., list(layout.new_id)], expected, rtol=1e-5, atol=1e-5)
     assert hf.generation_config.num_beams == 3 and hf.generation_config.decoder_start_token_id == 2
 
 

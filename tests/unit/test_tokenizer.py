@@ -99,7 +99,8 @@ def test_save_load(tok: SentencePieceTokenizer, tmp_path: Path) -> None:
 def test_hf_autotokenizer_round_trip(
     tok: SentencePieceTokenizer, val_texts: list[str], tmp_path: Path
 ) -> None:
-    """BPE exports an NllbTokenizer (tags via src_lang, never from text); Unigram a plain fast one."""
+    """The run's HF files: BPE an NllbTokenizer (tags via src_lang, never from text), Unigram a plain
+    fast one (`trainer.export` writes an M2M100Tokenizer instead for stock M2M100 codes)."""
     from transformers import AutoTokenizer
 
     tok.save_pretrained(tmp_path)
