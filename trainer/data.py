@@ -865,6 +865,13 @@ class GlobalBatchSampler:
             for (name, p), n in zip(self.probabilities.items(), self.drawn)
         }
 
+    def shares_since(self, mark: np.ndarray) -> dict[str, float]:
+        """Per direction, its fraction of the examples served since `mark` (an earlier copy of
+        `drawn`): the sampled shares of a logging window."""
+        window = self.drawn - mark
+        total = max(1, int(window.sum()))
+        return {name: round(int(n) / total, 6) for name, n in zip(self.directions, window)}
+
     def _identity(self) -> dict[str, Any]:
         return {"seed": self.seed, "num_examples": len(self.lengths), **self.layout.signature(),
                 **self.sampling.signature()}  # fmt: skip

@@ -544,6 +544,7 @@ def train_loop(
     totals = LoopTotals(step)
     window = LogWindow(pm, _mesh_peak_flops(ctx))
     timeline_step = min(args.max_steps, max(2, args.logging_steps))
+    drawn_mark = ctx.sampler.drawn.copy()  # examples per direction at the window's start
     while step < args.max_steps:
         step += 1
         if ctx.fault is not None:
@@ -566,7 +567,9 @@ def train_loop(
         window.add(st, time.perf_counter() - start, flops)
         tracker.advance()
         if log_now:
-            row = log_row(tracker, pm, st, gb.epoch, theory, window, guard.skipped)
+            shares = ctx.sampler.shares_since(drawn_mark)
+            drawn_mark = ctx.sampler.drawn.copy()
+            row = log_row(tracker, pm, st, gb.epoch, theory, window, guard.skipped, shares)
             if pp > 1:
                 totals.bubbles.append(row["bubble_fraction"])
         if step == timeline_step and pp > 1:
@@ -598,6 +601,7 @@ def log_row(
     theory: float | None,
     window: LogWindow,
     skipped_steps: int = 0,
+    shares: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Build and log one training row (collective over dp and pp: call on every rank).
 
@@ -607,6 +611,9 @@ def log_row(
         theory: the schedule's bubble fraction, logged beside the measured one; None when pp == 1.
         window: the steps since the last row: loss, tokens/s, step time and MFU are its averages.
         skipped_steps: steps whose update the guard has skipped so far (nan_policy=skip).
+        shares: per direction, its fraction of the examples sampled in the window
+            (`GlobalBatchSampler.shares_since`), logged as `share/<direction>` (dashboards:
+            `train/share/<direction>`).
 
     Returns:
         The row (built on every rank; written only by the logging rank's tracker).
@@ -618,6 +625,7 @@ def log_row(
         "epoch": epoch,
         "skipped_steps": skipped_steps,
         **bubble_stats(pm, st.flushes),
+        **{f"share/{name}": share for name, share in (shares or {}).items()},
     }
     if theory is not None:
         row["bubble_fraction_theory"] = theory
