@@ -44,9 +44,11 @@ from trainer.data import (
     BatchLayout,
     DataError,
     GlobalBatchSampler,
+    RawDatasets,
     TranslationData,
     eval_batches,
     load_raw_datasets,
+    load_test_pairs,
     run_languages,
     tokenize_datasets,
     training_texts,
@@ -258,6 +260,9 @@ class RunContext:
     resume: ResumePoint | None = None  # the checkpoint this session continues, checked by find_resume
     steps_per_epoch: int = 1  # global batches in the sampler's epoch (num_train_epochs, "epoch" strategies)
     best: BestModel = field(default_factory=BestModel)  # best evaluation / checkpoint, early-stop count
+    test_raw: RawDatasets | None = (
+        None  # do_predict's test pairs, read at set-up (a missing split fails early)
+    )
 
     @property
     def is_logger(self) -> bool:
@@ -339,6 +344,7 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint
     t_start = time.perf_counter()
 
     raw = load_raw_datasets(cfg.data, cfg.training.seed)
+    test_raw = load_test_pairs(cfg.data, cfg.training.seed) if cfg.training.do_predict else None
     tok = setup_tokenizer(cfg, raw, out, rank, resume)
     data = tokenize_shared(cfg, raw, tok, out, rank)
     mc = resume.model_config(cfg) if resume else model_config_for(cfg, tok)
@@ -377,6 +383,7 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint
         resume=resume,
         steps_per_epoch=steps_per_epoch,
         best=BestModel.from_args(cfg.training),
+        test_raw=test_raw,
     )
 
 
