@@ -225,7 +225,10 @@ class DataArguments:
     spm_character_coverage: float = field(default=1.0, metadata={"help": "SentencePiece character coverage."})
     spm_input_sentence_size: int = field(default=200000, metadata={"help": "Sentences sampled to train SPM."})
     test_file: str | None = field(
-        default=None, metadata={"help": "do_predict: test data, same formats as train_file."}
+        default=None,
+        metadata={
+            "help": "do_predict: test data, same formats as train_file (default: dataset_name's test split)."
+        },
     )
     forced_bos_token: str | None = field(
         default=None,
@@ -529,7 +532,8 @@ class TrainingArguments:
     do_predict: bool = field(
         default=False,
         metadata={
-            "help": "After training, translate test_file per direction: predictions_<src>-<tgt>.txt and "
+            "help": "After training, translate test_file (else dataset_name's 'test' split) per direction: "
+            "predictions_<src>-<tgt>.txt and "
             "predict_results.json (predict_bleu, predict_chrf per direction) in output_dir."
         },
     )

@@ -308,31 +308,47 @@ def _read_file(path: str, languages: Sequence[str], what: str, max_bad: float) -
     return _flat(table, languages, what), n_bad
 
 
-def _builtin(data_args: DataArguments, languages: Sequence[str], seed: int) -> tuple[Any, Any]:
+def _builtin(
+    data_args: DataArguments,
+    languages: Sequence[str],
+    seed: int,
+    splits: Sequence[str] = ("train", "validation"),
+) -> list[Any]:
+    """The builtin corpus's `splits` ("train", "validation", "test"), one column per language."""
     from trainer.corpus import CorpusError, build_builtin_corpus, to_hf_dataset
 
     try:
         corpus = build_builtin_corpus(languages, data_args.builtin_size, seed)
     except CorpusError as e:
         raise DataError(str(e)) from None
-    train = _flat(to_hf_dataset(corpus["train"]), languages, "builtin corpus")
-    return train, _flat(to_hf_dataset(corpus["validation"]), languages, "builtin corpus")
+    return [_flat(to_hf_dataset(corpus[split]), languages, "builtin corpus") for split in splits]
 
 
-def _hub(data_args: DataArguments, languages: Sequence[str]) -> tuple[Any, Any]:
+def _hub_splits(data_args: DataArguments) -> Any:
+    """`dataset_name`'s splits (a `datasets.DatasetDict`): a directory written by `save_to_disk`
+    is opened memory-mapped in place (`load_from_disk`); anything else goes to `load_dataset`
+    (a Hub name, or a script-free directory of data files)."""
     import datasets
 
     name, config = data_args.dataset_name, data_args.dataset_config_name
-    if name and name.startswith((".", "/", "~")) and not Path(name).expanduser().exists():
+    path = Path(name or "").expanduser()
+    if name and name.startswith((".", "/", "~")) and not path.exists():
         raise DataError(
             f"dataset_name={name!r} is a path that does not exist; give a directory or a `datasets` name"
         )
     try:
-        splits = datasets.load_dataset(name, config)
+        if (path / "dataset_dict.json").is_file():
+            return datasets.load_from_disk(str(path))
+        return datasets.load_dataset(name, config)
     except Exception as e:  # offline / unknown name / bad config: all end here
         raise DataError(
             f"dataset_name={name!r} (config {config!r}) cannot be loaded: {_first_line(e)}"
         ) from None
+
+
+def _hub(data_args: DataArguments, languages: Sequence[str]) -> tuple[Any, Any]:
+    name = data_args.dataset_name
+    splits = _hub_splits(data_args)
     if "train" not in splits:
         raise DataError(f"dataset_name={name!r} has no 'train' split; it has {list(splits)}")
     what = f"dataset {name!r}"
@@ -449,17 +465,63 @@ def load_raw_datasets(data_args: DataArguments, seed: int) -> RawDatasets:
             f"the training corpus ({_source(data_args)}) is empty after filtering: no usable record "
             f"for {[direction_name(d) for d in directions]} (skipped: {skipped['train']})"
         )
-    validation: dict[str, Any] = {}
-    for d in directions if val_flat is not None else []:
-        name = direction_name(d)
-        _bucket(skipped, f"validation:{name}")[UNREADABLE] = unreadable["validation"]
-        pairs = _to_pairs(val_flat, [d], f"validation:{name}", skipped)
-        if data_args.max_eval_samples is not None:
-            pairs = pairs.select(range(min(data_args.max_eval_samples, len(pairs))))
-        validation[name] = pairs
+    validation = _direction_pairs(
+        val_flat, data_args, "validation", skipped, unreadable["validation"]
+    ) if val_flat is not None else {}  # fmt: skip
     logger.info("data: %d training pairs over %d directions; validation %s", len(train), len(directions),
                 {k: len(v) for k, v in validation.items()})  # fmt: skip
     return RawDatasets(train, validation, skipped)
+
+
+def _direction_pairs(
+    flat: Any, data_args: DataArguments, split: str, skipped: dict[str, dict[str, int]], unreadable: int
+) -> dict[str, Any]:
+    """Evaluation-style pairs of `flat` per direction name, at most `max_eval_samples` each;
+    skips are counted under `"<split>:<direction>"`."""
+    out: dict[str, Any] = {}
+    for d in data_args.directions():
+        name = direction_name(d)
+        _bucket(skipped, f"{split}:{name}")[UNREADABLE] = unreadable
+        pairs = _to_pairs(flat, [d], f"{split}:{name}", skipped)
+        if data_args.max_eval_samples is not None:
+            pairs = pairs.select(range(min(data_args.max_eval_samples, len(pairs))))
+        out[name] = pairs
+    return out
+
+
+def load_test_pairs(data_args: DataArguments, seed: int) -> RawDatasets:
+    """do_predict's test pairs per direction: `test_file` when set, else the `test` split of
+    `dataset_name` (a `datasets` name, a directory of data files or of `save_to_disk`, or the
+    builtin corpus). Read and filtered as validation data is.
+
+    Returns:
+        `RawDatasets(None, test, skipped)`: `test` maps a direction name to its pairs (at most
+        `max_eval_samples`); `skipped["test:<direction>"]` counts what was dropped.
+
+    Raises:
+        DataError: no test data (neither a test_file nor a dataset with a "test" split), or
+            the reading errors of `load_raw_datasets`.
+    """
+    languages = run_languages(data_args)
+    name, unreadable = data_args.dataset_name, 0
+    if data_args.test_file:
+        flat, unreadable = _read_file(
+            data_args.test_file, languages, "test_file", data_args.max_bad_record_fraction
+        )
+    elif name == "builtin":
+        [flat] = _builtin(data_args, languages, seed, ["test"])  # the training run's corpus (same seed)
+    elif name:
+        splits = _hub_splits(data_args)
+        if "test" not in splits:
+            raise DataError(
+                f"dataset_name={name!r} has no 'test' split for do_predict; it has {list(splits)} "
+                "(or set test_file)"
+            )
+        flat = _flat(splits["test"], languages, f"dataset {name!r}")
+    else:
+        raise DataError("do_predict needs test data: set test_file, or dataset_name with a 'test' split")
+    skipped: dict[str, dict[str, int]] = {}
+    return RawDatasets(None, _direction_pairs(flat, data_args, "test", skipped, unreadable), skipped)
 
 
 def training_texts(pairs: Any) -> Iterator[str]:
@@ -864,6 +926,13 @@ class GlobalBatchSampler:
             name: {"expected": round(p, 6), "realised": round(int(n) / total, 6), "examples": int(n)}
             for (name, p), n in zip(self.probabilities.items(), self.drawn)
         }
+
+    def shares_since(self, mark: np.ndarray) -> dict[str, float]:
+        """Per direction, its fraction of the examples served since `mark` (an earlier copy of
+        `drawn`): the sampled shares of a logging window."""
+        window = self.drawn - mark
+        total = max(1, int(window.sum()))
+        return {name: round(int(n) / total, 6) for name, n in zip(self.directions, window)}
 
     def _identity(self) -> dict[str, Any]:
         return {"seed": self.seed, "num_examples": len(self.lengths), **self.layout.signature(),

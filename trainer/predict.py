@@ -1,11 +1,14 @@
-"""do_predict: translate `test_file` per direction on the 3D model, write predictions and scores.
+"""do_predict: translate the test data per direction on the 3D model, write predictions and scores.
+
+The test data is `test_file` when set, else the `test` split of `dataset_name` (a `datasets`
+name, a local directory of data files or one written by `save_to_disk`, or the builtin corpus).
 
     output_dir/predictions_<src>-<tgt>.txt   one hypothesis per kept test pair, in file order
     output_dir/generated_predictions.txt     the same, for a one-direction run (run_translation's name)
     output_dir/predict_results.json          predict_loss, predict_bleu, predict_chrf (macro over
                                              directions) and per direction, predict_samples, skipped
 
-The test file is read, filtered and tokenized like validation data (`trainer.data`), so
+The test data is read, filtered and tokenized like validation data (`trainer.data`), so
 test pairs longer than max_source_length / max_target_length are skipped and counted
 (`skipped` in predict_results.json), and max_eval_samples caps each direction. Decoding
 and loss are the evaluation's (`trainer.evaluation_runner.Evaluator`: pipeline_generate
@@ -16,14 +19,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from trainer.config import ConfigError, JobConfig
-from trainer.data import DataError, TranslationData, eval_batches, load_raw_datasets, tokenize_pairs
+from trainer.data import RawDatasets, TranslationData, eval_batches, load_test_pairs, tokenize_pairs
 from trainer.evaluate import SAMPLES_KEY, DirectionTexts, score_directions
 from trainer.evaluation_runner import Evaluator
 from trainer.tokenizer import Tokenizer
@@ -33,17 +35,24 @@ if TYPE_CHECKING:
 
 
 def check_predict_args(cfg: JobConfig) -> None:
-    """do_predict needs a test_file that exists (checked before anything runs).
+    """do_predict needs test data: a test_file that exists, or a dataset_name (checked before
+    anything runs; a dataset without a 'test' split is refused when the data is loaded, before
+    training: `trainer.train.setup_run`).
 
     Raises:
-        ConfigError: do_predict without test_file, or a test_file (or one of its per-language
-            files, for a '{lang}' pattern) that does not exist.
+        ConfigError: do_predict with neither test_file nor dataset_name, or a test_file (or one of
+            its per-language files, for a '{lang}' pattern) that does not exist.
     """
     if not cfg.training.do_predict:
         return
     test = cfg.data.test_file
+    if not test and cfg.data.dataset_name:
+        return
     if not test:
-        raise ConfigError("do_predict=True needs test_file (JSON lines / Parquet / '{lang}' text files)")
+        raise ConfigError(
+            "do_predict=True needs test_file (JSON lines / Parquet / '{lang}' text files) "
+            "or a dataset_name with a 'test' split"
+        )
     from trainer.data import run_languages
 
     paths = [test.format(lang=lang) for lang in run_languages(cfg.data)] if "{lang}" in test else [test]
@@ -52,20 +61,11 @@ def check_predict_args(cfg: JobConfig) -> None:
         raise ConfigError(f"test_file={test!r}: {missing[0]!r} does not exist")
 
 
-def load_test_data(cfg: JobConfig, tok: Tokenizer) -> TranslationData:
-    """The test pairs per direction, tokenized with texts kept (as validation data is)."""
-    args = replace(
-        cfg.data,
-        dataset_name=None,
-        train_file=cfg.data.test_file,
-        validation_file=cfg.data.test_file,
-        max_train_samples=None,  # the reader needs a training split; the test file stands in for it
-    )
-    try:
-        raw = load_raw_datasets(args, cfg.training.seed)
-    except DataError as e:
-        raise DataError(f"test_file={cfg.data.test_file!r}: {e}") from None
-    skipped = {f"test:{k.split(':', 1)[1]}": v for k, v in raw.skipped.items() if k.startswith("validation:")}
+def load_test_data(cfg: JobConfig, tok: Tokenizer, raw: RawDatasets | None = None) -> TranslationData:
+    """The test pairs per direction (`raw`, or read by `load_test_pairs`), tokenized with texts
+    kept (as validation data is)."""
+    raw = raw or load_test_pairs(cfg.data, cfg.training.seed)
+    skipped = {k: dict(v) for k, v in raw.skipped.items()}
     test = {
         name: tokenize_pairs(ds, tok, cfg.data, f"test:{name}", skipped, keep_text=True)
         for name, ds in raw.validation.items()
@@ -83,7 +83,7 @@ def predict(ctx: RunContext) -> dict[str, Any]:
         The predict_results.json content on the logging rank ({} elsewhere).
     """
     cfg, out = ctx.cfg, ctx.out
-    data = load_test_data(cfg, ctx.tok)
+    data = load_test_data(cfg, ctx.tok, ctx.test_raw)
     batches = eval_batches(data, ctx.tok, cfg.training.per_device_eval_batch_size)
     runner = Evaluator(ctx.pm, ctx.mesh, ctx.tok, batches, cfg.training, ctx.log_rank)
     runner.pm.model.eval()

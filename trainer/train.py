@@ -44,9 +44,11 @@ from trainer.data import (
     BatchLayout,
     DataError,
     GlobalBatchSampler,
+    RawDatasets,
     TranslationData,
     eval_batches,
     load_raw_datasets,
+    load_test_pairs,
     run_languages,
     tokenize_datasets,
     training_texts,
@@ -258,6 +260,9 @@ class RunContext:
     resume: ResumePoint | None = None  # the checkpoint this session continues, checked by find_resume
     steps_per_epoch: int = 1  # global batches in the sampler's epoch (num_train_epochs, "epoch" strategies)
     best: BestModel = field(default_factory=BestModel)  # best evaluation / checkpoint, early-stop count
+    test_raw: RawDatasets | None = (
+        None  # do_predict's test pairs, read at set-up (a missing split fails early)
+    )
 
     @property
     def is_logger(self) -> bool:
@@ -339,6 +344,7 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint
     t_start = time.perf_counter()
 
     raw = load_raw_datasets(cfg.data, cfg.training.seed)
+    test_raw = load_test_pairs(cfg.data, cfg.training.seed) if cfg.training.do_predict else None
     tok = setup_tokenizer(cfg, raw, out, rank, resume)
     data = tokenize_shared(cfg, raw, tok, out, rank)
     mc = resume.model_config(cfg) if resume else model_config_for(cfg, tok)
@@ -377,6 +383,7 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint
         resume=resume,
         steps_per_epoch=steps_per_epoch,
         best=BestModel.from_args(cfg.training),
+        test_raw=test_raw,
     )
 
 
@@ -544,6 +551,7 @@ def train_loop(
     totals = LoopTotals(step)
     window = LogWindow(pm, _mesh_peak_flops(ctx))
     timeline_step = min(args.max_steps, max(2, args.logging_steps))
+    drawn_mark = ctx.sampler.drawn.copy()  # examples per direction at the window's start
     while step < args.max_steps:
         step += 1
         if ctx.fault is not None:
@@ -566,7 +574,9 @@ def train_loop(
         window.add(st, time.perf_counter() - start, flops)
         tracker.advance()
         if log_now:
-            row = log_row(tracker, pm, st, gb.epoch, theory, window, guard.skipped)
+            shares = ctx.sampler.shares_since(drawn_mark)
+            drawn_mark = ctx.sampler.drawn.copy()
+            row = log_row(tracker, pm, st, gb.epoch, theory, window, guard.skipped, shares)
             if pp > 1:
                 totals.bubbles.append(row["bubble_fraction"])
         if step == timeline_step and pp > 1:
@@ -598,6 +608,7 @@ def log_row(
     theory: float | None,
     window: LogWindow,
     skipped_steps: int = 0,
+    shares: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Build and log one training row (collective over dp and pp: call on every rank).
 
@@ -607,6 +618,9 @@ def log_row(
         theory: the schedule's bubble fraction, logged beside the measured one; None when pp == 1.
         window: the steps since the last row: loss, tokens/s, step time and MFU are its averages.
         skipped_steps: steps whose update the guard has skipped so far (nan_policy=skip).
+        shares: per direction, its fraction of the examples sampled in the window
+            (`GlobalBatchSampler.shares_since`), logged as `share/<direction>` (dashboards:
+            `train/share/<direction>`).
 
     Returns:
         The row (built on every rank; written only by the logging rank's tracker).
@@ -618,6 +632,7 @@ def log_row(
         "epoch": epoch,
         "skipped_steps": skipped_steps,
         **bubble_stats(pm, st.flushes),
+        **{f"share/{name}": share for name, share in (shares or {}).items()},
     }
     if theory is not None:
         row["bubble_fraction_theory"] = theory

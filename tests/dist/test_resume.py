@@ -61,9 +61,12 @@ def resume_story(rank: int, world: int, base: dict[str, Any]) -> dict[str, Any]:
         except ConfigError as e:
             errors[name] = str(e)
         unchanged[name] = _hashes(out) == snapshot
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "run_summary.json").read_text())  # the resumed run's
     return {
-        "steps": steps,
+        "steps": [r["step"] for r in rows],
+        "window_shares": [{k: v for k, v in r.items() if k.startswith("share/")} for r in rows if "loss" in r],
+        "run_examples": {name: v["examples"] for name, v in summary["direction_shares"].items()},
         "resumed_history": [r["step"] for r in resumed["history"]],
         "run_files_kept": before == after and len(before) > 3,
         "errors": errors,
@@ -78,6 +81,12 @@ def test_resume_cuts_metrics_reads_back_and_refuses_mismatches(tmp_path: Path) -
     assert got["steps"] == [1, 2, 3, 4], got["steps"]  # was [1, 2, 3, 4, 3, 4]
     assert got["resumed_history"] == [3, 4]  # dist_timeout_s may change on resume
     assert got["run_files_kept"]
+    # share/<direction> of each row is that step's sampled fraction (logging_steps 1, global batch 4):
+    # summed over the rows, before and after the resume, they count the run's examples per direction
+    directions = sorted(got["run_examples"])
+    assert [sorted(k.split("/", 1)[1] for k in r) for r in got["window_shares"]] == [directions] * 4
+    counted = {d: sum(r[f"share/{d}"] * 4 for r in got["window_shares"]) for d in directions}
+    assert counted == pytest.approx(got["run_examples"]) and sum(counted.values()) == pytest.approx(16)
     for name, (_, message) in MISMATCHES.items():
         assert message in got["errors"][name], got["errors"][name]
         assert got["unchanged"][name], f"{name}: output_dir changed"

@@ -19,6 +19,7 @@ from trainer.data import (
     TranslationData,
     eval_batches,
     load_raw_datasets,
+    load_test_pairs,
     tokenize_datasets,
     training_texts,
 )
@@ -126,6 +127,41 @@ def test_dataset_directory_and_builtin(tmp_path: Path, corpus: dict) -> None:
         _args(dataset_name="builtin", builtin_size=300, language_pairs=["en-ja", "ru-es"]), 0
     )
     assert set(raw.train["src_lang"]) == {"en", "ru"} and len(raw.validation["en-ja"]) > 0
+
+
+def test_test_split_of_a_dataset_directory(tmp_path: Path, corpus: dict) -> None:
+    """do_predict's data without a test_file: the `test` split of dataset_name, whether a
+    `save_to_disk` directory, a directory of data files or the builtin corpus; test_file wins."""
+    import datasets
+
+    rows = _records(corpus, 60, ["en", "de"])
+    rows[50]["translation"]["de"] = " "  # an empty target: skipped and counted as in validation
+    splits = {"train": rows[:40], "validation": rows[40:48], "test": rows[48:60]}
+    datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits.items()}).save_to_disk(
+        str(tmp_path / "disk")
+    )
+    (tmp_path / "files").mkdir()
+    for split, part in splits.items():
+        _write_jsonl(tmp_path / "files" / f"{split}.jsonl", part)
+    for where in ("disk", "files"):
+        args = _args(
+            dataset_name=str(tmp_path / where), language_pairs=["en-de", "de-en"], max_eval_samples=10
+        )
+        test = load_test_pairs(args, seed=0)
+        assert {k: len(v) for k, v in test.validation.items()} == {"en-de": 10, "de-en": 10}, where
+        assert test.validation["en-de"][0]["source"] == corpus["train"]["en"][48]
+        assert test.skipped["test:de-en"]["empty_text"] == 1
+    with_file = _args(dataset_name=str(tmp_path / "disk"), source_lang="en", target_lang="de",
+                      test_file=str(tmp_path / "files" / "validation.jsonl"))  # fmt: skip
+    assert len(load_test_pairs(with_file, seed=0).validation["en-de"]) == 8
+    builtin = load_test_pairs(
+        _args(dataset_name="builtin", builtin_size=300, source_lang="en", target_lang="fr"), 0
+    )
+    assert len(builtin.validation["en-fr"]) > 0
+    (tmp_path / "files" / "test.jsonl").unlink()
+    with pytest.raises(DataError, match=r"dataset_name='.*files' has no 'test' split for do_predict; it has "
+                       r"\['train', 'validation'\] \(or set test_file\)"):  # fmt: skip
+        load_test_pairs(_args(dataset_name=str(tmp_path / "files"), source_lang="en", target_lang="de"), 0)
 
 
 # ---------------------------------------------------------------------------------------------- skips

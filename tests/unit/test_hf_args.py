@@ -169,8 +169,10 @@ def test_forced_bos_token_must_be_the_target() -> None:
 def test_do_predict_needs_an_existing_test_file() -> None:
     from trainer.predict import check_predict_args
 
-    with pytest.raises(ConfigError, match=r"do_predict=True needs test_file"):
-        check_predict_args(parse_config(["--config", TINY, "--do_predict", "true"]))
+    with pytest.raises(ConfigError, match=r"do_predict=True needs test_file .* or a dataset_name"):
+        check_predict_args(parse_config(["--config", TINY, "--dataset_name", "null", "--train_file",
+                                         "x.jsonl", "--do_predict", "true"]))  # fmt: skip
+    check_predict_args(parse_config(["--config", TINY, "--do_predict", "true"]))  # builtin: its test split
     cfg = parse_config(["--config", TINY, "--dataset_name", "null", "--train_file", "x.jsonl",
                         "--do_predict", "true", "--test_file", "/nonexistent/test.jsonl"])  # fmt: skip
     with pytest.raises(

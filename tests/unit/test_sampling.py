@@ -170,3 +170,20 @@ def test_weighted_sampling_resumes_exactly_on_any_mesh(train: datasets.Dataset) 
 def test_weights_must_fit_the_data(train: datasets.Dataset) -> None:
     with pytest.raises(DataError, match=r"no weight for \['en-fr'\]"):
         _sampler(train, BatchLayout(8), weights={"en-de": 1.0, "de-en": 1.0})
+
+
+def test_window_shares_count_the_window_only(train: datasets.Dataset) -> None:
+    """`shares_since(mark)` is each direction's fraction of the examples served after `mark`
+    (the logging window's `share/<direction>`), not of the whole run."""
+    s = _sampler(train, BatchLayout(8, 2, 1, 2), temperature=5.0)
+    for _ in range(5):
+        next(s)
+    mark = s.drawn.copy()
+    window = [next(s) for _ in range(3)]
+    counts = np.bincount(s.direction_of[np.concatenate([x for gb in window for x in gb.slots])],
+                         minlength=len(s.directions))  # fmt: skip
+    got = s.shares_since(mark)
+    assert list(got) == s.directions and sum(got.values()) == pytest.approx(1.0)
+    assert got == {d: round(int(n) / (3 * 32), 6) for d, n in zip(s.directions, counts)}
+    assert got != {d: v["realised"] for d, v in s.shares().items()}  # the run's shares differ
+    assert s.shares_since(s.drawn.copy()) == dict.fromkeys(s.directions, 0.0)  # an empty window
