@@ -108,4 +108,7 @@ def test_torchrun_translate_equals_one_process(export_dir: Path) -> None:
     proc = subprocess.run(cmd, input=text, capture_output=True, text=True, encoding="utf-8", cwd=ROOT,
                           env=_env(), timeout=150)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # On the mesh, not 4 whole-model processes (of which one would read all of stdin and print the
+    # same lines: the test must tell them apart).
+    assert "6 lines on (pp, dp, tp) = (2, 1, 2), cpu, stages of [4, 4] blocks" in proc.stderr, proc.stderr
     assert proc.stdout.split("\n") == want, (proc.stdout, want)
