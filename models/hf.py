@@ -212,6 +212,18 @@ def load_into(model: torch.nn.Module, weights: dict[str, Tensor]) -> None:
     model.load_state_dict(weights, strict=True)
 
 
+def load_hf_into(model: torch.nn.Module, path: str | Path) -> None:
+    """Copy the HF weights at `path` into `model`, reading only the tensors `model` holds.
+
+    A pipeline stage after `keep_only` reads just its own blocks' tensors from the
+    safetensors files, never the whole checkpoint.
+
+    Raises:
+        CheckpointMismatchError: a tensor `model` needs is absent, or its shape differs.
+    """
+    load_into(model, load_hf_weights(path, model.state_dict().keys()))
+
+
 def save_hf_model(
     state: dict[str, Tensor],
     config: ModelConfig,

@@ -268,6 +268,7 @@ def build_parallel_model(
     dp_sharding: str = "none",
     saved_tensor_meter: bool = False,
     compile_layers: bool = False,
+    device: torch.device | None = None,
 ) -> ParallelModel:
     """Apply pipeline split, tensor parallelism and remat to `model` (in place) for this rank.
 
@@ -282,6 +283,9 @@ def build_parallel_model(
         saved_tensor_meter: measure activation memory with saved-tensor hooks even on
             CUDA (a profiling switch; CPUs always use them).
         compile_layers: `torch.compile` each encoder/decoder layer (`parallel.compile`).
+        device: where this rank's shard goes after the split and tp sharding, so the device
+            never holds more than the shard (the full model may be built and loaded on the
+            host); None: the model stays where it is.
     """
     p = mesh.size("pp")
     plan = make_plan(model.blocks, balance, p, v, m, schedule)
@@ -298,6 +302,8 @@ def build_parallel_model(
         def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
             return tp_info.loss(logits, labels, label_smoothing)
 
+    if device is not None:
+        model.to(device)
     apply_remat(model, remat)
     if compile_layers:
         from parallel.compile import apply_compile

@@ -13,6 +13,9 @@ so no rank ever holds more than its own shard of the weights:
     detokenizes and scores them. The batches are those single-device evaluation
     decodes, so the hypotheses, and BLEU, are the same.
 
+`translate_on_mesh` is that decoding on its own, for any destination rank
+(`python -m trainer.translate` under torchrun gathers to rank 0).
+
 (Before, the logging rank gathered a single-device copy of the weights and decoded
 alone, which fails for models that do not fit one device.)
 """
@@ -33,6 +36,7 @@ from trainer.data import EvalBatch
 from trainer.evaluate import (
     SAMPLES_KEY,
     DirectionTexts,
+    TextTokenizer,
     build_batches,
     hypotheses_in_order,
     score_directions,
@@ -94,22 +98,63 @@ class Evaluator:
         return metrics
 
     def translate_3d(self, sources: Sequence[str], src_lang: str, tgt_lang: str) -> list[str] | None:
-        """Collective: translate on the 3D model, dp replicas sharing the batches (see the module
-        docstring); the hypotheses on the logging rank, None elsewhere."""
-        a, mesh = self.args, self.mesh
+        """Collective: `translate_on_mesh` with the run's generation settings; the hypotheses on
+        the logging rank, None elsewhere."""
+        a = self.args
         settings = SearchSettings(num_beams=a.generation_num_beams, max_length=a.generation_max_length)
-        batches = build_batches(self.tok, sources, src_lang, tgt_lang, a.per_device_eval_batch_size)
-        outputs = []
-        for batch in batches[mesh.dp_rank :: mesh.size("dp")]:
-            ids = pipeline_generate(
-                self.pm, batch.input_ids, batch.attention_mask, batch.forced_bos_token_id, settings
-            )
-            if ids is not None and mesh.tp_rank == 0:
-                outputs.append((batch.index, ids.tolist()))
-        if dist.get_world_size() == 1:
-            return hypotheses_in_order(outputs, self.tok)
-        got: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == self.log_rank else None
-        dist.gather_object(outputs, got, dst=self.log_rank)
-        if got is None:
-            return None
-        return hypotheses_in_order((o for part in got for o in part), self.tok)
+        return translate_on_mesh(
+            self.pm,
+            self.tok,
+            sources,
+            src_lang,
+            tgt_lang,
+            settings,
+            a.per_device_eval_batch_size,
+            self.log_rank,
+        )
+
+
+def translate_on_mesh(
+    pm: ParallelModel,
+    tokenizer: TextTokenizer,
+    sources: Sequence[str],
+    src_lang: str,
+    tgt_lang: str,
+    settings: SearchSettings,
+    batch_size: int,
+    dst: int,
+    max_source_length: int | None = None,
+) -> list[str] | None:
+    """Translate on the 3D model, dp replicas sharing the batches (see the module docstring).
+
+    Collective over the whole world: every rank calls it with the same arguments. The
+    batches are `build_batches`' (those single-device `trainer.evaluate.translate` decodes),
+    so the hypotheses are the single-device ones.
+
+    Args:
+        pm: this rank's parallel model, in eval mode.
+        tokenizer: see `TextTokenizer`.
+        sources: source sentences; src_lang, tgt_lang: their language codes.
+        settings: num_beams, max_length, ...
+        batch_size, max_source_length: batching (see `build_batches`).
+        dst: the global rank that gets the hypotheses.
+
+    Returns:
+        One hypothesis per source, in order, on rank `dst`; None on the other ranks.
+    """
+    mesh = pm.mesh
+    batches = build_batches(tokenizer, sources, src_lang, tgt_lang, batch_size, max_source_length)
+    outputs = []
+    for batch in batches[mesh.dp_rank :: mesh.size("dp")]:
+        ids = pipeline_generate(
+            pm, batch.input_ids, batch.attention_mask, batch.forced_bos_token_id, settings
+        )
+        if ids is not None and mesh.tp_rank == 0:
+            outputs.append((batch.index, ids.tolist()))
+    if dist.get_world_size() == 1:
+        return hypotheses_in_order(outputs, tokenizer)
+    got: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(outputs, got, dst=dst)
+    if got is None:
+        return None
+    return hypotheses_in_order((o for part in got for o in part), tokenizer)

@@ -166,11 +166,10 @@ def build_model(
     path = cfg.model.model_name_or_path
 
     def load_pretrained(stage_model: M2M100Translation) -> None:
-        from models.hf import load_hf_weights, load_into
+        from models.hf import load_hf_into
 
-        # Only this stage's tensors are read from the safetensors files.
         assert path is not None
-        load_into(stage_model, load_hf_weights(path, stage_model.state_dict().keys()))
+        load_hf_into(stage_model, path)  # only this stage's tensors are read
 
     p = cfg.parallel
     return build_parallel_model(

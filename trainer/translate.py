@@ -2,23 +2,37 @@
 
     python -m trainer.translate --model DIR --source_lang en --target_lang fr \\
         [--num_beams 4] [--max_length 128] [--batch_size 32] < in.txt > out.txt
+    torchrun --nproc-per-node 4 -m trainer.translate --model DIR --source_lang en \\
+        --target_lang fr --pipeline_parallel_size 2 --tensor_parallel_size 2 < in.txt > out.txt
 
 DIR is a Hugging Face directory as `trainer.export` writes it (config.json,
-model.safetensors, tokenizer files; stock M2M100/NLLB directories work too). The
-weights load into our own `M2M100Translation` and decode with `models.generate`
-(equal to `transformers`' `generate`); the tokenizer loads through
-`trainer.tokenizer.Tokenizer.load`, i.e. `AutoTokenizer` for HF tokenizer files. One
-output line per input line, in order; bad input fails with one line on stderr, exit 2.
+model.safetensors, tokenizer files; stock M2M100/NLLB directories work too); the
+tokenizer loads through `trainer.tokenizer.Tokenizer.load`, i.e. `AutoTokenizer` for HF
+tokenizer files. One output line per input line, in order; bad input fails with one
+line on stderr, exit 2.
+
+One process: the weights load into our own `M2M100Translation` on one device and
+decode with `models.generate` (equal to `transformers`' `generate`).
+
+Under torchrun (WORLD_SIZE > 1) no device holds the whole model: the ranks form the
+(pp, dp, tp) mesh of `parallel.mesh`, the model is cut into pp stages (uniform by
+blocks) and split over tp by `parallel.parallelize.build_parallel_model`, and decodes
+with `parallel.generate.pipeline_generate` (per-stage KV caches, the same tokens as one
+device) through `trainer.evaluation_runner.translate_on_mesh`: the dp replicas share
+the length-sorted batches. Rank 0 reads stdin, writes stdout and logs the mesh on
+stderr; the other ranks write nothing. Bad sizes or flags fail on every rank before
+the process group exists.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import torch
 from transformers import HfArgumentParser
@@ -27,6 +41,12 @@ from models.hf import CheckpointMismatchError, load_hf_weights, load_into, read_
 from models.m2m100 import M2M100Translation
 from trainer.evaluate import translate
 from trainer.tokenizer import Tokenizer, TokenizerError
+
+if TYPE_CHECKING:
+    from models.config import ModelConfig
+    from models.generate import SearchSettings
+    from parallel.mesh import ParallelDims, ParallelMesh
+    from parallel.parallelize import ParallelModel
 
 
 @dataclass
@@ -55,12 +75,31 @@ class TranslateArguments:
         default=None, metadata={"help": "Cut longer sources to this many tokens (tag and </s> included)."}
     )
     device: str = field(
-        default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto (cuda when available)."}
+        default="auto",
+        metadata={
+            "help": "cpu, cuda, cuda:N, or auto (cuda when available). Under torchrun: auto, cuda "
+            "(each rank on cuda:LOCAL_RANK) or cpu (gloo)."
+        },
+    )
+    pipeline_parallel_size: int = field(
+        default=1, metadata={"help": "Pipeline stages under torchrun (the model is cut uniformly by blocks)."}
+    )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Tensor-parallel ranks under torchrun (must divide heads, FFN, d_model)."},
+    )
+    data_parallel_size: int = field(
+        default=-1,
+        metadata={"help": "Replicas sharing the lines under torchrun; -1: WORLD_SIZE / (pp * tp)."},
     )
 
 
 class TranslateError(ValueError):
     """Bad command-line input; the message names the bad value and what is valid."""
+
+
+class RankError(TranslateError):
+    """An error met by one rank after the process group is up (the others may not meet it)."""
 
 
 def pick_device(name: str) -> torch.device:
@@ -109,12 +148,26 @@ def utf8(stream: TextIO) -> TextIO:
     return stream
 
 
+def write_lines(stdout: TextIO, hyps: Sequence[str]) -> None:
+    """One line per hypothesis (newlines inside one are spaces: lines stay aligned with the input)."""
+    for hyp in hyps:
+        stdout.write(hyp.replace("\n", " ") + "\n")
+    stdout.flush()
+
+
 def run(args: TranslateArguments, stdin: TextIO, stdout: TextIO) -> None:
     """Load, read every line of `stdin`, write one translation per line to `stdout`.
 
+    Under torchrun (WORLD_SIZE > 1) see `run_on_mesh`.
+
     Raises:
-        TranslateError, CheckpointMismatchError, TokenizerError: bad model dir or language.
+        TranslateError, CheckpointMismatchError, TokenizerError: bad model dir, language or sizes.
     """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dims = mesh_dims(args, world)
+    if world > 1:
+        run_on_mesh(args, dims, stdin, stdout)
+        return
     check_model_dir(args.model)
     # Tags first: a missing language should fail before the (slow) weight loading.
     tokenizer = Tokenizer.load(args.model, languages=[args.source_lang, args.target_lang])
@@ -131,18 +184,188 @@ def run(args: TranslateArguments, stdin: TextIO, stdout: TextIO) -> None:
         batch_size=args.batch_size,
         max_source_length=args.max_source_length,
     )
-    for hyp in hyps:
-        stdout.write(hyp.replace("\n", " ") + "\n")  # keep lines aligned with the input
-    stdout.flush()
+    write_lines(stdout, hyps)
+
+
+# ----------------------------------------------------------------------------- under torchrun
+
+
+def mesh_dims(args: TranslateArguments, world: int) -> ParallelDims:
+    """The (pp, dp, tp) sizes checked against the world size (pure; before any process group).
+
+    Raises:
+        TranslateError: naming the flag, e.g. `pipeline_parallel_size(2) * data_parallel_size(1) *
+            tensor_parallel_size(1) = 2 != WORLD_SIZE(4); valid: ...`.
+    """
+    from parallel.mesh import ParallelDims
+
+    # No LOCAL_WORLD_SIZE check: tp across nodes is slow but correct, and decoding moves little over tp.
+    dims = ParallelDims(
+        args.pipeline_parallel_size, args.data_parallel_size, args.tensor_parallel_size, world
+    )
+    try:
+        return dims.validate()
+    except ValueError as e:
+        raise TranslateError(str(e)) from None
+
+
+def check_model_fits(dims: ParallelDims, config: ModelConfig) -> list[int]:
+    """tp vs heads/FFN/d_model and pp vs blocks; returns the uniform block counts per stage.
+
+    Raises:
+        TranslateError: naming the size that does not fit (pure; before any process group).
+    """
+    from models.m2m100 import block_specs
+    from parallel.mesh import check_tp_divides_model
+    from parallel.partition import uniform_partition
+
+    try:
+        check_tp_divides_model(config, dims.tp)
+    except ValueError as e:
+        raise TranslateError(str(e)) from None
+    n_blocks = len(block_specs(config))
+    if dims.pp > n_blocks:
+        raise TranslateError(
+            f"pipeline_parallel_size={dims.pp} but the model has only {n_blocks} blocks "
+            f"({config.encoder_layers} encoder + {config.decoder_layers} decoder layers + 4); "
+            f"valid: 1..{n_blocks}"
+        )
+    return uniform_partition(n_blocks, dims.pp)
+
+
+def search_settings(args: TranslateArguments) -> SearchSettings:
+    """--num_beams, --max_length and --batch_size, checked before any process group.
+
+    Raises:
+        TranslateError: naming the bad value.
+    """
+    from models.generate import SearchSettings
+
+    if args.batch_size < 1:
+        raise TranslateError(f"--batch_size {args.batch_size} must be >= 1")
+    try:
+        return SearchSettings(num_beams=args.num_beams, max_length=args.max_length).validate()
+    except ValueError as e:
+        raise TranslateError(str(e)) from None
+
+
+def mesh_device(name: str) -> torch.device:
+    """This rank's device: cuda:LOCAL_RANK for `cuda` (and `auto` with CUDA), else cpu.
+
+    Raises:
+        TranslateError: a device naming one GPU (`cuda:1`), which every rank would share.
+    """
+    kind = pick_device(name)
+    if kind.type == "cuda" and kind.index is not None:
+        raise TranslateError(
+            f"--device {name!r} names one GPU, but under torchrun each rank uses cuda:LOCAL_RANK; "
+            "valid: auto, cuda, cpu"
+        )
+    if kind.type == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return kind
+
+
+def load_on_mesh(
+    path: str, config: ModelConfig, mesh: ParallelMesh, balance: list[int], device: torch.device
+) -> ParallelModel:
+    """This rank's pipeline stage and tp shard of the HF weights at `path`, on `device`, in eval mode.
+
+    Host memory briefly holds the whole model, randomly initialised, before it is cut to
+    this rank's blocks; only those blocks' tensors are then read from the safetensors
+    files (`models.hf.load_hf_into`), split over tp on the host, and moved to `device`,
+    which thus never holds more than this rank's shard. The pipeline schedule is unused
+    by decoding (GPipe, one micro-batch).
+
+    Raises:
+        CheckpointMismatchError: a tensor of this rank's blocks is absent or misshapen.
+    """
+    from models.hf import load_hf_into
+    from parallel.parallelize import build_parallel_model
+
+    def load_stage(stage_model: M2M100Translation) -> None:
+        load_hf_into(stage_model, path)
+
+    model = M2M100Translation(config)
+    pm = build_parallel_model(
+        model, mesh, balance, 1, "gpipe", 1, "none", 0.0, before_tp=load_stage, device=device
+    )
+    pm.model.eval()
+    return pm
+
+
+def share_lines(stdin: TextIO) -> list[str]:
+    """Rank 0 reads every line of `stdin`; every rank gets them (collective)."""
+    import torch.distributed as dist
+
+    payload: list[list[str] | None] = [stdin.read().splitlines() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(payload, src=0)
+    assert payload[0] is not None
+    return payload[0]
+
+
+def run_on_mesh(args: TranslateArguments, dims: ParallelDims, stdin: TextIO, stdout: TextIO) -> None:
+    """Translate on the (pp, dp, tp) mesh of this torchrun job (see the module docstring).
+
+    Every check that needs no peer runs first, identically on every rank, so bad input
+    fails everywhere before any collective could wait on a rank that left. A rank that
+    fails later (a tensor of its stage missing from the files) raises `RankError`, and
+    torchrun stops the others.
+
+    Raises:
+        TranslateError, CheckpointMismatchError, TokenizerError: before the process group.
+        RankError: after it.
+    """
+    import torch.distributed as dist
+
+    from models.hf import read_hf_config
+    from parallel.mesh import build_mesh, init_distributed
+    from trainer.evaluation_runner import translate_on_mesh
+
+    check_model_dir(args.model)
+    config = read_hf_config(args.model)
+    balance = check_model_fits(dims, config)
+    settings = search_settings(args)
+    device = mesh_device(args.device)
+    tokenizer = Tokenizer.load(args.model, languages=[args.source_lang, args.target_lang])
+    owned = not dist.is_initialized()
+    init_distributed("nccl" if device.type == "cuda" else "gloo")
+    try:
+        mesh = build_mesh(dims, device.type)
+        pm = load_on_mesh(args.model, config, mesh, balance, device)
+        lines = share_lines(stdin)
+        if dist.get_rank() == 0:
+            print(
+                f"trainer.translate: {len(lines)} lines on (pp, dp, tp) = {dims.shape}, "
+                f"{device.type}, stages of {balance} blocks",
+                file=sys.stderr,
+                flush=True,
+            )
+        hyps = translate_on_mesh(
+            pm, tokenizer, lines, args.source_lang, args.target_lang, settings, args.batch_size,
+            dst=0, max_source_length=args.max_source_length,
+        )  # fmt: skip
+        if hyps is not None:
+            write_lines(stdout, hyps)
+    except CheckpointMismatchError as e:
+        raise RankError(f"rank {dist.get_rank()}: {e}") from e
+    finally:
+        if owned:
+            dist.destroy_process_group()
 
 
 def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
-    """Entry point; returns the exit status (0 ok, 2 bad input, reported on stderr in one line)."""
+    """Entry point; returns the exit status (0 ok, 2 bad input, reported on stderr in one line).
+
+    Under torchrun an error every rank meets alike (flags, files, languages) is printed by
+    rank 0 only; a `RankError` by the rank that met it.
+    """
     args = parse_args(argv)
     try:
         run(args, stdin or utf8(sys.stdin), stdout or utf8(sys.stdout))
     except (TranslateError, CheckpointMismatchError, TokenizerError) as e:
-        print(f"trainer.translate: error: {e}", file=sys.stderr)
+        if isinstance(e, RankError) or os.environ.get("RANK", "0") == "0":
+            print(f"trainer.translate: error: {e}", file=sys.stderr)
         return 2
     return 0
 

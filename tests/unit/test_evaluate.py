@@ -233,3 +233,45 @@ def test_cli_missing_language_lists_available_tags(
     assert main(argv, io.StringIO("hello\n"), io.StringIO()) == 2
     err = capsys.readouterr().err
     assert "__de__" in err and "__en__" in err and "__fr__" in err, err
+
+
+# Under torchrun: bad sizes fail on every rank before any process group exists (one line, rank 0).
+@pytest.mark.parametrize(
+    ("world", "flags", "expected"),
+    [
+        (4, ["--pipeline_parallel_size", "2", "--data_parallel_size", "1"], "!= WORLD_SIZE(4)"),
+        (
+            4,
+            ["--pipeline_parallel_size", "3"],
+            "pipeline_parallel_size=3 does not divide 4 ranks; valid: 1, 2, 4",
+        ),
+        (
+            4,
+            ["--tensor_parallel_size", "4"],
+            "tensor_parallel_size=4 does not divide encoder_attention_heads(2)",
+        ),
+        (8, ["--pipeline_parallel_size", "8"], "pipeline_parallel_size=8 but the model has only 6 blocks"),
+        (2, ["--device", "cuda:1"], "names one GPU"),
+        (1, ["--tensor_parallel_size", "2"], "does not divide 1 rank"),
+    ],
+)
+def test_cli_bad_mesh_is_one_clear_line_before_any_group(
+    model_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    world: int,
+    flags: list[str],
+    expected: str,
+) -> None:
+    import torch.distributed as dist
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    argv = ["--model", str(model_dir), "--source_lang", "en", "--target_lang", "fr", *flags]
+    assert main(argv, io.StringIO("hello\n"), io.StringIO()) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and "\n" not in err, err
+    assert not dist.is_initialized()
+    monkeypatch.setenv("RANK", "1")  # the other ranks fail alike, silently
+    assert main(argv, io.StringIO("hello\n"), io.StringIO()) == 2
+    assert capsys.readouterr().err == ""
