@@ -429,6 +429,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--validate", type=int, default=0, help="Run the top K with trainer.train.")
     ap.add_argument("--validate_steps", type=int, default=24)
     ap.add_argument("--validate_warmup", type=int, default=4)
+    ap.add_argument(
+        "--validate_repeats", type=int, default=3, help="Runs per layout (median of their medians)."
+    )
     ap.add_argument("--validate_timeout", type=float, default=600)
     ap.add_argument(
         "--validate_dir", default=None, help="Output dirs of the calibration and validation runs."
@@ -448,7 +451,15 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--link_latency_us", type=float, default=50.0)
     ap.add_argument("--inter_node_gbps", type=float, default=None)
     opts, rest = ap.parse_known_args(argv)
-    for name in ("world_size", "top", "keep", "max_microbatches", "repeats", "validate_steps"):
+    for name in (
+        "world_size",
+        "top",
+        "keep",
+        "max_microbatches",
+        "repeats",
+        "validate_steps",
+        "validate_repeats",
+    ):
         if getattr(opts, name) < 1:
             ap.error(f"--{name}={getattr(opts, name)} must be >= 1")
     for flag, given, known in (("schedules", opts.schedules, [n for n, _ in SCHEDULE_SPACE]),

@@ -10,18 +10,22 @@ loss reduces, gloo's real all-reduce speed) which costs nothing on the one-rank 
 profile under-predicted a pipeline rank's compute by 1.5-2x and a step's fixed costs by
 10-20 ms.
 
-So where the planned world runs on this machine, each mesh (pp, tp, dp) is run once with
-`trainer.train` for a few steps on one of its layouts (the one with the smallest lower bound
-among its 1F1B layouts), and two numbers are fitted from that run's metrics.jsonl:
+So where the planned world runs on this machine, each family -- a mesh (pp, tp, dp) and
+whether the schedule splits the backward into I and W (zero_bubble, zbv) -- is run with
+`trainer.train` for a few steps (`--validate_repeats` runs) on one of its layouts (the one
+with the smallest lower bound, 1F1B or zero_bubble preferred), and two numbers are fitted
+from those runs' metrics.jsonl:
 
     compute_scale   measured pipeline compute (the executor's `stage_compute_s_*`, summed over
                     pp ranks) / the predicted compute of the same layout
     step_offset_s   measured median step time - the prediction with compute scaled
 
-Every layout of that mesh is then predicted with its stage compute times compute_scale and
-step_offset_s added to its step (`apply`). What the fit leaves to the model: the schedule,
-the micro-batch cut, the partition and remat, i.e. what the planner chooses between. The
-validation report marks a validated layout that is its mesh's calibration layout.
+Every layout of that family is then predicted with its stage compute times compute_scale
+and step_offset_s added to its step (`apply`). What the fit leaves to the model: the
+schedule within the family, the micro-batch cut, the partition and remat, i.e. what the
+planner chooses between. The split backward needs its own fit: on the 2-core host the
+executor's I + W cost 1.2-1.4x its full B, where the block profile has 1.08x. The
+validation report marks a validated layout that is its family's calibration layout.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from trainer.plan_cost import CostContext, Layout, predict
 
 logger = logging.getLogger("trainer.plan")
 
-Mesh = tuple[int, int, int]  # (pp, tp, dp)
+Mesh = tuple[int, int, int, bool]  # (pp, tp, dp, split backward): a calibration family
 Pending = tuple[float, Layout, StageCosts, CostContext]
 
 
@@ -82,12 +86,19 @@ def should_calibrate(opts: argparse.Namespace, measured_here: bool) -> tuple[boo
     return True, ""
 
 
+SPLIT_BACKWARD = ("zero_bubble", "zbv")
+
+
+def family(layout: Layout) -> Mesh:
+    """The calibration family of a layout: its mesh and whether its backward is split."""
+    return layout.pp, layout.tp, layout.dp, layout.schedule in SPLIT_BACKWARD
+
+
 def calibration_layouts(pending: Sequence[Pending]) -> dict[Mesh, Pending]:
-    """Per mesh, the entry it is calibrated on: its 1F1B layout with the smallest lower bound."""
+    """Per family, the entry it is calibrated on: the smallest lower bound, 1F1B / zero_bubble first."""
     chosen: dict[Mesh, Pending] = {}
-    for entry in sorted(pending, key=lambda e: (e[1].schedule != "1f1b", e[0])):
-        layout = entry[1]
-        chosen.setdefault((layout.pp, layout.tp, layout.dp), entry)
+    for entry in sorted(pending, key=lambda e: (e[1].schedule not in ("1f1b", "zero_bubble"), e[0])):
+        chosen.setdefault(family(entry[1]), entry)
     return chosen
 
 
@@ -131,12 +142,12 @@ def calibrate(
     out: dict[Mesh, Calibration] = {}
     for mesh, (_, layout, sc, ctx) in calibration_layouts(pending).items():
         args = layout_args(layout, base_args)
-        run_dir = root / f"calibrate_pp{mesh[0]}_tp{mesh[1]}_dp{mesh[2]}"
+        run_dir = root / f"calibrate_pp{mesh[0]}_tp{mesh[1]}_dp{mesh[2]}_{layout.schedule}"
         measured = run_candidate(args, opts.world_size, run_dir, opts)
         cal = fit(layout, sc, ctx, measured, args)
         logger.info(
-            "calibrated pp=%d tp=%d dp=%d: compute x%.2f, step offset %+.2f ms (measured %.4f s, model %.4f s)",
-            *mesh, cal.compute_scale, cal.step_offset_s * 1e3, cal.measured_step_time_s, cal.predicted_step_time_s,
+            "calibrated pp=%d tp=%d dp=%d %s: compute x%.2f, step offset %+.2f ms (measured %.4f s, model %.4f s)",
+            *mesh[:3], layout.schedule, cal.compute_scale, cal.step_offset_s * 1e3, cal.measured_step_time_s, cal.predicted_step_time_s,
         )  # fmt: skip
         out[mesh] = cal
     return out
@@ -148,7 +159,7 @@ def apply(pending: Sequence[Pending], fits: dict[Mesh, Calibration]) -> list[Pen
 
     out = []
     for _, layout, sc, ctx in pending:
-        cal = fits.get((layout.pp, layout.tp, layout.dp))
+        cal = fits.get(family(layout))
         if cal is not None:
             sc = scaled(sc, cal.compute_scale)
             ctx = replace(ctx, step_overhead_s=ctx.step_overhead_s + cal.step_offset_s)
@@ -161,6 +172,7 @@ def report(fits: dict[Mesh, Calibration]) -> list[dict[str, Any]]:
     return [
         {
             "mesh": {"pp": m[0], "tp": m[1], "dp": m[2]},
+            "schedule": c.layout.schedule,
             "args": c.args,
             "measured_step_time_s": c.measured_step_time_s,
             "model_step_time_s": c.predicted_step_time_s,

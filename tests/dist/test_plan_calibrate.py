@@ -1,6 +1,6 @@
 """`python -m trainer.plan --validate` with calibration runs, end to end on 2 gloo ranks.
 
-Each mesh is run once by trainer.train to fit its compute scale and step offset; the
+Each family (mesh, split backward or not) is run once by trainer.train to fit its compute scale and step offset; the
 calibration layout's calibrated prediction must then be exactly its calibration run's
 median step, and the validation run of the top layout reports predicted against measured.
 (Whether the prediction is within 15% is a property of a quiet machine, shown in the
@@ -25,7 +25,7 @@ def test_plan_calibrates_each_mesh_and_validates(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "trainer.plan", "--config", "configs/tiny.yaml", "--world_size", "2",
            "--seq_len", "12", "--link_gbps", "1", "--repeats", "1", "--schedules", "1f1b,zero_bubble",
            "--remat", "none", "--max_microbatches", "2", "--validate", "1", "--validate_steps", "5",
-           "--validate_warmup", "2", "--validate_dir", str(tmp_path / "runs"), "--output", str(out),
+           "--validate_warmup", "2", "--validate_repeats", "1", "--validate_dir", str(tmp_path / "runs"), "--output", str(out),
            "--builtin_size", "200", "--calibrate", "true"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     if (os.cpu_count() or 1) < 2:
@@ -33,8 +33,8 @@ def test_plan_calibrates_each_mesh_and_validates(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    meshes = {(c["mesh"]["pp"], c["mesh"]["tp"], c["mesh"]["dp"]) for c in result["calibration"]}
-    assert meshes == {(1, 1, 2), (2, 1, 1), (1, 2, 1)}
+    families = {(c["mesh"]["pp"], c["mesh"]["tp"], c["mesh"]["dp"], c["schedule"]) for c in result["calibration"]}
+    assert families == {(1, 1, 2, "1f1b"), (2, 1, 1, "1f1b"), (2, 1, 1, "zero_bubble"), (1, 2, 1, "1f1b")}
     for c in result["calibration"]:
         assert c["compute_scale"] > 0 and c["measured_compute_s"] > 0
         same = [r for r in result["candidates"] if r["args"] == c["args"]]
@@ -45,4 +45,4 @@ def test_plan_calibrates_each_mesh_and_validates(tmp_path: Path) -> None:
     assert row["calibration_layout"] == any(
         c["args"] == result["candidates"][0]["args"] for c in result["calibration"]
     )
-    assert "calibrated pp=2 tp=1 dp=1 on one trainer run" in proc.stdout
+    assert "calibrated pp=2 tp=1 dp=1 zero_bubble: compute x" in proc.stdout

@@ -208,19 +208,21 @@ def test_calibration_fit_reproduces_its_run_and_scales_the_mesh() -> None:
     fit = cal.fit(layout, sc, ctx, {"step_time_s": 0.5, "compute_s": 2 * model_compute}, [])
     assert fit.compute_scale == pytest.approx(2.0)
     other = _calibration_entry(1, 2)
-    [(_, lay, sc2, ctx2), (_, lay_o, sc_o, ctx_o)] = cal.apply([entry, other], {(2, 1, 1): fit})
+    [(_, lay, sc2, ctx2), (_, lay_o, sc_o, ctx_o)] = cal.apply([entry, other], {(2, 1, 1, False): fit})
     assert predict(lay, sc2, ctx2).step_time_s == pytest.approx(0.5)
     assert list(sc2.forward) == [0.02, 0.02] and sc2.link == sc.link
     assert sc_o is other[2] and ctx_o is other[3]
 
 
-def test_calibration_layout_is_the_mesh_s_cheapest_1f1b() -> None:
+def test_calibration_layout_is_the_family_s_cheapest_1f1b_or_zero_bubble() -> None:
     from trainer import plan_calibrate as cal
 
     entries = [_calibration_entry(2, 1, "zero_bubble", 0.1), _calibration_entry(2, 1, "1f1b", 0.3),
-               _calibration_entry(2, 1, "1f1b", 0.2), _calibration_entry(1, 2, "1f1b", 0.5)]  # fmt: skip
+               _calibration_entry(2, 1, "1f1b", 0.2), _calibration_entry(1, 2, "1f1b", 0.5),
+               _calibration_entry(2, 1, "gpipe", 0.05), _calibration_entry(2, 1, "zbv", 0.01)]  # fmt: skip
     chosen = cal.calibration_layouts(entries)
-    assert chosen[(2, 1, 1)] is entries[2] and chosen[(1, 1, 2)] is entries[3]
+    assert chosen[(2, 1, 1, False)] is entries[2] and chosen[(1, 1, 2, False)] is entries[3]
+    assert chosen[(2, 1, 1, True)] is entries[0] and len(chosen) == 3
 
 
 def test_calibrate_true_refuses_a_world_this_machine_cannot_run() -> None:
