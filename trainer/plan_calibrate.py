@@ -34,7 +34,7 @@ import argparse
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +173,7 @@ def report(fits: dict[Mesh, Calibration]) -> list[dict[str, Any]]:
         {
             "mesh": {"pp": m[0], "tp": m[1], "dp": m[2]},
             "schedule": c.layout.schedule,
+            "layout": asdict(c.layout),
             "args": c.args,
             "measured_step_time_s": c.measured_step_time_s,
             "model_step_time_s": c.predicted_step_time_s,

@@ -147,28 +147,51 @@ def format_table(result: dict[str, Any], top: int) -> str:
 def validate(result: dict[str, Any], k: int, opts: argparse.Namespace) -> list[dict[str, Any]]:
     """Run the top `k` candidates with trainer.train; predicted vs measured step time and memory.
 
-    Step time: the median `step_time_s` of metrics.jsonl after `opts.validate_warmup` steps.
-    Memory: the median over steps of the largest `peak_activation_bytes_stage_*` (the executor's
-    meter) against the predicted peak activations of the most loaded pp rank.
+    Step time: the median over `opts.validate_repeats` runs of each run's median `step_time_s`
+    after `opts.validate_warmup` steps. Memory: the median over steps of the largest
+    `peak_activation_bytes_stage_*` (the executor's meter) against the predicted peak
+    activations of the most loaded pp rank.
+
+    The host's speed drifts between the calibration and the validation (+-20% over minutes on
+    a shared 2-core CPU), so each round also re-runs every calibration layout: `drift` is
+    its family's re-measured step over the one measured at plan time, and
+    `step_time_error_at_drift` compares the measurement with the prediction times that drift.
     """
-    out = []
     root = Path(opts.validate_dir or tempfile.mkdtemp(prefix="plan_validate_"))
-    calibration = result.get("calibration")
-    calibrated_on = [c["args"] for c in calibration] if isinstance(calibration, list) else []
+    cal = result.get("calibration")
+    cal_rows: list[dict[str, Any]] = cal if isinstance(cal, list) else []
+    jobs = {f"candidate_{r['rank']}": r["args"] for r in result["candidates"][:k]}
+    jobs.update(
+        {f"recalibrate_{i}": c["args"] for i, c in enumerate(cal_rows) if c["args"] not in jobs.values()}
+    )
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in jobs}
+    for rep in range(opts.validate_repeats):  # rounds: every job once per round, so drift is shared
+        for name, args in jobs.items():
+            runs[name].append(_run_once(args, opts.world_size, root / name / f"run_{rep}", opts))
+    by_args = {tuple(jobs[n]): statistics.median(r["step_time_s"] for r in runs[n]) for n in jobs}
+    drift = {_family(c["layout"]): by_args[tuple(c["args"])] / c["measured_step_time_s"] for c in cal_rows}
+    out = []
     for row in result["candidates"][:k]:
-        run_dir = root / f"candidate_{row['rank']}"
-        measured = run_candidate(row["args"], opts.world_size, run_dir, opts)
-        pred = row["predicted_step_time_s"]
-        act = max(row["predicted_peak_activation_bytes_per_pp_rank"])
+        name, pred = f"candidate_{row['rank']}", row["predicted_step_time_s"]
+        measured = statistics.median(r["step_time_s"] for r in runs[name])
+        d = drift.get(_family(row["layout"]))
         out.append({
-            "rank": row["rank"], "predicted_step_time_s": pred, "measured_step_time_s": measured["step_time_s"],
-            "step_time_error": measured["step_time_s"] / pred - 1,
-            "predicted_peak_activation_bytes": act,
-            "measured_peak_activation_bytes": measured["peak_activation_bytes"], "output_dir": str(run_dir),
-            "calibration_layout": row["args"] in calibrated_on,
-            "measured_step_time_s_runs": measured["step_time_s_runs"],
+            "rank": row["rank"], "predicted_step_time_s": pred, "measured_step_time_s": measured,
+            "step_time_error": measured / pred - 1,
+            "drift": d, "step_time_error_at_drift": measured / (pred * d) - 1 if d else None,
+            "predicted_peak_activation_bytes": max(row["predicted_peak_activation_bytes_per_pp_rank"]),
+            "measured_peak_activation_bytes": statistics.median(r["peak_activation_bytes"] for r in runs[name]),
+            "output_dir": str(root / name), "calibration_layout": row["args"] in [c["args"] for c in cal_rows],
+            "measured_step_time_s_runs": [r["step_time_s"] for r in runs[name]],
         })  # fmt: skip
     return out
+
+
+def _family(layout: dict[str, Any]) -> tuple[int, int, int, bool]:
+    """A plan.json layout's calibration family (`trainer.plan_calibrate.family`)."""
+    from trainer.plan_calibrate import family
+
+    return family(Layout(**layout))
 
 
 def run_candidate(args: list[str], world: int, out_dir: Path, opts: argparse.Namespace) -> dict[str, Any]:
@@ -228,12 +251,19 @@ def _run_once(args: list[str], world: int, out_dir: Path, opts: argparse.Namespa
 
 def format_validation(rows: list[dict[str, Any]]) -> str:
     lines = [
-        f"{'#':>3} {'predicted s':>11} {'measured s':>10} {'error':>7} {'act MiB pred':>12} {'act MiB meas':>12}"
+        f"{'#':>3} {'predicted s':>11} {'measured s':>10} {'error':>7} {'drift':>6} {'at drift':>8} "
+        f"{'act MiB pred':>12} {'act MiB meas':>12}"
     ]
     for r in rows:
         lines.append(
             f"{r['rank']:>3} {r['predicted_step_time_s']:>11.4g} {r['measured_step_time_s']:>10.4g} "
-            f"{r['step_time_error']:>+7.1%} {r['predicted_peak_activation_bytes'] / 2**20:>12.2f} "
+            f"{r['step_time_error']:>+7.1%} "
+            + (
+                f"{r['drift']:>6.3f} {r['step_time_error_at_drift']:>+8.1%} "
+                if r.get("drift")
+                else f"{'-':>6} {'-':>8} "
+            )
+            + f"{r['predicted_peak_activation_bytes'] / 2**20:>12.2f} "
             f"{r['measured_peak_activation_bytes'] / 2**20:>12.2f}"
             + (
                 f"  runs {min(runs):.4g}-{max(runs):.4g}"

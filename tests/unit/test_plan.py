@@ -270,3 +270,40 @@ def test_stage_activation_bytes_match_the_executor_meter() -> None:
         assert stage_activation_bytes(costs, range(lo, hi)) == meter.held["stage"], (lo, hi)
         summed_blocks_over += sum(c.activation_bytes for c in costs[lo:hi]) > meter.held["stage"]
     assert summed_blocks_over  # the plain sum over blocks does over-count (what this replaces)
+
+
+def test_validate_runs_in_rounds_and_measures_the_drift(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every round runs each candidate and each calibration layout once; a family's drift is its
+    calibration layout's re-measured step over the plan-time one (here the host got 10% slower)."""
+    import argparse
+
+    from trainer import plan_report
+
+    layout_a = {"pp": 2, "tp": 1, "dp": 1, "m": 1, "g": 1, "microbatch": 16, "schedule": "1f1b", "v": 1,
+                "remat": "none", "partition": "uniform", "balance": [4, 4], "token_mode": False}  # fmt: skip
+    layout_b = {**layout_a, "schedule": "gpipe"}
+    speed = {"cal": 0.44, "a": 0.50, "b": 0.66}  # seconds per step now; the calibration measured 0.40
+    calls: list[str] = []
+
+    def fake_run(args: list[str], world: int, out_dir: Path, opts: argparse.Namespace) -> dict[str, float]:
+        calls.append(args[0])
+        return {"step_time_s": speed[args[0]], "peak_activation_bytes": 10.0, "compute_s": 0.1}
+
+    monkeypatch.setattr(plan_report, "_run_once", fake_run)
+    cand = {"predicted_step_time_s": 0.45, "predicted_peak_activation_bytes_per_pp_rank": [8.0, 10.0]}
+    result = {
+        "candidates": [{**cand, "rank": 1, "args": ["a"], "layout": layout_a},
+                       {**cand, "rank": 2, "args": ["b"], "layout": layout_b}],
+        "calibration": [{"args": ["cal"], "layout": layout_a, "measured_step_time_s": 0.40}],
+    }  # fmt: skip
+    opts = argparse.Namespace(validate_dir=str(tmp_path), validate_repeats=2, world_size=2)
+    rows = plan_report.validate(result, 2, opts)
+    assert calls == ["a", "b", "cal"] * 2
+    assert [r["drift"] for r in rows] == pytest.approx([1.1, 1.1])
+    assert rows[0]["step_time_error"] == pytest.approx(0.50 / 0.45 - 1)
+    assert rows[0]["step_time_error_at_drift"] == pytest.approx(0.50 / (0.45 * 1.1) - 1)
+    assert rows[1]["measured_peak_activation_bytes"] == 10.0 and not rows[0]["calibration_layout"]
+    text = plan_report.format_validation(rows)
+    assert "measured best: #1" in text and "+1.0%" in text
