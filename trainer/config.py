@@ -62,7 +62,6 @@ HF_NAME_HINTS: dict[str, str] = {
     "num_beams": "generation_num_beams",
     "config_name": "the model fields (d_model, encoder_layers, ...) or model_name_or_path",
     "overwrite_cache": "nothing: the tokenization cache is keyed by data, tokenizer and lengths",
-    "cache_dir": "nothing: set HF_HOME / HF_DATASETS_CACHE",
     "pad_to_max_length": "nothing: batches are padded to their longest example (length-bucketed)",
     "ignore_pad_token_for_loss": "nothing: padding never counts in the loss",
     "val_max_target_length": "generation_max_length (decoding) / max_target_length (data)",
