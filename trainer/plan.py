@@ -34,7 +34,7 @@ from models.config import ModelConfig
 from parallel.mesh import ParallelDims
 from parallel.simulate import StageCosts
 from trainer.config import SCHEDULE_CHOICES, ConfigError, JobConfig, parse_config
-from trainer.plan_calibrate import Calibration, Mesh, apply, calibrate, should_calibrate
+from trainer.plan_calibrate import Calibration, Family, apply, calibrate, should_calibrate
 from trainer.plan_calibrate import report as calibration_rows
 from trainer.plan_cost import (
     GIB,
@@ -380,7 +380,7 @@ def _layouts(
 
 def own_layout(
     cfg: JobConfig, base_args: list[str], source: CostSource, ctx: CostContext, world: int, gpn: int,
-    fits: dict[Mesh, Calibration] | None = None,
+    fits: dict[Family, Calibration] | None = None,
 ) -> Candidate | str:  # fmt: skip
     """The config's own layout, predicted the same way (or why it cannot run on this world)."""
     p = cfg.parallel

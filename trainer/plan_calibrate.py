@@ -1,4 +1,4 @@
-"""Calibrate the planner's cost model with short runs of the real trainer, one per mesh.
+"""Calibrate the planner's cost model with short runs of the real trainer, one per mesh and backward kind.
 
 The block profile (`plan_cost.measure_kind_costs`) times each block alone, one process, warm
 and repeated. The trainer's step differs in ways the profile cannot see and that depend on
@@ -39,17 +39,17 @@ from pathlib import Path
 from typing import Any
 
 from parallel.simulate import StageCosts
-from trainer.plan_cost import CostContext, Layout, predict
+from trainer.plan_cost import CostContext, Layout, lower_bound, predict
 
 logger = logging.getLogger("trainer.plan")
 
-Mesh = tuple[int, int, int, bool]  # (pp, tp, dp, split backward): a calibration family
+Family = tuple[int, int, int, bool]  # (pp, tp, dp, split backward): a calibration family
 Pending = tuple[float, Layout, StageCosts, CostContext]
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """One mesh's fit: the layout run, what it measured, and the two fitted numbers."""
+    """One family's fit: the layout run, what it measured, and the two fitted numbers."""
 
     layout: Layout
     args: list[str]
@@ -89,14 +89,14 @@ def should_calibrate(opts: argparse.Namespace, measured_here: bool) -> tuple[boo
 SPLIT_BACKWARD = ("zero_bubble", "zbv")
 
 
-def family(layout: Layout) -> Mesh:
+def family(layout: Layout) -> Family:
     """The calibration family of a layout: its mesh and whether its backward is split."""
     return layout.pp, layout.tp, layout.dp, layout.schedule in SPLIT_BACKWARD
 
 
-def calibration_layouts(pending: Sequence[Pending]) -> dict[Mesh, Pending]:
+def calibration_layouts(pending: Sequence[Pending]) -> dict[Family, Pending]:
     """Per family, the entry it is calibrated on: the smallest lower bound, 1F1B / zero_bubble first."""
-    chosen: dict[Mesh, Pending] = {}
+    chosen: dict[Family, Pending] = {}
     for entry in sorted(pending, key=lambda e: (e[1].schedule not in ("1f1b", "zero_bubble"), e[0])):
         chosen.setdefault(family(entry[1]), entry)
     return chosen
@@ -121,7 +121,7 @@ def scaled(sc: StageCosts, scale: float) -> StageCosts:
 def fit(
     layout: Layout, sc: StageCosts, ctx: CostContext, measured: dict[str, float], args: list[str]
 ) -> Calibration:
-    """The mesh's compute scale and step offset from one measured run of `layout`."""
+    """The family's compute scale and step offset from one measured run of `layout`."""
     pred_compute = predicted_compute_s(layout, sc)
     scale = measured["compute_s"] / pred_compute if pred_compute > 0 else 1.0
     before = predict(layout, sc, ctx).step_time_s
@@ -134,29 +134,27 @@ def fit(
 
 def calibrate(
     pending: Sequence[Pending], base_args: list[str], opts: argparse.Namespace, root: Path
-) -> dict[Mesh, Calibration]:
-    """Run each mesh's calibration layout with trainer.train and fit it (module docstring)."""
+) -> dict[Family, Calibration]:
+    """Run each family's calibration layout with trainer.train and fit it (module docstring)."""
     from trainer.plan import layout_args
     from trainer.plan_report import run_candidate
 
-    out: dict[Mesh, Calibration] = {}
-    for mesh, (_, layout, sc, ctx) in calibration_layouts(pending).items():
+    out: dict[Family, Calibration] = {}
+    for fam, (_, layout, sc, ctx) in calibration_layouts(pending).items():
         args = layout_args(layout, base_args)
-        run_dir = root / f"calibrate_pp{mesh[0]}_tp{mesh[1]}_dp{mesh[2]}_{layout.schedule}"
+        run_dir = root / f"calibrate_pp{fam[0]}_tp{fam[1]}_dp{fam[2]}_{layout.schedule}"
         measured = run_candidate(args, opts.world_size, run_dir, opts)
         cal = fit(layout, sc, ctx, measured, args)
         logger.info(
             "calibrated pp=%d tp=%d dp=%d %s: compute x%.2f, step offset %+.2f ms (measured %.4f s, model %.4f s)",
-            *mesh[:3], layout.schedule, cal.compute_scale, cal.step_offset_s * 1e3, cal.measured_step_time_s, cal.predicted_step_time_s,
+            *fam[:3], layout.schedule, cal.compute_scale, cal.step_offset_s * 1e3, cal.measured_step_time_s, cal.predicted_step_time_s,
         )  # fmt: skip
-        out[mesh] = cal
+        out[fam] = cal
     return out
 
 
-def apply(pending: Sequence[Pending], fits: dict[Mesh, Calibration]) -> list[Pending]:
-    """Every entry with its mesh's fit applied: compute scaled, the step offset added, bound redone."""
-    from trainer.plan_cost import lower_bound
-
+def apply(pending: Sequence[Pending], fits: dict[Family, Calibration]) -> list[Pending]:
+    """Every entry with its family's fit applied: compute scaled, the step offset added, bound redone."""
     out = []
     for _, layout, sc, ctx in pending:
         cal = fits.get(family(layout))
@@ -167,7 +165,7 @@ def apply(pending: Sequence[Pending], fits: dict[Mesh, Calibration]) -> list[Pen
     return out
 
 
-def report(fits: dict[Mesh, Calibration]) -> list[dict[str, Any]]:
+def report(fits: dict[Family, Calibration]) -> list[dict[str, Any]]:
     """plan.json's `calibration` rows."""
     return [
         {
