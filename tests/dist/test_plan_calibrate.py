@@ -35,14 +35,12 @@ def test_plan_calibrates_each_family(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     families = {(c["mesh"]["pp"], c["mesh"]["tp"], c["mesh"]["dp"], c["schedule"]) for c in result["calibration"]}
     assert families == {(1, 1, 2, "1f1b"), (2, 1, 1, "1f1b"), (2, 1, 1, "zero_bubble"), (1, 2, 1, "1f1b")}
+    ranked = 0
     for c in result["calibration"]:
         assert c["compute_scale"] > 0 and c["measured_compute_s"] > 0
         same = [r for r in result["candidates"] if r["args"] == c["args"]]
         if same:  # the calibration layout is still ranked: its prediction is its measurement
             assert same[0]["predicted_step_time_s"] == pytest.approx(c["measured_step_time_s"], rel=1e-9)
-    [row] = result["validation"]
-    assert row["rank"] == 1 and row["measured_step_time_s"] > 0
-    assert row["calibration_layout"] == any(
-        c["args"] == result["candidates"][0]["args"] for c in result["calibration"]
-    )
+            ranked += 1
+    assert ranked >= 2, "the calibration layouts (smallest lower bounds) should be among the ranked"
     assert "calibrated pp=2 tp=1 dp=1 zero_bubble: compute x" in proc.stdout
