@@ -106,6 +106,11 @@ class ActivationParts:
     outputs: tuple[tuple[str, int], ...]
     passthrough: frozenset[str]
 
+    @property
+    def alone(self) -> int:
+        """What the meter charges the block run as a stage of its own: its inputs and own bytes."""
+        return sum(n for _, n in self.inputs) + self.own
+
     def scaled(self, factor: float) -> ActivationParts:
         """Every byte count times `factor` (another micro-batch size, or a tp shard)."""
 
@@ -182,20 +187,17 @@ def profile_block_phases(
         for _ in range(repeats + 1 if timed else 0):
             samples.append(_time_phases(model, spec, inputs, run, meter, store))
         meter.reset()
-        with meter.record(spec, inputs):
-            out, _ = run()
-        act = meter.held.get(spec, 0)
-        meter.reset()
-        parts = _activation_parts(model, inputs, run)
+        parts, out = _activation_parts(model, inputs, run)
         times = [statistics.median(s[k] for s in samples[1:]) if timed else 0.0 for k in range(4)]
-        phases.append(BlockPhases(times[0], times[1], times[2], times[3], int(act), parts))
+        phases.append(BlockPhases(times[0], times[1], times[2], times[3], parts.alone, parts))
         state = {k: v.detach() for k, v in out.items() if k != "logits"}
     model.zero_grad(set_to_none=True)
     return phases
 
 
-def _activation_parts(model: M2M100Translation, inputs: State, run) -> ActivationParts:  # type: ignore[no-untyped-def]
-    """One forward of the block, its saved storages classified as inputs (by key) or its own.
+def _activation_parts(model: M2M100Translation, inputs: State, run) -> tuple[ActivationParts, State]:  # type: ignore[no-untyped-def]
+    """One forward of the block (its output returned too), its saved storages classified as
+    inputs (by key) or its own.
 
     Counts as `SavedTensorMeter` does: parameters excluded, each storage once, the inputs
     that rematerialised regions keep included (reported through `parallel.remat`).
@@ -230,13 +232,14 @@ def _activation_parts(model: M2M100Translation, inputs: State, run) -> Activatio
     finally:
         remat.KEPT_INPUT_OBSERVER.reset(token)
     outputs = {k: v for k, v in out.items() if k != "logits"}
-    return ActivationParts(
+    parts = ActivationParts(
         own,
         tuple((k, t.untyped_storage().nbytes()) for k, t in inputs.items()),
         frozenset(saved),
         tuple((k, t.untyped_storage().nbytes()) for k, t in outputs.items()),
         frozenset(k for k, t in outputs.items() if k in inputs and t.data_ptr() == inputs[k].data_ptr()),
     )
+    return parts, out
 
 
 def _run_block(

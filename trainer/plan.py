@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -53,7 +52,7 @@ from trainer.plan_cost import (
     stage_costs,
 )
 from trainer.plan_measure import CostSource, measure_link, measure_optimizer_s_per_param, measure_overheads
-from trainer.plan_report import build_report, describe, format_table, format_validation, validate
+from trainer.plan_report import build_report, describe, format_table, format_validation, run_root, validate
 
 logger = logging.getLogger("trainer.plan")
 
@@ -236,7 +235,7 @@ def plan(cfg: JobConfig, base_args: list[str], opts: argparse.Namespace) -> dict
                     layout, source.block_costs(shape, layout.remat, layout.tp, cut_ctx), shape, cut_ctx
                 )
                 pending.append((lower_bound(layout, sc, cut_ctx), layout, sc, cut_ctx))
-    fits = calibrate(pending, base_args, opts, _run_root(opts, "calibrate")) if calibrating else {}
+    fits = calibrate(pending, base_args, opts, run_root(opts, "calibrate")) if calibrating else {}
     candidates, pruned = _simulate_best(apply(pending, fits), memory_gib, opts, rejected)
     for c in candidates[: opts.top]:  # the printed rows: their flags through the trainer's own parser
         c.args = layout_args(c.layout, base_args)
@@ -247,13 +246,6 @@ def plan(cfg: JobConfig, base_args: list[str], opts: argparse.Namespace) -> dict
     result = build_report(cfg, opts, device, link, memory_gib, candidates, rejected, pruned, own)
     result["calibration"] = calibration_rows(fits) if calibrating else why_not
     return result
-
-
-def _run_root(opts: argparse.Namespace, kind: str) -> Path:
-    """Where calibration / validation runs write: under --validate_dir, else a temporary directory."""
-    if opts.validate_dir:
-        return Path(opts.validate_dir)
-    return Path(tempfile.mkdtemp(prefix=f"plan_{kind}_"))
 
 
 def _simulate_best(

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import JobConfig
+from trainer.plan_calibrate import Family, family
 from trainer.plan_cost import GIB, Candidate, DeviceSpec, Layout, LinkModel
 
 
@@ -157,7 +158,7 @@ def validate(result: dict[str, Any], k: int, opts: argparse.Namespace) -> list[d
     its family's re-measured step over the one measured at plan time, and
     `step_time_error_at_drift` compares the measurement with the prediction times that drift.
     """
-    root = Path(opts.validate_dir or tempfile.mkdtemp(prefix="plan_validate_"))
+    root = run_root(opts, "validate")
     cal = result.get("calibration")
     cal_rows: list[dict[str, Any]] = cal if isinstance(cal, list) else []
     jobs = {f"candidate_{r['rank']}": r["args"] for r in result["candidates"][:k]}
@@ -187,11 +188,14 @@ def validate(result: dict[str, Any], k: int, opts: argparse.Namespace) -> list[d
     return out
 
 
-def _family(layout: dict[str, Any]) -> tuple[int, int, int, bool]:
-    """A plan.json layout's calibration family (`trainer.plan_calibrate.family`)."""
-    from trainer.plan_calibrate import family
-
+def _family(layout: dict[str, Any]) -> Family:
+    """A plan.json layout's calibration family."""
     return family(Layout(**layout))
+
+
+def run_root(opts: argparse.Namespace, kind: str) -> Path:
+    """Where calibration / validation runs write: --validate_dir, else a new temporary directory."""
+    return Path(opts.validate_dir or tempfile.mkdtemp(prefix=f"plan_{kind}_"))
 
 
 def run_candidate(args: list[str], world: int, out_dir: Path, opts: argparse.Namespace) -> dict[str, Any]:
