@@ -217,14 +217,12 @@ class ParallelModel:
             return tensor
         from torch.distributed.tensor import DTensor, Shard
 
-        dim = int(param.tp_shard_dim)  # type: ignore[attr-defined]
-        local = tensor
-        logical = list(tensor.shape)
-        logical[dim] = tensor.shape[dim] * self.tp_info.tp_size
-        if name == "shared.weight":  # rows [start, end) of the padded vocabulary; keep the real ones
-            real = max(0, min(self.tp_info.vocab_end, self.tp_info.vocab_size) - self.tp_info.vocab_start)
-            local = tensor.narrow(0, 0, real)
-            logical[0] = self.tp_info.vocab_size
+        from parallel.tp.layers import tp_local_slice
+
+        part = tp_local_slice(param, self.tp_info.tp_size, self.tp_info.tp_rank)
+        assert part.dim is not None
+        dim, logical = part.dim, part.full_shape
+        local = tensor.narrow(dim, 0, part.length)  # the vocab padding cut off
         stride = torch.empty(logical, device="meta").stride()
         return DTensor.from_local(
             local, self.mesh["tp"], [Shard(dim)], run_check=False, shape=torch.Size(logical), stride=stride
