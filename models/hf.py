@@ -208,9 +208,9 @@ class _Checkpoint:
         """The block `bounds` ([lo, hi) per dim) of tensor `key`, a fresh tensor of just that size."""
         index = tuple(slice(lo, hi) for lo, hi in bounds)
         f = self._open(self.where[key])
-        if isinstance(f, dict):
-            return f[key][index].clone()  # a copy of the mapped pages it covers
-        return f.get_slice(key)[index]
+        view = f[key][index] if isinstance(f, dict) else f.get_slice(key)[index]
+        # A copy of just the block: the view may pin the whole tensor's (mapped) storage.
+        return view.clone(memory_format=torch.contiguous_format)
 
     def close(self) -> None:
         self._stack.close()

@@ -39,7 +39,6 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from models.init import LocalSlice
-
 from parallel.tp.comm import (
     _rank,
     _size,
