@@ -230,6 +230,8 @@ def _read_part(ckpt: _Checkpoint, name: str, part: LocalSlice | None, config: Mo
             f"{part.full_shape}"
         )
     bounds = [part.bounds(d) for d in range(len(full))]
+    if any(lo == hi for lo, hi in bounds):  # a tp chunk of vocab padding only: nothing to read
+        return torch.zeros(part.local_shape)
     if len(keys) == 1:
         return part.pad(ckpt.read(keys[0], bounds))
     heads = _heads_of(name, config)

@@ -32,7 +32,7 @@ from models.m2m100 import BlockSpec, M2M100Translation, Seq2SeqBatch
 from parallel.data_parallel import ZeroOneSharding
 from parallel.executor import FlushResult, LossFn, PipelineExecutor, PipelineTopology
 from parallel.grads import StepGradients
-from parallel.materialize import is_meta, keyed_init_fill, materialize, pretrained_fill
+from parallel.materialize import Fill, is_meta, keyed_init_fill, materialize, pretrained_fill
 from parallel.memory import meter_for
 from parallel.mesh import ParallelMesh
 from parallel.mixed_precision import WorkingWeights
@@ -311,8 +311,7 @@ def build_parallel_model(
     if isinstance(model, ModelConfig):
         with torch.device("meta"):
             model = M2M100Translation(model)
-    meta = is_meta(model)
-    _check_init_args(meta, seed, pretrained, before_tp)
+    fill = _stage_fill(model, seed, pretrained, before_tp)
     p = mesh.size("pp")
     plan = make_plan(model.blocks, balance, p, v, m, schedule)
     model.keep_only(plan.rank_blocks(mesh.pp_rank))
@@ -328,8 +327,7 @@ def build_parallel_model(
         def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
             return tp_info.loss(logits, labels, label_smoothing)
 
-    if meta:
-        fill = pretrained_fill(pretrained, model) if pretrained is not None else keyed_init_fill(model, seed)  # type: ignore[arg-type]
+    if fill is not None:
         tp_size, tp_rank = (tp_info.tp_size, tp_info.tp_rank) if tp_info is not None else (1, 0)
         materialize(model, device or torch.device("cpu"), fill, tp_size, tp_rank)
     elif device is not None:
@@ -352,15 +350,23 @@ def build_parallel_model(
     )
 
 
-def _check_init_args(meta: bool, seed: int | None, pretrained: str | Path | None, before_tp: object) -> None:
-    if not meta and (seed is not None or pretrained is not None):
-        raise ValueError(
-            "seed= / pretrained= build stage-local from a ModelConfig or a meta model; this model "
-            "already has weights (build it under torch.device('meta') or pass its config)"
-        )
-    if meta and (seed is None) == (pretrained is None):
-        raise ValueError(
-            f"a meta model needs exactly one of seed= or pretrained= (got seed={seed}, pretrained={pretrained})"
-        )
-    if meta and before_tp is not None:
+def _stage_fill(
+    model: M2M100Translation, seed: int | None, pretrained: str | Path | None, before_tp: object
+) -> Fill | None:
+    """How to fill a meta model's shard (None for a model with weights), the arguments checked."""
+    if not is_meta(model):
+        if seed is not None or pretrained is not None:
+            raise ValueError(
+                "seed= / pretrained= build stage-local from a ModelConfig or a meta model; this model "
+                "already has weights (build it under torch.device('meta') or pass its config)"
+            )
+        return None
+    if before_tp is not None:
         raise ValueError("before_tp needs a model with weights; for a meta model pass pretrained= instead")
+    if pretrained is not None and seed is None:
+        return pretrained_fill(pretrained, model)
+    if seed is not None and pretrained is None:
+        return keyed_init_fill(model, seed)
+    raise ValueError(
+        f"a meta model needs exactly one of seed= or pretrained= (got seed={seed}, pretrained={pretrained})"
+    )

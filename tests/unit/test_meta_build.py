@@ -298,3 +298,18 @@ def test_checkpoint_errors_name_the_tensor(hf_dirs: dict[str, Path], tmp_path: P
     (tmp_path / "config.json").write_text((hf_dirs["safetensors"] / "config.json").read_text())
     with pytest.raises(CheckpointMismatchError, match="holds no model.safetensors, pytorch_model.bin"):
         dict(read_hf_slices(tmp_path, parts, mc))
+
+
+def test_build_arguments_are_checked_before_anything_is_built() -> None:
+    from parallel.parallelize import build_parallel_model
+
+    mc = _config()
+    args = (None, [9], 1, "gpipe", 1, "none", 0.0)  # the mesh is never reached
+    with pytest.raises(ValueError, match="exactly one of seed= or pretrained= \\(got seed=None"):
+        build_parallel_model(mc, *args)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="exactly one of seed= or pretrained="):
+        build_parallel_model(mc, *args, seed=1, pretrained="x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="this model already has weights"):
+        build_parallel_model(M2M100Translation(mc, seed=0), *args, seed=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="before_tp needs a model with weights"):
+        build_parallel_model(mc, *args, seed=1, before_tp=lambda m: None)  # type: ignore[arg-type]
