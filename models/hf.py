@@ -189,7 +189,13 @@ class _Checkpoint:
 
                 self._files[file] = self._stack.enter_context(safe_open(str(file), framework="pt"))
             else:
-                self._files[file] = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+                try:
+                    self._files[file] = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+                except RuntimeError as e:  # the pre-1.6 (non-zip) format cannot be memory-mapped
+                    raise CheckpointMismatchError(
+                        f"{file} cannot be memory-mapped ({str(e).splitlines()[0]}); re-save it with "
+                        "torch.save (zip format) or as safetensors"
+                    ) from e
         return self._files[file]
 
     def key(self, hf_name: str) -> str | None:

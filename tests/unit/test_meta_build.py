@@ -313,3 +313,11 @@ def test_build_arguments_are_checked_before_anything_is_built() -> None:
         build_parallel_model(M2M100Translation(mc, seed=0), *args, seed=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="before_tp needs a model with weights"):
         build_parallel_model(mc, *args, seed=1, before_tp=lambda m: None)  # type: ignore[arg-type]
+
+
+def test_legacy_bin_is_a_clear_error(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text((hf_dirs["safetensors"] / "config.json").read_text())
+    state = load_file(hf_dirs["safetensors"] / "model.safetensors")
+    torch.save(state, tmp_path / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    with pytest.raises(CheckpointMismatchError, match="pytorch_model.bin cannot be memory-mapped"):
+        dict(read_hf_slices(tmp_path, {"shared.weight": None}, _config()))
