@@ -5,14 +5,16 @@ attention projections: HF's `self_attn.{q,k,v}_proj` are our `self_attn.qkv_proj
 and `encoder_attn.{k,v}_proj` our `encoder_attn.kv_proj`, rows grouped by head
 (`fuse_heads` / `split_heads`; see `models.m2m100.Attention`). The tied copies HF
 keeps (`model.encoder.embed_tokens`, `model.decoder.embed_tokens`, `lm_head`) map
-to our one `shared.weight`. Reading goes through `safetensors.safe_open`, key by
-key, so a pipeline stage can load only the tensors it holds.
+to our one `shared.weight`. Reading goes through `safetensors.safe_open`, slice by
+slice (`read_hf_slices`), so a pipeline stage's tp shard reads only the rows and
+columns it holds; `pytorch_model*.bin` files are memory-mapped and sliced alike.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ import torch
 from torch import Tensor
 
 from models.config import ModelConfig
+from models.init import LocalSlice
 
 HF_PREFIX = "model."
 # HF keys that are tied copies of `model.shared.weight` (or positions, which are computed).
@@ -142,22 +145,139 @@ def to_hf_state_dict(state: dict[str, Tensor], config: ModelConfig) -> dict[str,
     return out
 
 
-def _weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / f for f in files]
-    single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise CheckpointMismatchError(f"{path} holds no model.safetensors (or index); export with safetensors")
-
-
 def read_hf_config(path: str | Path) -> ModelConfig:
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
         raise CheckpointMismatchError(f"{path} has no config.json; expected a Hugging Face model directory")
     return from_hf_config(json.loads(cfg_file.read_text()))
+
+
+# Weight files of an HF directory, in the order looked for: (index, single file).
+_LAYOUTS = (
+    ("model.safetensors.index.json", "model.safetensors"),
+    ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+)
+
+
+class _Checkpoint:
+    """The tensors of an HF directory by key, each file opened once and read slice by slice:
+    safetensors through `safe_open(...).get_slice`, `.bin` through a memory-mapped `torch.load`
+    (nothing is read until a slice is copied out)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.where: dict[str, Path] = {}
+        self._files: dict[Path, Any] = {}
+        self._stack = ExitStack()
+        for index, single in _LAYOUTS:
+            if (path / index).is_file():
+                weight_map = json.loads((path / index).read_text())["weight_map"]
+                self.where = {k: path / f for k, f in weight_map.items()}
+                return
+            if (path / single).is_file():
+                self.where = dict.fromkeys(self._open(path / single).keys(), path / single)
+                return
+        raise CheckpointMismatchError(
+            f"{path} holds no model.safetensors, pytorch_model.bin or their .index.json; "
+            "expected a Hugging Face model directory"
+        )
+
+    def _open(self, file: Path) -> Any:
+        if file not in self._files:
+            if file.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                self._files[file] = self._stack.enter_context(safe_open(str(file), framework="pt"))
+            else:
+                try:
+                    self._files[file] = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+                except RuntimeError as e:  # the pre-1.6 (non-zip) format cannot be memory-mapped
+                    raise CheckpointMismatchError(
+                        f"{file} cannot be memory-mapped ({str(e).splitlines()[0]}); re-save it with "
+                        "torch.save (zip format) or as safetensors"
+                    ) from e
+        return self._files[file]
+
+    def key(self, hf_name: str) -> str | None:
+        """`hf_name` as stored: the shared embedding may be stored only under a tied alias."""
+        if hf_name in self.where:
+            return hf_name
+        if hf_name == hf_key("shared.weight"):
+            return next((a for a in _HF_ALIASES if a in self.where), None)
+        return None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        f = self._open(self.where[key])
+        return tuple(f[key].shape) if isinstance(f, dict) else tuple(f.get_slice(key).get_shape())
+
+    def read(self, key: str, bounds: Sequence[tuple[int, int]]) -> Tensor:
+        """The block `bounds` ([lo, hi) per dim) of tensor `key`, a fresh tensor of just that size."""
+        index = tuple(slice(lo, hi) for lo, hi in bounds)
+        f = self._open(self.where[key])
+        view = f[key][index] if isinstance(f, dict) else f.get_slice(key)[index]
+        # A copy of just the block: the view may pin the whole tensor's (mapped) storage.
+        return view.clone(memory_format=torch.contiguous_format)
+
+    def close(self) -> None:
+        self._stack.close()
+        self._files.clear()
+
+
+def _read_part(ckpt: _Checkpoint, name: str, part: LocalSlice | None, config: ModelConfig) -> Tensor:
+    """Our tensor `name`'s `part` (None: whole) read from the checkpoint, q/k/v fused by head."""
+    keys = [ckpt.key(k) or k for k in hf_names(name)]
+    shapes = [ckpt.shape(k) for k in keys]
+    full = (sum(s[0] for s in shapes), *shapes[0][1:])
+    if part is None:
+        part = LocalSlice.whole(full)
+    if full != part.full_shape or any(s != shapes[0] for s in shapes):
+        raise CheckpointMismatchError(
+            f"{name}: checkpoint shape {full if len(keys) == 1 else shapes} does not fit the model's "
+            f"{part.full_shape}"
+        )
+    bounds = [part.bounds(d) for d in range(len(full))]
+    if any(lo == hi for lo, hi in bounds):  # a tp chunk of vocab padding only: nothing to read
+        return torch.zeros(part.local_shape)
+    if len(keys) == 1:
+        return part.pad(ckpt.read(keys[0], bounds))
+    heads = _heads_of(name, config)
+    group = full[0] // heads  # rows per head: n parts of d rows
+    lo, hi = bounds[0]
+    if lo % group or hi % group:
+        raise ValueError(f"{name}: rows [{lo}, {hi}) split a head group of {group} rows")
+    d = group // len(keys)
+    pieces = [ckpt.read(k, [(lo // group * d, hi // group * d), *bounds[1:]]) for k in keys]
+    return part.pad(fuse_heads(pieces, (hi - lo) // group))
+
+
+def read_hf_slices(
+    path: str | Path, parts: Mapping[str, LocalSlice | None], config: ModelConfig | None = None
+) -> Iterator[tuple[str, Tensor]]:
+    """Yield (our name, this rank's part) for each of `parts`, one tensor at a time.
+
+    Only the rows/columns of each part are read from the files (q/k/v fused by head, the
+    padded vocabulary zero-filled), so a pipeline stage's tp shard reads just its own
+    slices and never holds more than the tensor being yielded.
+
+    Args:
+        path: an HF directory: model.safetensors, pytorch_model.bin, or a sharded one
+            with its `.index.json`.
+        parts: our name -> the part held (`LocalSlice`), or None for the whole tensor.
+        config: the model config (head counts for fused projections); default: config.json's.
+
+    Raises:
+        CheckpointMismatchError: a tensor is absent or its shape differs from the part's full shape.
+    """
+    config = read_hf_config(path) if config is None else config
+    ckpt = _Checkpoint(Path(path))
+    try:
+        missing = sorted(n for n in parts if any(ckpt.key(k) is None for k in hf_names(n)))
+        if missing:
+            raise CheckpointMismatchError(f"{path} lacks {missing[:5]} (model/checkpoint mismatch)")
+        for name, part in parts.items():
+            yield name, _read_part(ckpt, name, part, config)
+    finally:
+        ckpt.close()
 
 
 def load_hf_weights(path: str | Path, wanted: Iterable[str] | None = None) -> dict[str, Tensor]:
@@ -166,30 +286,14 @@ def load_hf_weights(path: str | Path, wanted: Iterable[str] | None = None) -> di
     Raises:
         CheckpointMismatchError: a wanted tensor is absent.
     """
-    from safetensors import safe_open
-
-    want = None if wanted is None else set(wanted)
-    found: dict[str, Tensor] = {}  # HF name (tied aliases as model.shared.weight) -> tensor
-    for f in _weight_files(Path(path)):
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():  # noqa: SIM118 - safe_open is not a dict
-                ours = our_key(k)
-                if ours is None and k in _HF_ALIASES and hf_key("shared.weight") not in found:
-                    ours, k_as = "shared.weight", hf_key("shared.weight")  # some exports keep only an alias
-                else:
-                    k_as = k
-                if ours is not None and (want is None or ours in want):
-                    found[k_as] = sf.get_tensor(k)
-    names = want if want is not None else {n for n in (our_key(k) for k in found) if n is not None}
-    missing = sorted(n for n in names if not all(k in found for k in hf_names(n)))
-    if missing:
-        raise CheckpointMismatchError(f"{path} lacks {missing[:5]} (model/checkpoint mismatch)")
-    config = read_hf_config(path)
-    out: dict[str, Tensor] = {}
-    for name in names:
-        parts = [found[k] for k in hf_names(name)]
-        out[name] = parts[0] if len(parts) == 1 else fuse_heads(parts, _heads_of(name, config))
-    return out
+    if wanted is None:
+        ckpt = _Checkpoint(Path(path))
+        keys = set(ckpt.where)
+        ckpt.close()
+        wanted = {n for n in (our_key(k) for k in keys) if n is not None}
+        if any(a in keys for a in _HF_ALIASES):
+            wanted.add("shared.weight")
+    return dict(read_hf_slices(path, dict.fromkeys(wanted)))
 
 
 def load_into(model: torch.nn.Module, weights: dict[str, Tensor]) -> None:
@@ -212,16 +316,19 @@ def load_into(model: torch.nn.Module, weights: dict[str, Tensor]) -> None:
     model.load_state_dict(weights, strict=True)
 
 
+@torch.no_grad()
 def load_hf_into(model: torch.nn.Module, path: str | Path) -> None:
-    """Copy the HF weights at `path` into `model`, reading only the tensors `model` holds.
-
-    A pipeline stage after `keep_only` reads just its own blocks' tensors from the
-    safetensors files, never the whole checkpoint.
+    """Copy the HF weights at `path` into `model`, reading only the tensors `model` holds,
+    one at a time (`read_hf_slices`); a pipeline stage after `keep_only` reads its blocks' only.
 
     Raises:
         CheckpointMismatchError: a tensor `model` needs is absent, or its shape differs.
     """
-    load_into(model, load_hf_weights(path, model.state_dict().keys()))
+    own = model.state_dict()
+    parts = {n: LocalSlice.whole(t.shape) for n, t in own.items()}
+    config = getattr(model, "config", None)
+    for name, value in read_hf_slices(path, parts, config if isinstance(config, ModelConfig) else None):
+        own[name].copy_(value)
 
 
 def save_hf_model(

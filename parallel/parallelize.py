@@ -1,8 +1,10 @@
 """`parallelize()`: from the single-device model to this rank's share of the 3D mesh.
 
-    model (all blocks)                      one M2M100Translation, built identically on every rank
+    model (all blocks)                      a ModelConfig built on meta (or one real M2M100Translation,
+                                            identical on every rank)
       -> pipeline split (pp)                keep_only(the blocks of this rank's stages)
       -> tensor parallel (tp)               swap linears/embedding/head for Megatron-style modules
+      -> materialise (meta models)          this rank's shard only, keyed init or HF slices (parallel.materialize)
       -> rematerialisation                  wrap layers / attention in torch.utils.checkpoint
       -> regional compilation               torch.compile each layer (torch_compile: true)
       -> zero-bubble weight-grad deferral   (zero_bubble and zbv: schedules with split backward)
@@ -18,16 +20,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from models.config import ModelConfig
 from models.loss import cross_entropy_sum
 from models.m2m100 import BlockSpec, M2M100Translation, Seq2SeqBatch
 from parallel.data_parallel import ZeroOneSharding
 from parallel.executor import FlushResult, LossFn, PipelineExecutor, PipelineTopology
 from parallel.grads import StepGradients
+from parallel.materialize import Fill, is_meta, keyed_init_fill, materialize, pretrained_fill
 from parallel.memory import meter_for
 from parallel.mesh import ParallelMesh
 from parallel.mixed_precision import WorkingWeights
@@ -35,6 +40,7 @@ from parallel.remat import apply_remat
 from parallel.schedule import Action, ActionType, Placement, build_schedule, forward_only, placement_for
 from parallel.stage import PipelineStage
 from parallel.timing import clock_for
+from parallel.tp.layers import tp_local_slice
 from parallel.zero_bubble import WeightGradStore, enable_deferred_wgrad
 
 
@@ -217,14 +223,10 @@ class ParallelModel:
             return tensor
         from torch.distributed.tensor import DTensor, Shard
 
-        dim = int(param.tp_shard_dim)  # type: ignore[attr-defined]
-        local = tensor
-        logical = list(tensor.shape)
-        logical[dim] = tensor.shape[dim] * self.tp_info.tp_size
-        if name == "shared.weight":  # rows [start, end) of the padded vocabulary; keep the real ones
-            real = max(0, min(self.tp_info.vocab_end, self.tp_info.vocab_size) - self.tp_info.vocab_start)
-            local = tensor.narrow(0, 0, real)
-            logical[0] = self.tp_info.vocab_size
+        part = tp_local_slice(param, self.tp_info.tp_size, self.tp_info.tp_rank)
+        assert part.dim is not None
+        dim, logical = part.dim, part.full_shape
+        local = tensor.narrow(dim, 0, part.length)  # the vocab padding cut off
         stride = torch.empty(logical, device="meta").stride()
         return DTensor.from_local(
             local, self.mesh["tp"], [Shard(dim)], run_check=False, shape=torch.Size(logical), stride=stride
@@ -254,7 +256,7 @@ def default_loss_fn(label_smoothing: float) -> LossFn:
 
 
 def build_parallel_model(
-    model: M2M100Translation,
+    model: M2M100Translation | ModelConfig,
     mesh: ParallelMesh,
     balance: Sequence[int],
     m: int,
@@ -269,11 +271,24 @@ def build_parallel_model(
     saved_tensor_meter: bool = False,
     compile_layers: bool = False,
     device: torch.device | None = None,
+    seed: int | None = None,
+    pretrained: str | Path | None = None,
 ) -> ParallelModel:
     """Apply pipeline split, tensor parallelism and remat to `model` (in place) for this rank.
 
+    Two ways in:
+
+    * stage-local (no rank holds the whole model): `model` is a `ModelConfig` (or a model
+      built under `torch.device("meta")`) and one of `seed` / `pretrained` is given. The
+      model is cut and tp-sharded on meta, then only this rank's blocks and shards get
+      memory on `device` (`parallel.materialize`): drawn from the keyed init of `seed`
+      (equal to `M2M100Translation(config, seed=seed)`'s slices on any mesh) or read slice
+      by slice from the HF directory `pretrained`.
+    * from a real model: `model` is the full single-device model, identical on every rank
+      (same seed or same checkpoint); `before_tp` may load weights into the pruned stage.
+
     Args:
-        model: the full single-device model (identical on every rank: same seed or same checkpoint).
+        model: a `ModelConfig`, a meta-built model, or the full single-device model.
         mesh: the (pp, dp, tp) mesh.
         balance: block counts per stage (p * v stages).
         m: micro-batches per flush; schedule: schedule name; v: stages per rank.
@@ -283,10 +298,20 @@ def build_parallel_model(
         saved_tensor_meter: measure activation memory with saved-tensor hooks even on
             CUDA (a profiling switch; CPUs always use them).
         compile_layers: `torch.compile` each encoder/decoder layer (`parallel.compile`).
-        device: where this rank's shard goes after the split and tp sharding, so the device
-            never holds more than the shard (the full model may be built and loaded on the
-            host); None: the model stays where it is.
+        device: where this rank's shard goes (or is materialised) after the split and tp
+            sharding, so the device never holds more than the shard; None: the model stays
+            where it is (a meta model is materialised on the CPU).
+        seed: stage-local only: the init seed.
+        pretrained: stage-local only: an HF directory to read the weights from instead.
+
+    Raises:
+        ValueError: `seed` / `pretrained` with a real model, neither (or `before_tp`) with a
+            meta one, or a balance / schedule that does not fit.
     """
+    if isinstance(model, ModelConfig):
+        with torch.device("meta"):
+            model = M2M100Translation(model)
+    fill = _stage_fill(model, seed, pretrained, before_tp)
     p = mesh.size("pp")
     plan = make_plan(model.blocks, balance, p, v, m, schedule)
     model.keep_only(plan.rank_blocks(mesh.pp_rank))
@@ -302,7 +327,10 @@ def build_parallel_model(
         def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
             return tp_info.loss(logits, labels, label_smoothing)
 
-    if device is not None:
+    if fill is not None:
+        tp_size, tp_rank = (tp_info.tp_size, tp_info.tp_rank) if tp_info is not None else (1, 0)
+        materialize(model, device or torch.device("cpu"), fill, tp_size, tp_rank)
+    elif device is not None:
         model.to(device)
     apply_remat(model, remat)
     if compile_layers:
@@ -319,4 +347,26 @@ def build_parallel_model(
         dp_sharding=dp_sharding,
         remat_stage=remat == "stage",
         saved_tensor_meter=saved_tensor_meter,
+    )
+
+
+def _stage_fill(
+    model: M2M100Translation, seed: int | None, pretrained: str | Path | None, before_tp: object
+) -> Fill | None:
+    """How to fill a meta model's shard (None for a model with weights), the arguments checked."""
+    if not is_meta(model):
+        if seed is not None or pretrained is not None:
+            raise ValueError(
+                "seed= / pretrained= build stage-local from a ModelConfig or a meta model; this model "
+                "already has weights (build it under torch.device('meta') or pass its config)"
+            )
+        return None
+    if before_tp is not None:
+        raise ValueError("before_tp needs a model with weights; for a meta model pass pretrained= instead")
+    if pretrained is not None and seed is None:
+        return pretrained_fill(pretrained, model)
+    if seed is not None and pretrained is None:
+        return keyed_init_fill(model, seed)
+    raise ValueError(
+        f"a meta model needs exactly one of seed= or pretrained= (got seed={seed}, pretrained={pretrained})"
     )

@@ -2,6 +2,9 @@
 (`profile_blocks`) and for the planner (`profile_block_phases`: forward, backward, the
 zero-bubble I / W split and the activation bytes the executor's meter counts, per block).
 
+`profile_blocks_by_kind` measures one block of each kind on a one-layer model and gives
+every block of the real model its kind's costs, so balancing never builds the whole model.
+
 Every block runs forward and backward alone on the state the blocks before it
 produce (inputs detached, so each timing covers one block only; a random
 gradient stands in for the one the next block would send). Time is the median
@@ -18,13 +21,14 @@ import contextlib
 import functools
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
+from models.config import ModelConfig
 from models.loss import cross_entropy_sum
-from models.m2m100 import BlockKind, BlockSpec, M2M100Translation, Seq2SeqBatch, State
+from models.m2m100 import BlockKind, BlockSpec, M2M100Translation, Seq2SeqBatch, State, block_specs
 
 
 def _saved_bytes(fn) -> tuple[object, int]:  # type: ignore[no-untyped-def]
@@ -75,6 +79,27 @@ def profile_blocks(
         state = {k: v.detach() for k, v in out.items() if k != "logits"}
     model.zero_grad(set_to_none=True)
     return times, mems, counts
+
+
+def profile_blocks_by_kind(
+    config: ModelConfig, batch: Seq2SeqBatch, device: torch.device, seed: int = 0, repeats: int = 3
+) -> tuple[list[float], list[float], list[int]]:
+    """`profile_blocks`'s (seconds, bytes, parameter count) for every block of `config`'s model,
+    measured on a model with one block of each kind (one encoder and one decoder layer), never
+    the whole model: the layers of a stack are alike, so each gets its kind's cost.
+
+    Args:
+        config: the model to partition.
+        batch: one sample micro-batch on `device`.
+        device: where to build the one-layer model and run it.
+        seed: its init seed (the values do not change the costs).
+        repeats: timed repetitions per block after a warm-up.
+    """
+    with torch.device(device):
+        small = M2M100Translation(replace(config, encoder_layers=1, decoder_layers=1), seed=seed)
+    costs = dict(zip((s.kind for s in small.blocks), zip(*profile_blocks(small, batch, repeats))))
+    per_block = [costs[spec.kind] for spec in block_specs(config)]
+    return [c[0] for c in per_block], [c[1] for c in per_block], [c[2] for c in per_block]
 
 
 def _block_params(model: M2M100Translation, spec: BlockSpec) -> list[torch.nn.Parameter]:

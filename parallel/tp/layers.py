@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from models.init import LocalSlice
 from parallel.tp.comm import (
     _rank,
     _size,
@@ -52,9 +53,13 @@ from parallel.tp.comm import (
 # ----------------------------------------------------------------------------- parameter marks
 
 
-def _mark(param: nn.Parameter, sharded: bool, shard_dim: int | None = None) -> nn.Parameter:
+def _mark(
+    param: nn.Parameter, sharded: bool, shard_dim: int | None = None, logical_size: int | None = None
+) -> nn.Parameter:
     param.tp_sharded = sharded  # type: ignore[attr-defined]
     param.tp_shard_dim = shard_dim  # type: ignore[attr-defined]
+    if logical_size is not None:  # the logical size along shard_dim, when not p x local (padded vocab)
+        param.tp_logical_size = logical_size  # type: ignore[attr-defined]
     return param
 
 
@@ -66,6 +71,24 @@ def is_tp_sharded(param: Tensor) -> bool:
 def is_sequence_parallel_param(param: Tensor) -> bool:
     """True if `param` is replicated but sees sequence-split activations (partial gradients)."""
     return bool(getattr(param, "sequence_parallel", False))
+
+
+def tp_local_slice(param: Tensor, tp_size: int, tp_rank: int) -> LocalSlice:
+    """Which part of its logical (single-device) tensor `param` holds on tp rank `tp_rank`.
+
+    Sharded parameters hold the rank's equal 1/p chunk along `tp_shard_dim`; the
+    vocab-parallel embedding's chunk of the padded vocabulary may hold fewer real rows
+    (the rest is zero padding: `LocalSlice.size` > `length`). Replicated ones hold it whole.
+    """
+    shape = tuple(param.shape)
+    if not is_tp_sharded(param):
+        return LocalSlice.whole(shape)
+    dim = int(param.tp_shard_dim)  # type: ignore[attr-defined]
+    per = shape[dim]
+    start = tp_rank * per
+    logical = int(getattr(param, "tp_logical_size", per * tp_size))
+    full = (*shape[:dim], logical, *shape[dim + 1 :])
+    return LocalSlice(full, dim, start, max(0, min(per, logical - start)), per)
 
 
 def _shard_rows(weight: Tensor, rank: int, p: int) -> Tensor:
@@ -249,7 +272,7 @@ class VocabParallelEmbedding(nn.Module):
         real_end = min(self.vocab_end, self.num_embeddings)
         if real_end > self.vocab_start:
             local[: real_end - self.vocab_start] = w[self.vocab_start : real_end]
-        self.weight = _mark(nn.Parameter(local), True, 0)
+        self.weight = _mark(nn.Parameter(local), True, 0, logical_size=self.num_embeddings)
         pad = embedding.padding_idx
         self.padding_idx = pad
         self.local_padding_idx = (
