@@ -49,18 +49,13 @@ sys.path.insert(0, str(ROOT))
 from models.config import ModelConfig  # noqa: E402
 from models.hf import load_hf_weights, load_into, save_hf_model  # noqa: E402
 from models.m2m100 import IGNORE_INDEX, M2M100Translation, Seq2SeqBatch  # noqa: E402
-from trainer.config import JobConfig, load_config_dict  # noqa: E402
-from trainer.data import (  # noqa: E402
-    BatchLayout,
-    GlobalBatchSampler,
-    collate,
-    load_raw_datasets,
-    run_languages,
-    tokenize_datasets,
-    training_texts,
-)
-from trainer.evaluate import compute_metrics, translate  # noqa: E402
-from trainer.tokenizer import Tokenizer, load_or_train_tokenizer  # noqa: E402
+from trainer.config.parse import load_config_dict  # noqa: E402
+from trainer.config.schema import JobConfig  # noqa: E402
+from trainer.data.batching import BatchLayout, GlobalBatchSampler, collate  # noqa: E402
+from trainer.data.sources import load_raw_datasets, run_languages, training_texts  # noqa: E402
+from trainer.data.tokenization import tokenize_datasets  # noqa: E402
+from trainer.eval.decode import compute_metrics, translate  # noqa: E402
+from trainer.tokenizer.vocab import Tokenizer, load_or_train_tokenizer  # noqa: E402
 
 DATA = Path("/work/shared/data/multi30k")
 SRC, TGT = "en", "de"
@@ -220,7 +215,7 @@ def run_ours(args: argparse.Namespace, work: Path, shared: dict[str, Any]) -> di
     """`trainer.train.run` in this process on a 1-rank gloo group; step entry/exit times recorded."""
     import torch.distributed as dist
 
-    import trainer.train as tt
+    import trainer.run.loop as tt
     from parallel.mesh import init_distributed
 
     values = job_values(args, work)
@@ -404,7 +399,7 @@ def evaluate(args: argparse.Namespace, work: Path, shared: dict[str, Any], ours:
              hf: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
     from transformers import M2M100ForConditionalGeneration
 
-    from trainer.export import load_full_state
+    from trainer.checkpoint.hf_export import load_full_state
 
     mc: ModelConfig = shared["mc"]
     sources, refs = shared["val_sources"], shared["val_refs"]

@@ -41,7 +41,7 @@ from models.config import ModelConfig  # noqa: E402
 from models.hf import to_hf_config, to_hf_state_dict  # noqa: E402
 from models.m2m100 import IGNORE_INDEX, M2M100Translation, Seq2SeqBatch  # noqa: E402
 from parallel.dispatch_count import DispatchCounter  # noqa: E402
-from trainer.flops import peak_flops, step_flops  # noqa: E402
+from trainer.run.flops import peak_flops, step_flops  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -137,8 +137,8 @@ def ours(
 
     from parallel.mesh import ParallelDims, build_mesh
     from parallel.parallelize import build_parallel_model
-    from trainer.config import TrainingArguments
-    from trainer.loop import build_optimizer, build_scheduler, train_step
+    from trainer.config.training_args import TrainingArguments
+    from trainer.run.step import build_optimizer, build_scheduler, train_step
 
     mesh = build_mesh(ParallelDims(pp=1, dp=1, tp=1, world_size=1), device.type)
     model = copy.deepcopy(base).to(device)

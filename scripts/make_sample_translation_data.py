@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from trainer.corpus import build_builtin_corpus
+from trainer.data.corpus import build_builtin_corpus
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer.commit import (
+from trainer.checkpoint.commit import (
     COMMIT_MARKER,
     CheckpointCorruptError,
     FileRecords,

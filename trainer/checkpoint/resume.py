@@ -47,9 +47,10 @@ import yaml
 
 from models.config import ModelConfig
 from parallel.mesh import ParallelDims
-from trainer import checkpoint as ckpt
-from trainer.config import ConfigError, JobConfig
-from trainer.data import BatchLayout
+from trainer.checkpoint import dcp as ckpt
+from trainer.config.schema import JobConfig
+from trainer.data.batching import BatchLayout
+from trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -1,32 +1,11 @@
-"""Translate stdin to stdout with an exported model: `python -m trainer.translate`.
+"""Translation with an exported model (the library of `python -m trainer.translate`).
 
-    python -m trainer.translate --model DIR --source_lang en --target_lang fr \\
-        [--num_beams 4] [--max_length 128] [--batch_size 32] < in.txt > out.txt
-    torchrun --nproc-per-node 4 -m trainer.translate --model DIR --source_lang en \\
-        --target_lang fr --pipeline_parallel_size 2 --tensor_parallel_size 2 < in.txt > out.txt
-
-DIR is a Hugging Face directory as `trainer.export` writes it (config.json,
-model.safetensors, tokenizer files; stock M2M100/NLLB directories work too); the
-tokenizer loads through `trainer.tokenizer.Tokenizer.load`, i.e. `AutoTokenizer` for HF
-tokenizer files. One output line per input line, in order; bad input fails with one
-line on stderr, exit 2.
-
-One process: the weights load into our own `M2M100Translation` on one device and
-decode with `models.generate` (equal to `transformers`' `generate`).
-
-Under torchrun (WORLD_SIZE > 1) no device holds the whole model: the ranks form the
-(pp, dp, tp) mesh of `parallel.mesh`, the model is cut into pp stages (uniform by
-blocks) and split over tp by `parallel.parallelize.build_parallel_model`, and decodes
-with `parallel.generate.pipeline_generate` (per-stage KV caches, the same tokens as one
-device) through `trainer.evaluation_runner.translate_on_mesh`: the dp replicas share
-the length-sorted batches. Rank 0 reads stdin, writes stdout and logs the mesh on
-stderr; the other ranks write nothing. Bad sizes or flags fail on every rank before
-the process group exists.
+Loading and checking the model directory, one-process decoding, and decoding on a
+(pp, dp, tp) mesh under torchrun; the usage is in `trainer/translate.py`.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import sys
 from collections.abc import Sequence
@@ -35,12 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 import torch
-from transformers import HfArgumentParser
 
 from models.hf import CheckpointMismatchError, load_hf_weights, load_into, read_hf_config
 from models.m2m100 import M2M100Translation
-from trainer.evaluate import translate
-from trainer.tokenizer import Tokenizer, TokenizerError
+from trainer.eval.decode import translate
+from trainer.tokenizer.vocab import Tokenizer
 
 if TYPE_CHECKING:
     from models.config import ModelConfig
@@ -135,19 +113,6 @@ def load_model(path: str | Path, device: torch.device) -> M2M100Translation:
     return model.to(device).eval()
 
 
-def parse_args(argv: Sequence[str] | None) -> TranslateArguments:
-    parser = HfArgumentParser(TranslateArguments)  # type: ignore[arg-type]
-    (args,) = parser.parse_args_into_dataclasses(args=None if argv is None else list(argv))
-    return args
-
-
-def utf8(stream: TextIO) -> TextIO:
-    """The real stdin/stdout as UTF-8 whatever the locale says (translations are multilingual)."""
-    if isinstance(stream, io.TextIOWrapper):
-        stream.reconfigure(encoding="utf-8")
-    return stream
-
-
 def write_lines(stdout: TextIO, hyps: Sequence[str]) -> None:
     """One line per hypothesis (newlines inside one are spaces: lines stay aligned with the input)."""
     for hyp in hyps:
@@ -185,9 +150,6 @@ def run(args: TranslateArguments, stdin: TextIO, stdout: TextIO) -> None:
         max_source_length=args.max_source_length,
     )
     write_lines(stdout, hyps)
-
-
-# ----------------------------------------------------------------------------- under torchrun
 
 
 def mesh_dims(args: TranslateArguments, world: int) -> ParallelDims:
@@ -320,7 +282,7 @@ def run_on_mesh(args: TranslateArguments, dims: ParallelDims, stdin: TextIO, std
 
     from models.hf import read_hf_config
     from parallel.mesh import build_mesh, init_distributed
-    from trainer.evaluation_runner import translate_on_mesh
+    from trainer.eval.runner import translate_on_mesh
 
     check_model_dir(args.model)
     config = read_hf_config(args.model)
@@ -352,23 +314,3 @@ def run_on_mesh(args: TranslateArguments, dims: ParallelDims, stdin: TextIO, std
     finally:
         if owned:
             dist.destroy_process_group()
-
-
-def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
-    """Entry point; returns the exit status (0 ok, 2 bad input, reported on stderr in one line).
-
-    Under torchrun an error every rank meets alike (flags, files, languages) is printed by
-    rank 0 only; a `RankError` by the rank that met it.
-    """
-    args = parse_args(argv)
-    try:
-        run(args, stdin or utf8(sys.stdin), stdout or utf8(sys.stdout))
-    except (TranslateError, CheckpointMismatchError, TokenizerError) as e:
-        if isinstance(e, RankError) or os.environ.get("RANK", "0") == "0":
-            print(f"trainer.translate: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

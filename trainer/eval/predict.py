@@ -24,14 +24,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from trainer.config import ConfigError, JobConfig
-from trainer.data import RawDatasets, TranslationData, eval_batches, load_test_pairs, tokenize_pairs
-from trainer.evaluate import SAMPLES_KEY, DirectionTexts, score_directions
-from trainer.evaluation_runner import Evaluator
-from trainer.tokenizer import Tokenizer
+from trainer.config.schema import JobConfig
+from trainer.data.batching import eval_batches
+from trainer.data.sources import RawDatasets, load_test_pairs
+from trainer.data.tokenization import TranslationData, tokenize_pairs
+from trainer.errors import ConfigError
+from trainer.eval.decode import SAMPLES_KEY, DirectionTexts, score_directions
+from trainer.eval.runner import Evaluator
+from trainer.tokenizer.vocab import Tokenizer
 
 if TYPE_CHECKING:
-    from trainer.train import RunContext
+    from trainer.run.setup import RunContext
 
 
 def check_predict_args(cfg: JobConfig) -> None:
@@ -53,7 +56,7 @@ def check_predict_args(cfg: JobConfig) -> None:
             "do_predict=True needs test_file (JSON lines / Parquet / '{lang}' text files) "
             "or a dataset_name with a 'test' split"
         )
-    from trainer.data import run_languages
+    from trainer.data.sources import run_languages
 
     paths = [test.format(lang=lang) for lang in run_languages(cfg.data)] if "{lang}" in test else [test]
     missing = [p for p in paths if not Path(p).is_file()]
@@ -73,7 +76,7 @@ def load_test_data(cfg: JobConfig, tok: Tokenizer, raw: RawDatasets | None = Non
     return TranslationData(None, test, skipped)
 
 
-def predict(ctx: RunContext) -> dict[str, Any]:
+def predict_test_set(ctx: RunContext) -> dict[str, Any]:
     """Translate and score the test file on the mesh; write the files (collective).
 
     Args:

@@ -31,9 +31,9 @@ from models.generate import SearchSettings
 from parallel.generate import pipeline_generate
 from parallel.mesh import ParallelMesh
 from parallel.parallelize import ParallelModel
-from trainer.config import TrainingArguments
-from trainer.data import EvalBatch
-from trainer.evaluate import (
+from trainer.config.training_args import TrainingArguments
+from trainer.data.batching import EvalBatch
+from trainer.eval.decode import (
     SAMPLES_KEY,
     DirectionTexts,
     TextTokenizer,
@@ -41,7 +41,7 @@ from trainer.evaluate import (
     hypotheses_in_order,
     score_directions,
 )
-from trainer.tokenizer import Tokenizer
+from trainer.tokenizer.vocab import Tokenizer
 
 
 class Evaluator:

@@ -30,7 +30,6 @@ validation report marks a validated layout that is its family's calibration layo
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 from collections.abc import Sequence
@@ -39,11 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from parallel.simulate import StageCosts
-from trainer.plan_cost import CostContext, Layout, lower_bound, predict
+from trainer.planner.cost import CostContext, lower_bound, predict_step
+from trainer.planner.layout import Family, Layout, family
+from trainer.planner.options import PlanOptions
 
 logger = logging.getLogger("trainer.plan")
 
-Family = tuple[int, int, int, bool]  # (pp, tp, dp, split backward): a calibration family
+
 Pending = tuple[float, Layout, StageCosts, CostContext]
 
 
@@ -71,7 +72,7 @@ def local_capacity() -> tuple[int, str]:
     return max(1, (os.cpu_count() or 1) // threads), f"CPU cores at OMP_NUM_THREADS={threads}"
 
 
-def should_calibrate(opts: argparse.Namespace, measured_here: bool) -> tuple[bool, str]:
+def should_calibrate(opts: PlanOptions, measured_here: bool) -> tuple[bool, str]:
     """Whether to calibrate (`--calibrate auto|true|false`), and why not when not."""
     if opts.calibrate == "false":
         return False, "--calibrate false"
@@ -84,14 +85,6 @@ def should_calibrate(opts: argparse.Namespace, measured_here: bool) -> tuple[boo
             raise ValueError(f"--calibrate true needs the world to run here: {why}")
         return False, why
     return True, ""
-
-
-SPLIT_BACKWARD = ("zero_bubble", "zbv")
-
-
-def family(layout: Layout) -> Family:
-    """The calibration family of a layout: its mesh and whether its backward is split."""
-    return layout.pp, layout.tp, layout.dp, layout.schedule in SPLIT_BACKWARD
 
 
 def calibration_layouts(pending: Sequence[Pending]) -> dict[Family, Pending]:
@@ -124,8 +117,8 @@ def fit(
     """The family's compute scale and step offset from one measured run of `layout`."""
     pred_compute = predicted_compute_s(layout, sc)
     scale = measured["compute_s"] / pred_compute if pred_compute > 0 else 1.0
-    before = predict(layout, sc, ctx).step_time_s
-    after = predict(layout, scaled(sc, scale), ctx).step_time_s
+    before = predict_step(layout, sc, ctx).step_time_s
+    after = predict_step(layout, scaled(sc, scale), ctx).step_time_s
     return Calibration(
         layout, args, measured["step_time_s"], before, measured["compute_s"], pred_compute,
         scale, measured["step_time_s"] - after,
@@ -133,11 +126,11 @@ def fit(
 
 
 def calibrate(
-    pending: Sequence[Pending], base_args: list[str], opts: argparse.Namespace, root: Path
+    pending: Sequence[Pending], base_args: list[str], opts: PlanOptions, root: Path
 ) -> dict[Family, Calibration]:
     """Run each family's calibration layout with trainer.train and fit it (module docstring)."""
-    from trainer.plan import layout_args
-    from trainer.plan_report import run_candidate
+    from trainer.planner.layout import layout_args
+    from trainer.planner.report import run_candidate
 
     out: dict[Family, Calibration] = {}
     for fam, (_, layout, sc, ctx) in calibration_layouts(pending).items():

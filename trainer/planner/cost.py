@@ -9,7 +9,7 @@
                      sentence, and scaled by the micro-batch size)
     LinkModel        point-to-point and ring all-reduce times: latency + bytes / bandwidth,
                      intra- versus inter-node
-    predict          a layout -> per-stage costs -> `parallel.simulate` on the schedule's real
+    predict_step     a layout -> per-stage costs -> `parallel.simulate` on the schedule's real
                      action lists (makespan, bubble, peak activation bytes per pp rank)
                      + data fetch + dp / tied-embedding reduces + optimizer = step time;
                      parameters + grads + AdamW state (ZeRO-1: / dp) + bf16 working weights
@@ -25,252 +25,22 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-
-import torch
+from dataclasses import dataclass, field
 
 from models.config import ModelConfig
-from models.m2m100 import IGNORE_INDEX, BlockKind, M2M100Translation, Seq2SeqBatch, block_specs
+from models.m2m100 import BlockKind, block_specs
 from parallel.partition import resolve_partition
-from parallel.profile import BlockPhases, profile_block_phases
+from parallel.profile import BlockPhases
 from parallel.schedule import Action, build_schedule, placement_for
 from parallel.simulate import StageCosts, simulate
-from trainer.flops import PEAK_FLOPS
-
-GIB = 1024**3
-LAYER_KINDS = (BlockKind.ENC_LAYER, BlockKind.DEC_LAYER)
-
-
-@dataclass(frozen=True)
-class LinkModel:
-    """Transfer times from latency + bytes / bandwidth, inside a node and between nodes."""
-
-    intra_latency_s: float
-    intra_bytes_per_s: float
-    inter_latency_s: float
-    inter_bytes_per_s: float
-
-    def p2p(self, nbytes: float, inter: bool) -> float:
-        """Seconds for one message of `nbytes`."""
-        if inter:
-            return self.inter_latency_s + nbytes / self.inter_bytes_per_s
-        return self.intra_latency_s + nbytes / self.intra_bytes_per_s
-
-    def all_reduce(self, nbytes: float, n: int, inter: bool) -> float:
-        """Seconds for a ring all-reduce of `nbytes` over n ranks: 2 (n-1) steps of nbytes / n."""
-        if n <= 1:
-            return 0.0
-        latency, bw = (
-            (self.inter_latency_s, self.inter_bytes_per_s)
-            if inter
-            else (self.intra_latency_s, self.intra_bytes_per_s)
-        )
-        return 2 * (n - 1) * latency + 2 * (n - 1) / n * nbytes / bw
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    """One accelerator kind for FLOP-based costs (`table_kind_costs`).
-
-    efficiency: share of peak FLOP/s the blocks' matmuls reach; block_overhead_s: host time of
-    one block's forward + backward on one micro-batch, the floor when kernels are small.
-    Both are fitted (least squares on relative error) to the four single-H100 eager runs of
-    benchmarks/gpu_h100.md run 4: 1.2B 16 x 256 m=1 (0.189 s/step, predicted 0.179),
-    418M 32 x 256 m=1 (0.101 / 0.103), 418M 4 x 8 (0.317 / 0.339), 418M 8 x 4 (0.691 / 0.664).
-    The other devices reuse the H100's fit with their own peak, memory and links.
-    """
-
-    name: str
-    peak_flops: float
-    memory_gib: float
-    hbm_bytes_per_s: float
-    efficiency: float
-    block_overhead_s: float
-    link: LinkModel
-
-
-# name -> (memory GiB, HBM bytes/s, NVLink all-reduce bus bytes/s, inter-node bytes/s per GPU)
-_DEVICES: dict[str, tuple[float, float, float, float]] = {
-    "H100": (79.6, 3.35e12, 360e9, 45e9),  # SXM, NVLink 4, one 400 Gb/s NIC per GPU
-    "H200": (139.8, 4.8e12, 360e9, 45e9),
-    "A100": (79.2, 2.0e12, 230e9, 22e9),  # SXM 80GB, NVLink 3, one 200 Gb/s NIC per GPU
-}
-H100_EFFICIENCY = 0.62
-H100_BLOCK_OVERHEAD_S = 2.9e-3
-
-
-def device_spec(name: str, bf16: bool) -> DeviceSpec:
-    """The table's entry for `name` (H100, H200, A100), peak by precision.
-
-    Raises:
-        ValueError: an unknown device name, listing the known ones.
-    """
-    if name not in _DEVICES:
-        raise ValueError(f"unknown device {name!r}; the device table knows {sorted(_DEVICES)}")
-    mem, hbm, nvlink, net = _DEVICES[name]
-    peak = PEAK_FLOPS[name][0 if bf16 else 1]
-    link = LinkModel(8e-6, nvlink, 15e-6, net)
-    return DeviceSpec(name, peak, mem, hbm, H100_EFFICIENCY, H100_BLOCK_OVERHEAD_S, link)
-
-
-@dataclass(frozen=True)
-class Shape:
-    """One micro-batch: b sentences padded to s source and t target tokens."""
-
-    b: int
-    s: int
-    t: int
-
-
-def synthetic_batch(mc: ModelConfig, shape: Shape, seed: int = 0) -> Seq2SeqBatch:
-    """A micro-batch of `shape` with random token ids (every row full length)."""
-    g = torch.Generator().manual_seed(seed)
-    src = torch.randint(4, mc.vocab_size, (shape.b, shape.s), generator=g)
-    src[:, -1] = mc.eos_token_id
-    labels = torch.randint(4, mc.vocab_size, (shape.b, shape.t), generator=g)
-    dec = torch.full_like(labels, mc.pad_token_id)
-    dec[:, 0] = mc.decoder_start_token_id
-    dec[:, 1:] = labels[:, :-1].masked_fill(labels[:, :-1] == IGNORE_INDEX, mc.pad_token_id)
-    return Seq2SeqBatch(src, torch.ones_like(src), dec, labels)
-
-
-def one_layer_config(mc: ModelConfig) -> ModelConfig:
-    """The model with one encoder and one decoder layer: every block kind once (layers are alike)."""
-    return replace(mc, encoder_layers=1, decoder_layers=1)
-
-
-KindCosts = dict[BlockKind, BlockPhases]
-
-
-def measure_kind_costs(
-    mc: ModelConfig,
-    shape: Shape,
-    remat: str,
-    bf16: bool,
-    repeats: int = 5,
-    timed: bool = True,
-    device: torch.device | None = None,
-) -> KindCosts:
-    """Profile each block kind of a one-layer copy of the model on this machine.
-
-    "stage" remat is profiled as "none" (`stage_costs` adds the stage's recompute and keeps
-    only its input). Dropout stays as configured (the training mode's cost).
-    """
-    from parallel.remat import apply_remat
-
-    torch.manual_seed(0)
-    model = M2M100Translation(one_layer_config(mc)).to(device or torch.device("cpu"))
-    model.train()
-    apply_remat(model, "none" if remat == "stage" else remat)
-    batch = synthetic_batch(mc, shape).to(device or torch.device("cpu"))
-    dtype = torch.bfloat16 if bf16 else None
-    phases = profile_block_phases(model, batch, repeats, dtype, timed=timed)
-    return {spec.kind: ph for spec, ph in zip(model.blocks, phases)}
-
-
-def block_forward_flops(mc: ModelConfig, kind: BlockKind, shape: Shape) -> tuple[float, float]:
-    """(forward FLOPs, of which in Attention modules) of one block on one micro-batch.
-
-    The per-block split of `trainer.flops.step_flops` (2 FLOPs per multiply-add).
-    """
-    b, s, t, d = shape.b, shape.s, shape.t, mc.d_model
-    if kind is BlockKind.ENC_LAYER:
-        attn = 2 * b * (4 * s * d * d + 2 * s * s * d)
-        return attn + 2 * b * s * 2 * d * mc.encoder_ffn_dim, attn
-    if kind is BlockKind.DEC_LAYER:
-        attn = 2 * b * (4 * t * d * d + 2 * t * t * d) + 2 * b * (
-            2 * t * d * d + 2 * s * d * d + 2 * t * s * d
-        )
-        return attn + 2 * b * t * 2 * d * mc.decoder_ffn_dim, attn
-    if kind is BlockKind.HEAD:
-        return 2 * b * t * d * mc.vocab_size, 0.0
-    return 0.0, 0.0
-
-
-def table_kind_costs(
-    mc: ModelConfig, shape: Shape, remat: str, device: DeviceSpec, activations: KindCosts, act_scale: float
-) -> KindCosts:
-    """FLOP-based costs on `device`: max(FLOPs / (peak x efficiency), host time) per phase.
-
-    Backward is twice the forward (I and W one each for the layers' linears; the head and
-    embeddings compute their weight grads inside I). Host time: a third of the block overhead
-    for F, two thirds for B. Remat adds the recomputed forward, FLOPs and host time, to B and
-    I: full = the whole layer, selective = its attention modules (counted as half the ops).
-    Activation bytes: `activations` (measured here, at one sentence) times `act_scale`.
-    """
-    out: KindCosts = {}
-    rate = device.peak_flops * device.efficiency
-    host = device.block_overhead_s / 3
-    for kind, measured in activations.items():
-        fwd, attn = block_forward_flops(mc, kind, shape)
-        share = {"full": 1.0, "selective": 0.5}.get(remat, 0.0) if kind in LAYER_KINDS else 0.0
-        recompute = {"full": fwd, "selective": attn}.get(remat, 0.0) if kind in LAYER_KINDS else 0.0
-        f = max(fwd / rate, host)
-        w = fwd / rate if kind in LAYER_KINDS else 0.0
-        i = max((2 * fwd + recompute) / rate - w, (2 + share) * host)
-        act = int(measured.activation_bytes * act_scale)
-        parts = measured.parts.scaled(act_scale) if measured.parts else None
-        out[kind] = BlockPhases(f, i + w, i, w, act, parts)
-    return out
-
-
-# ----------------------------------------------------------------------------- parameters
-
-
-def block_param_counts(mc: ModelConfig, tp: int = 1) -> tuple[list[int], int]:
-    """(parameters per block with the tied table left out, the table's) on one tp rank.
-
-    Column-parallel weights and biases and row-parallel weights divide by tp; row-parallel
-    biases and layer norms are replicated; the table's rows are padded to a multiple of tp.
-    """
-    d = mc.d_model
-    norm = 2 * d
-
-    def attention() -> int:
-        return 4 * d * d // tp + 3 * d // tp + d
-
-    def ffn(f: int) -> int:
-        return 2 * d * f // tp + f // tp + d
-
-    per_kind = {
-        BlockKind.SRC_EMBED: 0,
-        BlockKind.ENC_LAYER: attention() + ffn(mc.encoder_ffn_dim) + 2 * norm,
-        BlockKind.ENC_NORM: norm,
-        BlockKind.TGT_EMBED: 0,
-        BlockKind.DEC_LAYER: 2 * attention() + ffn(mc.decoder_ffn_dim) + 3 * norm,
-        BlockKind.HEAD: norm,
-    }
-    table = -(-mc.vocab_size // tp) * d
-    return [per_kind[spec.kind] for spec in block_specs(mc)], table
-
-
-# ----------------------------------------------------------------------------- layouts
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One way to run the job: mesh, batch cut, schedule, remat and the partition.
-
-    `microbatch` is sentences per micro-batch, or its token cap when `token_mode`.
-    """
-
-    pp: int
-    tp: int
-    dp: int
-    m: int
-    g: int
-    microbatch: int
-    schedule: str
-    v: int
-    remat: str
-    partition: str
-    balance: tuple[int, ...] = ()
-    token_mode: bool = False
+from trainer.planner.blocks import KindCosts, Shape, block_param_counts
+from trainer.planner.hardware import LinkModel
+from trainer.planner.layout import Layout
 
 
 @dataclass
 class CostContext:
-    """Everything `predict` needs besides the layout and the block costs."""
+    """Everything `predict_step` needs besides the layout and the block costs."""
 
     mc: ModelConfig
     link: LinkModel
@@ -361,7 +131,7 @@ def block_costs(
     return out
 
 
-def choose_balance(
+def balance_from_costs(
     method: str, costs: Sequence[BlockPhases], params: Sequence[int], n_stages: int
 ) -> list[int]:
     """The balance the trainer's `partition_method` would pick from these per-block costs."""
@@ -399,7 +169,9 @@ def stage_activation_bytes(costs: Sequence[BlockPhases], blocks: range) -> float
     return float(total)
 
 
-def stage_costs(layout: Layout, costs: Sequence[BlockPhases], shape: Shape, ctx: CostContext) -> StageCosts:
+def layout_stage_costs(
+    layout: Layout, costs: Sequence[BlockPhases], shape: Shape, ctx: CostContext
+) -> StageCosts:
     """The simulator's per-stage costs of `layout`: block costs summed by the balance, the p2p link.
 
     Non-zero-bubble schedules run the full B (`backward_input` = B, `backward_weight` = 0);
@@ -439,7 +211,7 @@ def _outside_pipeline(layout: Layout, ctx: CostContext) -> tuple[list[int], floa
 
 
 def lower_bound(layout: Layout, sc: StageCosts, ctx: CostContext) -> float:
-    """A step time `predict` cannot undercut: the busiest rank's compute, no bubble, no p2p."""
+    """A step time `predict_step` cannot undercut: the busiest rank's compute, no bubble, no p2p."""
     place = placement_for(layout.schedule, layout.pp, layout.v)
     busy = [0.0] * layout.pp
     for s in range(place.n):
@@ -453,8 +225,8 @@ def _schedule(name: str, p: int, m: int, v: int) -> list[list[Action]]:
     return build_schedule(name, p, m, v)
 
 
-def predict(layout: Layout, sc: StageCosts, ctx: CostContext) -> Prediction:
-    """Predicted step time and per-rank memory of `layout` from its `stage_costs` (module docstring).
+def predict_step(layout: Layout, sc: StageCosts, ctx: CostContext) -> Prediction:
+    """Predicted step time and per-rank memory of `layout` from its `layout_stage_costs` (module docstring).
 
     Raises:
         ValueError: the costs do not match the stages, or the schedule rejects (p, m, v).

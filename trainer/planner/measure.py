@@ -11,7 +11,6 @@ measure_optimizer_s_per_param   clip + AdamW time per parameter
 
 from __future__ import annotations
 
-import argparse
 import logging
 import statistics
 import time
@@ -22,19 +21,11 @@ import torch
 from models.config import ModelConfig
 from models.m2m100 import M2M100Translation
 from parallel.profile import BlockPhases
-from trainer.config import JobConfig
-from trainer.plan_cost import (
-    CostContext,
-    DeviceSpec,
-    KindCosts,
-    LinkModel,
-    Shape,
-    block_costs,
-    measure_kind_costs,
-    one_layer_config,
-    table_kind_costs,
-    tp_shape,
-)
+from trainer.config.schema import JobConfig
+from trainer.planner.blocks import KindCosts, Shape, measure_kind_costs, one_layer_config, table_kind_costs
+from trainer.planner.cost import CostContext, block_costs, tp_shape
+from trainer.planner.hardware import DeviceSpec, LinkModel
+from trainer.planner.options import PlanOptions
 
 logger = logging.getLogger("trainer.plan")
 
@@ -45,7 +36,7 @@ SHAPE_SAMPLE_BATCHES = 24
 class CostSource:
     """Micro-batch shapes (from the data, or a fixed length) and per-kind costs, cached."""
 
-    def __init__(self, cfg: JobConfig, opts: argparse.Namespace, device: DeviceSpec | None) -> None:
+    def __init__(self, cfg: JobConfig, opts: PlanOptions, device: DeviceSpec | None) -> None:
         self.cfg, self.opts, self.device = cfg, opts, device
         self.sampler_data: Any = None
         self.mc = self._load(cfg, opts)
@@ -54,7 +45,7 @@ class CostSource:
         self._costs: dict[tuple[Shape, str], KindCosts] = {}
         self._acts: dict[tuple[int, int, str], KindCosts] = {}
 
-    def _load(self, cfg: JobConfig, opts: argparse.Namespace) -> ModelConfig:
+    def _load(self, cfg: JobConfig, opts: PlanOptions) -> ModelConfig:
         """The architecture; with data at hand (and no --seq_len), its tokenizer's vocabulary too."""
         if opts.seq_len is None:
             try:
@@ -68,9 +59,10 @@ class CostSource:
         return cfg.model.model_config(cfg.model.vocab_size, {})
 
     def _load_data(self, cfg: JobConfig) -> ModelConfig:
-        from trainer.data import load_raw_datasets, run_languages, tokenize_datasets, training_texts
-        from trainer.tokenizer import load_or_train_tokenizer
-        from trainer.train import model_config_for
+        from trainer.data.sources import load_raw_datasets, run_languages, training_texts
+        from trainer.data.tokenization import tokenize_datasets
+        from trainer.run.setup import model_config_for
+        from trainer.tokenizer.vocab import load_or_train_tokenizer
 
         d, m = cfg.data, cfg.model
         raw = load_raw_datasets(d, cfg.training.seed)
@@ -100,7 +92,7 @@ class CostSource:
 
         import numpy as np
 
-        from trainer.data import BatchLayout, GlobalBatchSampler
+        from trainer.data.batching import BatchLayout, GlobalBatchSampler
 
         mb, m, g, dp, token_mode = key
         train, tok = self.sampler_data
@@ -275,8 +267,8 @@ def measure_overheads(
 def _step_overheads(cfg, mc, shape, kinds, opt_s_per_param, repeats, mesh) -> dict[int, float]:  # type: ignore[no-untyped-def]
     """Measured train_step time minus the modelled block and optimizer time, for m = 1 and 3."""
     from parallel.parallelize import build_parallel_model
-    from trainer.loop import build_optimizer, build_scheduler, train_step
-    from trainer.plan_cost import synthetic_batch
+    from trainer.planner.blocks import synthetic_batch
+    from trainer.run.step import build_optimizer, build_scheduler, train_step
 
     small = one_layer_config(mc)
     block_s = sum(ph.forward_s + ph.backward_s for ph in kinds.values())

@@ -9,7 +9,6 @@ validate            runs the top K with trainer.train (torchrun for several rank
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -21,17 +20,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from trainer.config import JobConfig
-from trainer.plan_calibrate import Family, family
-from trainer.plan_cost import GIB, Candidate, DeviceSpec, Layout, LinkModel
-
-
-def describe(layout: Layout) -> str:
-    mb = f"{layout.microbatch} tok" if layout.token_mode else f"b={layout.microbatch}"
-    return (
-        f"pp={layout.pp} tp={layout.tp} dp={layout.dp} m={layout.m} g={layout.g} {mb} "
-        f"{layout.schedule}(v={layout.v}) remat={layout.remat} partition={layout.partition}"
-    )
+from trainer.config.schema import JobConfig
+from trainer.planner.cost import Candidate
+from trainer.planner.hardware import GIB, DeviceSpec, LinkModel
+from trainer.planner.layout import Family, Layout, family
+from trainer.planner.options import PlanOptions
 
 
 def _reason(c: Candidate, best: Candidate, memory_gib: float | None) -> str:
@@ -51,7 +44,7 @@ def _reason(c: Candidate, best: Candidate, memory_gib: float | None) -> str:
 
 
 def build_report(
-    cfg: JobConfig, opts: argparse.Namespace, device: DeviceSpec | None, link: LinkModel,
+    cfg: JobConfig, opts: PlanOptions, device: DeviceSpec | None, link: LinkModel,
     memory_gib: float | None, candidates: list[Candidate], rejected: list[dict[str, str]], pruned: int,
     own: Candidate | str,
 ) -> dict[str, Any]:  # fmt: skip
@@ -145,7 +138,7 @@ def format_table(result: dict[str, Any], top: int) -> str:
     return "\n".join(lines)
 
 
-def validate(result: dict[str, Any], k: int, opts: argparse.Namespace) -> list[dict[str, Any]]:
+def validate(result: dict[str, Any], k: int, opts: PlanOptions) -> list[dict[str, Any]]:
     """Run the top `k` candidates with trainer.train; predicted vs measured step time and memory.
 
     Step time: the median over `opts.validate_repeats` runs of each run's median `step_time_s`
@@ -193,12 +186,12 @@ def _family(layout: dict[str, Any]) -> Family:
     return family(Layout(**layout))
 
 
-def run_root(opts: argparse.Namespace, kind: str) -> Path:
+def run_root(opts: PlanOptions, kind: str) -> Path:
     """Where calibration / validation runs write: --validate_dir, else a new temporary directory."""
     return Path(opts.validate_dir or tempfile.mkdtemp(prefix=f"plan_{kind}_"))
 
 
-def run_candidate(args: list[str], world: int, out_dir: Path, opts: argparse.Namespace) -> dict[str, Any]:
+def run_candidate(args: list[str], world: int, out_dir: Path, opts: PlanOptions) -> dict[str, Any]:
     """Train `args` `opts.validate_repeats` times; the median over runs of each run's medians.
 
     One run's median step moves by up to +-20% from run to run on a shared 2-core CPU host
@@ -214,7 +207,7 @@ def run_candidate(args: list[str], world: int, out_dir: Path, opts: argparse.Nam
     return out
 
 
-def _run_once(args: list[str], world: int, out_dir: Path, opts: argparse.Namespace) -> dict[str, float]:
+def _run_once(args: list[str], world: int, out_dir: Path, opts: PlanOptions) -> dict[str, float]:
     """Train `args` for `opts.validate_steps` steps into `out_dir`; median step time, compute and peak.
 
     Raises:

@@ -1,175 +1,46 @@
-"""`python -m trainer.plan`: rank the layouts a job can run with, by predicted step time and memory.
-
-    python -m trainer.plan --config configs/tiny.yaml --world_size 2 [--gpus_per_node G]
-        [--device_memory_gib M] [--device H100] [--top K] [--output plan.json]
-        [--validate K] [--field value ...]          (config overrides, as in trainer.train)
-
-    enumerate   meshes (pp, tp, dp) that `ParallelDims` accepts for the world and node size;
-                cuts of the config's global batch (micro-batch x m x g x dp = const);
-                schedules x virtual stages (`SCHEDULE_SPACE`), remat policies, partitions;
-                each candidate's trainer flags must pass `trainer.train.validate_early`
-    cost        `trainer.plan_cost`: per-block costs measured here (or from a device
-                table), the simulator on the schedule's action lists, a link model
-    calibrate   where the world runs here: one short trainer run per mesh and backward kind
-                fits a compute scale and step offset (`trainer.plan_calibrate`)
-    rank        drop what does not fit in device memory; best predicted step first
-    validate    run the top K with trainer.train for a few steps; predicted vs measured
-
-Everything rejected is listed with its reason (in plan.json and counted in the printout).
+"""The planner's search: enumerate layouts, cost them, calibrate, rank (`python -m trainer.plan`'s
+library; the usage and the stages are in `trainer/plan.py`).
 """
 
 from __future__ import annotations
 
-import argparse
 import heapq
-import json
 import logging
-import os
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
-from models.config import ModelConfig
 from parallel.mesh import ParallelDims
 from parallel.simulate import StageCosts
-from trainer.config import SCHEDULE_CHOICES, ConfigError, JobConfig, parse_config
-from trainer.plan_calibrate import Calibration, Family, apply, calibrate, should_calibrate
-from trainer.plan_calibrate import report as calibration_rows
-from trainer.plan_cost import (
-    GIB,
+from trainer.config.dims import parallel_dims
+from trainer.config.parse import parse_config
+from trainer.config.schema import JobConfig
+from trainer.planner.blocks import Shape, block_param_counts
+from trainer.planner.calibrate import Calibration, apply, calibrate, should_calibrate
+from trainer.planner.calibrate import report as calibration_rows
+from trainer.planner.cost import (
     Candidate,
     CostContext,
-    Layout,
-    LinkModel,
-    Shape,
-    block_param_counts,
-    choose_balance,
-    device_spec,
+    balance_from_costs,
+    layout_stage_costs,
     lower_bound,
-    predict,
-    stage_costs,
+    predict_step,
 )
-from trainer.plan_measure import CostSource, measure_link, measure_optimizer_s_per_param, measure_overheads
-from trainer.plan_report import build_report, describe, format_table, format_validation, run_root, validate
+from trainer.planner.hardware import GIB, LinkModel, device_spec
+from trainer.planner.layout import Family, Layout, describe, layout_args
+from trainer.planner.measure import CostSource, measure_link, measure_optimizer_s_per_param, measure_overheads
+from trainer.planner.options import PlanOptions
+from trainer.planner.report import build_report, run_root
+from trainer.planner.space import (
+    PARTITION_SPACE,
+    REMAT_SPACE,
+    batch_budget,
+    batch_cuts,
+    meshes,
+    schedule_space,
+)
 
 logger = logging.getLogger("trainer.plan")
-
-# The search space, as lists to extend: (schedule, virtual stages per rank); remat; partition.
-SCHEDULE_SPACE: list[tuple[str, int]] = [
-    ("1f1b", 1),
-    ("gpipe", 1),
-    ("interleaved_1f1b", 2),
-    ("interleaved_1f1b", 4),
-    ("zero_bubble", 1),
-    ("zbv", 2),  # used only where the trainer and parallel.schedule.build_schedule accept it
-]
-REMAT_SPACE = ("none", "selective", "full", "stage")
-PARTITION_SPACE = ("time", "uniform", "parameters", "memory")
-MAX_ACCUMULATION = 8
-
-
-@dataclass(frozen=True)
-class Budget:
-    """The global batch every layout must keep: sentences, or token cap x slots in token mode."""
-
-    total: int
-    token_mode: bool
-    longest: int  # token mode: the smallest cap that holds the longest example
-
-
-# ----------------------------------------------------------------------------- search space
-
-
-def schedule_space() -> list[tuple[str, int]]:
-    """`SCHEDULE_SPACE` less the schedules this checkout's trainer or schedule builder lacks."""
-    from parallel.schedule import build_schedule
-
-    out = []
-    for name, v in SCHEDULE_SPACE:
-        if name not in SCHEDULE_CHOICES:
-            continue
-        try:
-            build_schedule(name, 2, 4, v)
-        except ValueError:
-            continue
-        out.append((name, v))
-    return out
-
-
-def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
-def meshes(
-    world: int, gpus_per_node: int, arch: ModelConfig
-) -> tuple[list[ParallelDims], list[tuple[str, str]]]:
-    """Every (pp, tp, dp) with pp * tp * dp = world that `ParallelDims.validate` accepts.
-
-    Returns:
-        (valid dims, [(mesh, reason)] for the rejected ones).
-    """
-    valid, rejected = [], []
-    for pp in divisors(world):
-        for tp in divisors(world // pp):
-            dims = ParallelDims(pp, world // (pp * tp), tp, world, local_world_size=gpus_per_node)
-            try:
-                valid.append(dims.validate(arch))
-            except ValueError as e:
-                rejected.append((f"pp={pp} tp={tp} dp={world // (pp * tp)}", str(e)))
-    return valid, rejected
-
-
-def batch_budget(cfg: JobConfig, world: int) -> Budget:
-    """The config's global batch: per_device_train_batch_size (or the token cap) x m x g x dp.
-
-    Raises:
-        ConfigError: the config's own mesh does not fit `world`, so its global batch is undefined.
-    """
-    p, t = cfg.parallel, cfg.training
-    try:
-        dp0 = ParallelDims.from_args(p, world, local_world_size=world).validate().dp
-    except ValueError as e:
-        raise ConfigError(f"the config's mesh does not fit --world_size {world}: {e}") from None
-    slots = p.num_microbatches * t.gradient_accumulation_steps * dp0
-    cap = cfg.data.max_tokens_per_microbatch
-    if cap:
-        return Budget(cap * slots, True, max(cfg.data.max_source_length, cfg.data.max_target_length))
-    return Budget(t.per_device_train_batch_size * slots, False, 1)
-
-
-def batch_cuts(budget: Budget, dp: int, max_m: int) -> Iterator[tuple[int, int, int]]:
-    """(m, g, micro-batch) with micro-batch x m x g x dp = the budget (token caps >= the longest example)."""
-    if budget.total % dp:
-        return
-    per_replica = budget.total // dp
-    for m in divisors(per_replica):
-        if m > max_m:
-            break
-        for g in divisors(per_replica // m):
-            mb = per_replica // (m * g)
-            if g <= MAX_ACCUMULATION and mb >= budget.longest:
-                yield m, g, mb
-
-
-def layout_args(layout: Layout, base: list[str]) -> list[str]:
-    """The trainer.train flags that run `layout` (after the config and the user's overrides)."""
-    size = "--max_tokens_per_microbatch" if layout.token_mode else "--per_device_train_batch_size"
-    balance = ",".join(str(b) for b in layout.balance) if len(layout.balance) > 1 else "uniform"
-    return [
-        *base,
-        "--pipeline_parallel_size", str(layout.pp),
-        "--tensor_parallel_size", str(layout.tp),
-        "--data_parallel_size", str(layout.dp),
-        "--num_microbatches", str(layout.m),
-        "--gradient_accumulation_steps", str(layout.g),
-        size, str(layout.microbatch),
-        "--pipeline_schedule", layout.schedule,
-        "--virtual_pipeline_stages", str(max(layout.v, 2)),
-        "--activation_checkpointing", layout.remat,
-        "--partition_method", balance,
-    ]  # fmt: skip
 
 
 def check_args(args: list[str], world: int) -> JobConfig:
@@ -178,18 +49,15 @@ def check_args(args: list[str], world: int) -> JobConfig:
     Raises:
         ValueError: whatever `parse_config` or `validate_early` reject.
     """
-    from trainer.train import validate_early
+    from trainer.run.preflight import validate_early
 
     cfg = parse_config(list(args))
     validate_early(cfg, world)
     return cfg
 
 
-# ----------------------------------------------------------------------------- the search
-
-
-def plan(cfg: JobConfig, base_args: list[str], opts: argparse.Namespace) -> dict[str, Any]:
-    """Enumerate, predict, filter and rank; returns what plan.json holds.
+def plan(cfg: JobConfig, base_args: list[str], opts: PlanOptions) -> dict[str, Any]:
+    """Enumerate, predict_step, filter and rank; returns what plan.json holds.
 
     Candidates are simulated in order of their lower bound (`plan_cost.lower_bound`); once
     `opts.keep` fitting candidates are known, one whose bound exceeds the keep-th best
@@ -231,7 +99,7 @@ def plan(cfg: JobConfig, base_args: list[str], opts: argparse.Namespace) -> dict
                 if error:
                     rejected.append({"layout": describe(layout), "reason": f"trainer rejects it: {error}"})
                     continue
-                sc = stage_costs(
+                sc = layout_stage_costs(
                     layout, source.block_costs(shape, layout.remat, layout.tp, cut_ctx), shape, cut_ctx
                 )
                 pending.append((lower_bound(layout, sc, cut_ctx), layout, sc, cut_ctx))
@@ -250,7 +118,7 @@ def plan(cfg: JobConfig, base_args: list[str], opts: argparse.Namespace) -> dict
 
 def _simulate_best(
     pending: list[tuple[float, Layout, StageCosts, CostContext]], memory_gib: float | None,
-    opts: argparse.Namespace, rejected: list[dict[str, str]],
+    opts: PlanOptions, rejected: list[dict[str, str]],
 ) -> tuple[list[Candidate], int]:  # fmt: skip
     """Simulate in lower-bound order until no remaining layout can enter the best `opts.keep`."""
     limit = memory_gib * GIB * opts.memory_headroom if memory_gib else None
@@ -261,7 +129,7 @@ def _simulate_best(
         if len(best) >= opts.keep and bound > -best[0]:
             pruned += 1
             continue
-        pred = predict(layout, sc, ctx)
+        pred = predict_step(layout, sc, ctx)
         if limit is not None and pred.peak_memory_bytes > limit:
             rejected.append({"layout": describe(layout), "reason": (
                 f"does not fit: needs {pred.peak_memory_bytes / GIB:.1f} GiB per rank > "
@@ -290,7 +158,7 @@ class TrainerCheck:
     def __call__(self, layout: Layout) -> str:
         """The trainer's error message for `layout`, or "" when it accepts it."""
         from parallel.partition import validate_balance
-        from trainer.train import validate_early
+        from trainer.run.preflight import validate_early
 
         key = (
             layout.pp,
@@ -332,7 +200,7 @@ class TrainerCheck:
 def _own_cut(cfg: JobConfig, world: int) -> tuple[int, int, int, int, bool]:
     """(micro-batch, m, g, dp, token mode) of the config's own layout (dp=1 if it does not fit)."""
     try:
-        dp = ParallelDims.from_args(cfg.parallel, world, local_world_size=world).validate().dp
+        dp = parallel_dims(cfg.parallel, world, local_world_size=world).validate().dp
     except ValueError:
         dp = 1
     token = bool(cfg.data.max_tokens_per_microbatch)
@@ -340,7 +208,7 @@ def _own_cut(cfg: JobConfig, world: int) -> tuple[int, int, int, int, bool]:
     return mb, cfg.parallel.num_microbatches, cfg.training.gradient_accumulation_steps, dp, token
 
 
-def _local_link(opts: argparse.Namespace) -> LinkModel:
+def _local_link(opts: PlanOptions) -> LinkModel:
     if opts.link_gbps:
         lat = opts.link_latency_us * 1e-6
         return LinkModel(lat, opts.link_gbps * 1e9, lat, (opts.inter_node_gbps or opts.link_gbps) * 1e9)
@@ -363,7 +231,7 @@ def _layouts(
             for method in PARTITION_SPACE if dims.pp * v > 1 else ("uniform",):
                 base = Layout(dims.pp, dims.tp, dims.dp, m, g, mb, schedule, v, remat, method, (), token_mode)
                 try:
-                    balance = tuple(choose_balance(method, costs, params, dims.pp * v))
+                    balance = tuple(balance_from_costs(method, costs, params, dims.pp * v))
                 except ValueError as e:
                     rejected.append({"layout": describe(base), "reason": str(e)})
                     break
@@ -379,7 +247,7 @@ def own_layout(
     """The config's own layout, predicted the same way (or why it cannot run on this world)."""
     p = cfg.parallel
     try:
-        dims = ParallelDims.from_args(p, world, local_world_size=gpn).validate(source.mc)
+        dims = parallel_dims(p, world, local_world_size=gpn).validate(source.mc)
     except ValueError as e:
         return str(e)
     token = bool(cfg.data.max_tokens_per_microbatch)
@@ -391,109 +259,12 @@ def own_layout(
     costs = source.block_costs(shape, p.activation_checkpointing, dims.tp, ctx)
     params, _ = block_param_counts(source.mc, dims.tp)
     try:
-        balance = p.partition_balance() or choose_balance(p.partition_method, costs, params, dims.pp * v)
+        balance = p.partition_balance() or balance_from_costs(p.partition_method, costs, params, dims.pp * v)
         layout = Layout(dims.pp, dims.tp, dims.dp, m, g, mb, p.pipeline_schedule, v,
                         p.activation_checkpointing, p.partition_method, tuple(balance), token)  # fmt: skip
         [(_, _, sc, lay_ctx)] = apply(
-            [(0.0, layout, stage_costs(layout, costs, shape, ctx), ctx)], fits or {}
+            [(0.0, layout, layout_stage_costs(layout, costs, shape, ctx), ctx)], fits or {}
         )
-        return Candidate(layout, predict(layout, sc, lay_ctx), list(base_args))
+        return Candidate(layout, predict_step(layout, sc, lay_ctx), list(base_args))
     except ValueError as e:
         return str(e)
-
-
-# ----------------------------------------------------------------------------- entry point
-
-
-def _names(text: str) -> list[str]:
-    return [x for x in text.replace(" ", "").split(",") if x]
-
-
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    """The planner's flags, and the rest (config overrides, as trainer.train takes them)."""
-    ap = argparse.ArgumentParser(prog="python -m trainer.plan", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", required=True, help="The job's YAML/JSON config (as for trainer.train).")
-    ap.add_argument("--world_size", type=int, required=True, help="Ranks (processes / GPUs) in all.")
-    ap.add_argument("--gpus_per_node", type=int, default=None, help="Ranks per node; default: one node.")
-    ap.add_argument("--device_memory_gib", type=float, default=None, help="Memory per rank; default: table.")
-    ap.add_argument("--device", default=None, help="Cost another device from the table (H100, H200, A100).")
-    ap.add_argument("--memory_headroom", type=float, default=0.9, help="Usable share of device memory.")
-    ap.add_argument("--top", type=int, default=10, help="Candidates to print.")
-    ap.add_argument("--output", default="plan.json", help="Where the ranked candidates are written.")
-    ap.add_argument("--validate", type=int, default=0, help="Run the top K with trainer.train.")
-    ap.add_argument("--validate_steps", type=int, default=24)
-    ap.add_argument("--validate_warmup", type=int, default=4)
-    ap.add_argument(
-        "--validate_repeats", type=int, default=3, help="Runs per layout (median of their medians)."
-    )
-    ap.add_argument("--validate_timeout", type=float, default=600)
-    ap.add_argument(
-        "--validate_dir", default=None, help="Output dirs of the calibration and validation runs."
-    )
-    ap.add_argument(
-        "--calibrate", choices=("auto", "true", "false"), default="auto",
-        help="Fit each mesh's compute scale and step offset from one short trainer run (auto: when the "
-        "world runs on this machine and costs are measured here). --validate_steps/_warmup apply.",
-    )  # fmt: skip
-    ap.add_argument("--seq_len", type=int, default=None, help="Fixed sentence length instead of the data's.")
-    ap.add_argument("--max_microbatches", type=int, default=64)
-    ap.add_argument("--keep", type=int, default=50, help="Fitting layouts simulated before pruning by bound.")
-    ap.add_argument("--schedules", type=_names, default=None, help="Only these schedules (comma list).")
-    ap.add_argument("--remat", type=_names, default=None, help="Only these remat policies (comma list).")
-    ap.add_argument("--repeats", type=int, default=5, help="Timed repetitions per block.")
-    ap.add_argument("--link_gbps", type=float, default=None, help="Skip the link measurement: GB/s.")
-    ap.add_argument("--link_latency_us", type=float, default=50.0)
-    ap.add_argument("--inter_node_gbps", type=float, default=None)
-    opts, rest = ap.parse_known_args(argv)
-    for name in (
-        "world_size",
-        "top",
-        "keep",
-        "max_microbatches",
-        "repeats",
-        "validate_steps",
-        "validate_repeats",
-    ):
-        if getattr(opts, name) < 1:
-            ap.error(f"--{name}={getattr(opts, name)} must be >= 1")
-    for flag, given, known in (("schedules", opts.schedules, [n for n, _ in SCHEDULE_SPACE]),
-                               ("remat", opts.remat, list(REMAT_SPACE))):  # fmt: skip
-        bad = sorted(set(given or []) - set(known))
-        if bad:
-            ap.error(f"--{flag} {bad} unknown; choose from {known}")
-    if opts.validate < 0 or opts.validate_warmup >= opts.validate_steps:
-        ap.error("--validate must be >= 0 and --validate_warmup < --validate_steps")
-    if opts.gpus_per_node is not None and (opts.gpus_per_node < 1 or opts.world_size % opts.gpus_per_node):
-        ap.error(
-            f"--gpus_per_node={opts.gpus_per_node} must be >= 1 and divide --world_size={opts.world_size}"
-        )
-    return opts, rest
-
-
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Plan, print, write plan.json; validate the top K when asked."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    opts, overrides = parse_args(argv)
-    base_args = ["--config", opts.config, *overrides]
-    cfg = parse_config(list(base_args))
-    if opts.device is None:
-        import torch
-
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    result = plan(cfg, base_args, opts)
-    print(format_table(result, opts.top), flush=True)
-    if opts.validate:
-        result["validation"] = validate(result, opts.validate, opts)
-        print(format_validation(result["validation"]), flush=True)
-    Path(opts.output).write_text(json.dumps(result, indent=1))
-    return result
-
-
-if __name__ == "__main__":
-    try:
-        main()
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        if os.environ.get("TRAINER_TRACEBACK"):
-            raise
-        print(f"error: {type(e).__name__}: {e} (TRAINER_TRACEBACK=1 for the traceback)", file=sys.stderr)
-        sys.exit(2)

@@ -17,10 +17,10 @@ from models.m2m100 import M2M100Translation, block_specs
 from parallel.mesh import ParallelMesh
 from parallel.partition import format_partition, resolve_partition
 from parallel.profile import profile_blocks
-from trainer.config import JobConfig
+from trainer.config.schema import JobConfig
 
 
-def choose_balance(
+def choose_partition(
     cfg: JobConfig, mc: ModelConfig, mesh: ParallelMesh, sampler, device: torch.device
 ) -> tuple[list[int], str]:  # type: ignore[no-untyped-def]
     """Block counts per stage (p * v stages) and a printable table of the split."""

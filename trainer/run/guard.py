@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from trainer.config import NAN_POLICIES
+from trainer.config.checks import NAN_POLICIES
 
 logger = logging.getLogger("trainer")
 

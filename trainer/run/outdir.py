@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainer.config import TrainingArguments
+    from trainer.config.training_args import TrainingArguments
 # torch and trainer.config (transformers) are imported where used: taking or checking the
 # lock from another process (a test, a scheduler's pre-check) needs only the standard library.
 
@@ -137,7 +137,7 @@ def prepare_fresh_start(out: Path, args: TrainingArguments) -> None:
     Raises:
         ConfigError: `out` holds files and overwrite_output_dir is off.
     """
-    from trainer.config import ConfigError
+    from trainer.errors import ConfigError
 
     present = [p for p in out.iterdir() if p.name != LOCK_NAME]
     if not present:

@@ -31,8 +31,8 @@ from torch import Tensor, nn
 from parallel import watchdog
 from parallel.executor import FlushResult
 from parallel.parallelize import ParallelModel
-from trainer.config import TrainingArguments
-from trainer.guard import StepGuard
+from trainer.config.training_args import TrainingArguments
+from trainer.run.guard import StepGuard
 
 
 def build_optimizer(
@@ -241,12 +241,3 @@ def bubble_stats(pm: ParallelModel, flushes: list[FlushResult]) -> dict[str, flo
         out[f"stage_compute_s_{i}"] = busy_all[i]
         out[f"peak_activation_bytes_stage_{i}"] = peak_all[i]
     return out
-
-
-def bubble_theory(schedule: str, p: int, m: int, v: int) -> float:
-    """(p-1)/(m+p-1) for GPipe and 1F1B (GPipe paper), /v for interleaved (Narayanan et al. 2021)."""
-    if p == 1:
-        return 0.0
-    if schedule == "interleaved_1f1b":
-        return (p - 1) / (v * m + p - 1)
-    return (p - 1) / (m + p - 1)

@@ -24,50 +24,10 @@ import operator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from trainer.errors import ConfigError
+
 if TYPE_CHECKING:
-    from trainer.config import TrainingArguments
-
-
-def _error(message: str) -> Exception:
-    from trainer.config import ConfigError  # config imports this module from __post_init__
-
-    return ConfigError(message)
-
-
-def check_best_model_args(args: TrainingArguments) -> None:
-    """Fill the HF defaults of the best-model fields and check they can work (in place).
-
-    `metric_for_best_model` defaults to eval_loss and gets the `eval_` prefix when left out;
-    `greater_is_better` defaults to False for a metric ending in "loss", True otherwise.
-
-    Raises:
-        ConfigError: no evaluation during training, or (load_best_model_at_end) a save
-            strategy that does not save at evaluation steps.
-    """
-    metric = args.metric_for_best_model or "eval_loss"
-    args.metric_for_best_model = metric if metric.startswith("eval_") else f"eval_{metric}"
-    if args.greater_is_better is None:
-        args.greater_is_better = not args.metric_for_best_model.endswith("loss")
-    if not (args.load_best_model_at_end or args.early_stopping_patience):
-        return  # metric_for_best_model alone: best_metric is recorded at the evaluations there are
-    asked = "load_best_model_at_end" if args.load_best_model_at_end else "early_stopping_patience"
-    if args.eval_strategy == "no" or (args.eval_strategy == "steps" and not args.eval_steps):
-        raise _error(
-            f"{asked} needs evaluations during training: eval_strategy={args.eval_strategy!r}, "
-            f"eval_steps={args.eval_steps}; set eval_strategy: epoch, or steps with eval_steps > 0"
-        )
-    if not args.load_best_model_at_end:
-        return
-    if args.save_strategy != args.eval_strategy:
-        raise _error(
-            f"load_best_model_at_end needs save_strategy == eval_strategy, got save_strategy="
-            f"{args.save_strategy!r} and eval_strategy={args.eval_strategy!r}"
-        )
-    if args.save_strategy == "steps" and (not args.save_steps or args.save_steps % args.eval_steps):
-        raise _error(
-            f"load_best_model_at_end needs save_steps to be a multiple of eval_steps, got save_steps="
-            f"{args.save_steps} and eval_steps={args.eval_steps}"
-        )
+    from trainer.config.training_args import TrainingArguments
 
 
 def check_metric_name(metric: str | None, directions: list[str]) -> None:
@@ -84,7 +44,7 @@ def check_metric_name(metric: str | None, directions: list[str]) -> None:
         for m in ("loss", "bleu", "chrf")
     ]
     if metric not in valid:
-        raise _error(
+        raise ConfigError(
             f"metric_for_best_model={metric!r} is not an evaluation metric of this run; choose from {valid}"
         )
 
@@ -148,7 +108,7 @@ class BestModel:
         """
         if self.metric not in metrics:
             keys = sorted(k for k in metrics if k.startswith("eval_"))
-            raise _error(
+            raise ConfigError(
                 f"metric_for_best_model={self.metric!r} is not an evaluation metric; choose from {keys}"
             )
         value = float(metrics[self.metric])

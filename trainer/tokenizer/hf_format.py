@@ -125,7 +125,7 @@ def save_hf_tokenizer(
     Raises:
         TokenizerError: `src_lang` / `tgt_lang` is not one of `tags`, or `tags` is empty.
     """
-    from trainer.tokenizer import TokenizerError
+    from trainer.errors import TokenizerError
 
     if not tags:
         raise TokenizerError(

@@ -47,7 +47,7 @@ from torch import Tensor
 from models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from trainer.tokenizer import SentencePieceTokenizer
+    from trainer.tokenizer.vocab import SentencePieceTokenizer
 
 BOS, PAD, EOS, UNK = "<s>", "<pad>", "</s>", "<unk>"
 M2M100_CLASS = "M2M100Tokenizer"
@@ -187,7 +187,7 @@ def save_m2m100_tokenizer(
     Raises:
         TokenizerError: `src_lang` / `tgt_lang` is not one of the run's codes.
     """
-    from trainer.tokenizer import TokenizerError
+    from trainer.errors import TokenizerError
 
     codes = list(layout.codes)
     src, tgt = src_lang or codes[0], tgt_lang or codes[min(1, len(codes) - 1)]

@@ -33,15 +33,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from trainer.errors import TokenizerError
+
 logger = logging.getLogger(__name__)
 
 BOS, PAD, EOS, UNK = "<s>", "<pad>", "</s>", "<unk>"
 SPM_FILE = "sentencepiece.model"
 META_FILE = "polyglot_tokenizer.json"
-
-
-class TokenizerError(ValueError):
-    """A tokenizer cannot be built or loaded as asked; the message names the bad value."""
 
 
 # NLLB-200 / FLORES-200 codes: ISO 639-3 + ISO 15924 script, e.g. eng_Latn, zho_Hant.
@@ -225,7 +223,7 @@ class SentencePieceTokenizer(Tokenizer):
             directory: destination.
             model_max_length: where `truncation=True` cuts (the model's max positions); None: no limit.
         """
-        from trainer.hf_tokenizer import save_hf_tokenizer
+        from trainer.tokenizer.hf_format import save_hf_tokenizer
 
         save_hf_tokenizer(self.model_proto, self.available_tags(), directory, model_max_length)
 
@@ -279,7 +277,7 @@ class HFTokenizer(Tokenizer):
 
     def save(self, directory: str | Path) -> None:
         """Write with `save_pretrained` (loadable by `Tokenizer.load` and `AutoTokenizer`, 4.x and 5.x)."""
-        from trainer.hf_tokenizer import loadable_by_transformers4
+        from trainer.tokenizer.hf_format import loadable_by_transformers4
 
         self.hf.save_pretrained(str(directory))
         loadable_by_transformers4(directory)

@@ -1,0 +1,59 @@
+"""Export a training checkpoint as a Hugging Face directory: `python -m trainer.export`.
+
+    python -m trainer.export --checkpoint OUT/checkpoint-STEP --output DIR \\
+        [--num_beams 4] [--max_length 128] [--tokenizer OUT/tokenizer] [--overwrite]
+
+Reads a DCP checkpoint written on any (pp, dp, tp) mesh in one process, with no
+process group: the template is a fresh single-device `M2M100Translation` built
+from the checkpoint's `trainer_state.json` ("model_config"), and DCP reshards
+every saved tensor (tp shards are DTensors of logical shape) into its plain
+tensors. Only the "model" part is read; optimizer state is ignored.
+
+DIR receives config.json, model.safetensors, generation_config.json
+(decoder_start / eos / pad / bos ids, num_beams, max_length) and the tokenizer
+files that stock `AutoTokenizer` loads (from the run's `tokenizer/`, by default
+the checkpoint's parent directory's; `model_max_length` is the model's
+`max_position_embeddings`). A run whose tags are all stock M2M100 codes (`__en__`)
+becomes a stock M2M100 checkpoint: `M2M100Tokenizer` (`tok.src_lang = "en"`) and the
+vocabulary permuted to its ids (`trainer.hf_m2m100`); other runs keep their ids (an
+`NllbTokenizer`, see `trainer.hf_tokenizer`). transformers 4.46+ and 5.x load both
+(checked by `tests/unit/test_hf_tokenizer.py` with `scripts/check_hf_export.py`). Everything is written into a temporary
+directory beside DIR and renamed at the end, so a failure leaves no half-written
+export. Bad input fails with one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from transformers import HfArgumentParser
+
+from models.hf import CheckpointMismatchError
+from trainer.checkpoint.hf_export import ExportArguments, ExportError, export
+from trainer.errors import TokenizerError
+
+
+def parse_args(argv: Sequence[str] | None) -> ExportArguments:
+    parser = HfArgumentParser(ExportArguments)  # type: ignore[arg-type]
+    (args,) = parser.parse_args_into_dataclasses(args=None if argv is None else list(argv))
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (0 ok, 2 bad input, reported on stderr in one line)."""
+    args = parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        out = export(args)
+    except (ExportError, CheckpointMismatchError, TokenizerError) as e:
+        print(f"trainer.export: error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.checkpoint} -> {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Translate stdin to stdout with an exported model: `python -m trainer.translate`.
+
+    python -m trainer.translate --model DIR --source_lang en --target_lang fr \\
+        [--num_beams 4] [--max_length 128] [--batch_size 32] < in.txt > out.txt
+    torchrun --nproc-per-node 4 -m trainer.translate --model DIR --source_lang en \\
+        --target_lang fr --pipeline_parallel_size 2 --tensor_parallel_size 2 < in.txt > out.txt
+
+DIR is a Hugging Face directory as `trainer.export` writes it (config.json,
+model.safetensors, tokenizer files; stock M2M100/NLLB directories work too); the
+tokenizer loads through `trainer.tokenizer.Tokenizer.load`, i.e. `AutoTokenizer` for HF
+tokenizer files. One output line per input line, in order; bad input fails with one
+line on stderr, exit 2.
+
+One process: the weights load into our own `M2M100Translation` on one device and
+decode with `models.generate` (equal to `transformers`' `generate`).
+
+Under torchrun (WORLD_SIZE > 1) no device holds the whole model: the ranks form the
+(pp, dp, tp) mesh of `parallel.mesh`, the model is cut into pp stages (uniform by
+blocks) and split over tp by `parallel.parallelize.build_parallel_model`, and decodes
+with `parallel.generate.pipeline_generate` (per-stage KV caches, the same tokens as one
+device) through `trainer.evaluation_runner.translate_on_mesh`: the dp replicas share
+the length-sorted batches. Rank 0 reads stdin, writes stdout and logs the mesh on
+stderr; the other ranks write nothing. Bad sizes or flags fail on every rank before
+the process group exists.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TextIO
+
+from transformers import HfArgumentParser
+
+from models.hf import CheckpointMismatchError
+from trainer.errors import TokenizerError
+
+if TYPE_CHECKING:
+    pass
+from trainer.eval.hf_translate import RankError, TranslateArguments, TranslateError, run
+
+
+def parse_args(argv: Sequence[str] | None) -> TranslateArguments:
+    parser = HfArgumentParser(TranslateArguments)  # type: ignore[arg-type]
+    (args,) = parser.parse_args_into_dataclasses(args=None if argv is None else list(argv))
+    return args
+
+
+def utf8(stream: TextIO) -> TextIO:
+    """The real stdin/stdout as UTF-8 whatever the locale says (translations are multilingual)."""
+    if isinstance(stream, io.TextIOWrapper):
+        stream.reconfigure(encoding="utf-8")
+    return stream
+
+
+def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
+    """Entry point; returns the exit status (0 ok, 2 bad input, reported on stderr in one line).
+
+    Under torchrun an error every rank meets alike (flags, files, languages) is printed by
+    rank 0 only; a `RankError` by the rank that met it.
+    """
+    args = parse_args(argv)
+    try:
+        run(args, stdin or utf8(sys.stdin), stdout or utf8(sys.stdout))
+    except (TranslateError, CheckpointMismatchError, TokenizerError) as e:
+        if isinstance(e, RankError) or os.environ.get("RANK", "0") == "0":
+            print(f"trainer.translate: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
