@@ -5,7 +5,7 @@
 
 Both sides do the same thing:
 
-* data: multi30k train en->de (line-aligned .gz files), read once by `trainer.data.load_raw_datasets`;
+* data: multi30k train en->de (line-aligned .gz files), read once by `trainer.data.sources.load_raw_datasets`;
   the HF side gets the same pairs, tokenized by the exported `AutoTokenizer` as
   `tok("__en__ " + src)` / `tok("__de__ " + tgt)` (= our `__en__ x </s>` / `__de__ y </s>`; checked
   id for id against `tokenize_datasets`), padded by the same `collate` (labels -100,
@@ -19,9 +19,9 @@ Both sides do the same thing:
   label smoothing 0.1, 32 sentences per step, no gradient accumulation, fp32, 2 threads, no eval;
   HF uses `train_sampling_strategy="group_by_length"` (its length bucketing; ours always buckets);
 * evaluation: the first `--eval_sentences` validation pairs, greedy (num_beams 1, max_length 64),
-  ours with `trainer.evaluate.translate`, HF with `generate(forced_bos_token_id=...)`; our trained
+  ours with `trainer.eval.decode.translate`, HF with `generate(forced_bos_token_id=...)`; our trained
   weights are also exported and decoded with HF `generate` as a cross-check; sacreBLEU via
-  `trainer.evaluate.compute_metrics` (13a BLEU, chrF).
+  `trainer.eval.decode.compute_metrics` (13a BLEU, chrF).
 
 Not the same (by design): the data order (different samplers) and the dropout masks. Loss: ours
 is the token mean over the global batch; HF's `LabelSmoother` is the token mean over the batch
@@ -141,7 +141,7 @@ def prepare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     tok_dir, init_dir = work / "tokenizer", work / "init"
     if (tok_dir / "tokenizer.json").is_file():
         tok = Tokenizer.load(tok_dir, run_languages(cfg.data))
-    else:  # exactly what `trainer.train.setup_tokenizer` does on rank 0
+    else:  # exactly what `trainer.run.setup.setup_tokenizer` does on rank 0
         tok = load_or_train_tokenizer(None, run_languages(cfg.data), training_texts(raw.train),
                                       cfg.model.vocab_size, cfg.data.spm_model_type,
                                       cfg.data.spm_character_coverage, cfg.data.spm_input_sentence_size,
@@ -212,7 +212,7 @@ def hf_label_smoothed_loss(model: Any, batch: Seq2SeqBatch, eps: float) -> torch
 
 
 def run_ours(args: argparse.Namespace, work: Path, shared: dict[str, Any]) -> dict[str, Any]:
-    """`trainer.train.run` in this process on a 1-rank gloo group; step entry/exit times recorded."""
+    """`trainer.run.loop.run` in this process on a 1-rank gloo group; step entry/exit times recorded."""
     import torch.distributed as dist
 
     import trainer.run.loop as tt
@@ -529,7 +529,7 @@ def write_report(out: Path, result: dict[str, Any]) -> None:
         f"BLEU/chrF (sacreBLEU 13a) on the first {result['eval_sentences']} validation sentences, "
         f"greedy, max_length 64.",
         "",
-        "| | ours (`trainer.train.run`, 1 rank) | transformers `Seq2SeqTrainer` | ours / HF |",
+        "| | ours (`trainer.run.loop.run`, 1 rank) | transformers `Seq2SeqTrainer` | ours / HF |",
         "|---|---|---|---|",
         f"| steps | {o['steps']} | {h['steps']} | |",
         f"| training loop wall time (s) | {o['loop_wall_s']:.1f} | {h['loop_wall_s']:.1f} | "
@@ -578,7 +578,7 @@ def write_report(out: Path, result: dict[str, Any]) -> None:
         f"- Tokenizer: the exported `AutoTokenizer` gives our ids on all but {result['tokenizer_mismatches']} "
         f"of {2 * result['train_pairs']} training sequences (SentencePiece vs `tokenizers` breaking Viterbi "
         "score ties differently, e.g. `95,000` -> `00 0` vs `0 00`); HF trains on its own tokenizer's ids.",
-        f"- Decoding: ours with `trainer.evaluate.translate` ({ev['ours']['decode_s']:.1f} s), HF with "
+        f"- Decoding: ours with `trainer.eval.decode.translate` ({ev['ours']['decode_s']:.1f} s), HF with "
         f"`generate(forced_bos_token_id=__de__)` ({ev['hf']['decode_s']:.1f} s).",
         "",
         "Samples (first validation sentences):",

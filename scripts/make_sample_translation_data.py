@@ -4,7 +4,7 @@
 
 Train / validation / test files in the Hugging Face translation format
 (`{"translation": {"en": "...", "de": "..."}}`), drawn from the built-in corpus
-(`trainer.corpus`: numbers, dates, CLDR names), so they need no download; the items
+(`trainer.data.corpus`: numbers, dates, CLDR names), so they need no download; the items
 of the three splits never overlap. The committed files are this script's output with
 the defaults.
 """

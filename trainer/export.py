@@ -15,8 +15,8 @@ files that stock `AutoTokenizer` loads (from the run's `tokenizer/`, by default
 the checkpoint's parent directory's; `model_max_length` is the model's
 `max_position_embeddings`). A run whose tags are all stock M2M100 codes (`__en__`)
 becomes a stock M2M100 checkpoint: `M2M100Tokenizer` (`tok.src_lang = "en"`) and the
-vocabulary permuted to its ids (`trainer.hf_m2m100`); other runs keep their ids (an
-`NllbTokenizer`, see `trainer.hf_tokenizer`). transformers 4.46+ and 5.x load both
+vocabulary permuted to its ids (`trainer.tokenizer.stock_m2m100`); other runs keep their ids (an
+`NllbTokenizer`, see `trainer.tokenizer.hf_format`). transformers 4.46+ and 5.x load both
 (checked by `tests/unit/test_hf_tokenizer.py` with `scripts/check_hf_export.py`). Everything is written into a temporary
 directory beside DIR and renamed at the end, so a failure leaves no half-written
 export. Bad input fails with one line on stderr and exit status 2.

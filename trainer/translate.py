@@ -7,7 +7,7 @@
 
 DIR is a Hugging Face directory as `trainer.export` writes it (config.json,
 model.safetensors, tokenizer files; stock M2M100/NLLB directories work too); the
-tokenizer loads through `trainer.tokenizer.Tokenizer.load`, i.e. `AutoTokenizer` for HF
+tokenizer loads through `trainer.tokenizer.vocab.Tokenizer.load`, i.e. `AutoTokenizer` for HF
 tokenizer files. One output line per input line, in order; bad input fails with one
 line on stderr, exit 2.
 
@@ -18,7 +18,7 @@ Under torchrun (WORLD_SIZE > 1) no device holds the whole model: the ranks form 
 (pp, dp, tp) mesh of `parallel.mesh`, the model is cut into pp stages (uniform by
 blocks) and split over tp by `parallel.parallelize.build_parallel_model`, and decodes
 with `parallel.generate.pipeline_generate` (per-stage KV caches, the same tokens as one
-device) through `trainer.evaluation_runner.translate_on_mesh`: the dp replicas share
+device) through `trainer.eval.runner.translate_on_mesh`: the dp replicas share
 the length-sorted batches. Rank 0 reads stdin, writes stdout and logs the mesh on
 stderr; the other ranks write nothing. Bad sizes or flags fail on every rank before
 the process group exists.

@@ -8,7 +8,7 @@
 Every file of the checkpoint is listed. Saving: each rank hashes the files it wrote
 (its DCP shards `__<rank>_*.distcp` and `rng/rank-<rank>.pt`), rank 0 gathers the
 records, hashes what is left (`.metadata`, `trainer_state.json`) and writes the marker
-last (`trainer.checkpoint.save_checkpoint`). Loading: the ranks verify shares of the
+last (`trainer.checkpoint.dcp.save_checkpoint`). Loading: the ranks verify shares of the
 files (largest first, to the least-loaded rank) and agree on the first problem, so a
 damaged file is named in one line before DCP reads anything.
 

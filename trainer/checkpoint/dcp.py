@@ -15,7 +15,7 @@ replicas are de-duplicated by DCP's planner. Loading on a different (pp, dp, tp)
 therefore only needs the new rank's template. A checkpoint without `COMMITTED`
 is incomplete (a crash mid-save) and is never chosen to resume from.
 
-Integrity (`trainer.commit`): the marker records every file's size and crc32, and
+Integrity (`trainer.checkpoint.commit`): the marker records every file's size and crc32, and
 `resolve_resume` verifies them before DCP reads anything; `latest` falls back to
 the newest checkpoint that verifies, with a warning; a named one that does not is
 an error naming the file. A failed write on any rank (ENOSPC, EDQUOT, EFBIG, EIO,

@@ -145,7 +145,7 @@ MAY_CHANGE = (
     "run_name",
     "wandb_project",
     "disable_tqdm",
-    # run_translation / Seq2SeqTrainingArguments names (trainer/strategies.py, trainer/predict.py)
+    # run_translation / Seq2SeqTrainingArguments names (trainer/run/strategies.py, trainer/eval/predict.py)
     "num_train_epochs",  # like max_steps: the lr decay stretches to the new end
     "eval_strategy",
     "save_strategy",

@@ -175,7 +175,7 @@ class GlobalBatchSampler:
     """Length-bucketed, seeded, resumable sequence of global batches over epochs.
 
     Per epoch: shuffle all examples (seed, epoch) -- or, with temperature / weighted sampling
-    across directions (`trainer.sampling`), draw N examples by direction and shuffle them; cut into chunks of
+    across directions (`trainer.data.sampling`), draw N examples by direction and shuffle them; cut into chunks of
     `CHUNK_GLOBAL_BATCHES` global batches; sort each chunk by length; cut into global
     batches (dropping the last partial one); shuffle the order of global batches.
     `state_dict()` holds (epoch, position): a restored sampler continues exactly.

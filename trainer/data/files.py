@@ -21,8 +21,6 @@ logger = logging.getLogger(__name__)
 
 
 UNREADABLE = "unreadable_line"  # counts lines of a local file (not UTF-8, malformed JSON), dropped on reading
-
-
 TABLE_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet")
 
 

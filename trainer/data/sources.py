@@ -4,7 +4,7 @@
     tokenize_datasets   pairs -> `__src__ x </s>` / `__tgt__ y </s>` ids (datasets.map, batched,
                         `preprocessing_num_workers` processes, cached as memory-mapped Arrow files)
     GlobalBatchSampler  -> GlobalBatch k (depends on data, seed, global batch size and the
-                        direction sampling of `trainer.sampling` only; holds lengths, not rows)
+                        direction sampling of `trainer.data.sampling` only; holds lengths, not rows)
     GlobalBatch.shard   -> one dp replica's share: gas x m `Seq2SeqBatch`es
     eval_batches        -> per-direction batches with reference strings for BLEU
 
@@ -44,8 +44,6 @@ logger = logging.getLogger(__name__)
 
 # Skip codes stored in the `skip` column; 0 keeps the record. These count pairs (record x direction).
 SKIP_REASONS = ("missing_side", "empty_text", "source_too_long", "target_too_long")
-
-
 Direction = tuple[str, str]
 
 

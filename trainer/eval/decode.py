@@ -8,7 +8,7 @@
                         per-direction keys, samples (`evaluate_directions`: one device's)
 
 Only what is needed of a tokenizer and an eval set is assumed (the Protocols below),
-so `trainer.tokenizer.Tokenizer` and any object with the same members fit.
+so `trainer.tokenizer.vocab.Tokenizer` and any object with the same members fit.
 
 BLEU tokenization follows sacreBLEU's own per-language defaults: "13a" for
 space-delimited scripts, "zh" for Chinese, and "ja-mecab" / "ko-mecab" for Japanese
@@ -39,7 +39,7 @@ SAMPLES_KEY = "eval_samples"  # the one non-numeric entry of `evaluate_direction
 
 
 class TextTokenizer(Protocol):
-    """What decoding needs of a tokenizer (satisfied by `trainer.tokenizer.Tokenizer`)."""
+    """What decoding needs of a tokenizer (satisfied by `trainer.tokenizer.vocab.Tokenizer`)."""
 
     @property
     def pad_id(self) -> int: ...
@@ -391,7 +391,7 @@ def score_directions(
 
     Args:
         translator: one device's (`evaluate_directions`) or the 3D mesh's
-            (`trainer.evaluation_runner`); directions it returns None for are not scored.
+            (`trainer.eval.runner`); directions it returns None for are not scored.
         eval_sets: one per direction; directions with no sentences are skipped.
         num_samples: first sentences of each direction to return as samples.
 

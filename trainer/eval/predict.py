@@ -11,7 +11,7 @@ name, a local directory of data files or one written by `save_to_disk`, or the b
 The test data is read, filtered and tokenized like validation data (`trainer.data`), so
 test pairs longer than max_source_length / max_target_length are skipped and counted
 (`skipped` in predict_results.json), and max_eval_samples caps each direction. Decoding
-and loss are the evaluation's (`trainer.evaluation_runner.Evaluator`: pipeline_generate
+and loss are the evaluation's (`trainer.eval.runner.Evaluator`: pipeline_generate
 on the mesh, dp replicas sharing the batches); only the logging rank writes.
 """
 
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 def check_predict_args(cfg: JobConfig) -> None:
     """do_predict needs test data: a test_file that exists, or a dataset_name (checked before
     anything runs; a dataset without a 'test' split is refused when the data is loaded, before
-    training: `trainer.train.setup_run`).
+    training: `trainer.run.setup.setup_run`).
 
     Raises:
         ConfigError: do_predict with neither test_file nor dataset_name, or a test_file (or one of
@@ -80,7 +80,7 @@ def predict_test_set(ctx: RunContext) -> dict[str, Any]:
     """Translate and score the test file on the mesh; write the files (collective).
 
     Args:
-        ctx: the run's `trainer.train.RunContext` (model, mesh, tokenizer, config, log rank, out).
+        ctx: the run's `trainer.run.setup.RunContext` (model, mesh, tokenizer, config, log rank, out).
 
     Returns:
         The predict_results.json content on the logging rank ({} elsewhere).

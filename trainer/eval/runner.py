@@ -128,7 +128,7 @@ def translate_on_mesh(
     """Translate on the 3D model, dp replicas sharing the batches (see the module docstring).
 
     Collective over the whole world: every rank calls it with the same arguments. The
-    batches are `build_batches`' (those single-device `trainer.evaluate.translate` decodes),
+    batches are `build_batches`' (those single-device `trainer.eval.decode.translate` decodes),
     so the hypotheses are the single-device ones.
 
     Args:

@@ -75,7 +75,7 @@ def measure_kind_costs(
 def block_forward_flops(mc: ModelConfig, kind: BlockKind, shape: Shape) -> tuple[float, float]:
     """(forward FLOPs, of which in Attention modules) of one block on one micro-batch.
 
-    The per-block split of `trainer.flops.step_flops` (2 FLOPs per multiply-add).
+    The per-block split of `trainer.run.flops.step_flops` (2 FLOPs per multiply-add).
     """
     b, s, t, d = shape.b, shape.s, shape.t, mc.d_model
     if kind is BlockKind.ENC_LAYER:

@@ -6,7 +6,7 @@ the mesh: the executor's per-action work (activation meter, p2p bookkeeping, rec
 wrappers), ranks sharing the host's caches, memory bandwidth and cores, and every collective
 of a step (the timed step's start barrier, the guard's all-reduce, gradient-norm and logged-
 loss reduces, gloo's real all-reduce speed) which costs nothing on the one-rank mesh that
-`plan_measure.measure_overheads` runs on. On a 2-core CPU host, for example, the block
+`trainer.planner.measure.measure_overheads` runs on. On a 2-core CPU host, for example, the block
 profile under-predicted a pipeline rank's compute by 1.5-2x and a step's fixed costs by
 10-20 ms.
 

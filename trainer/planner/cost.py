@@ -19,6 +19,9 @@ Tensor parallelism is modelled, not measured: a block's compute divides by tp an
 Megatron's all-reduces (2 per encoder layer, 3 per decoder layer, forward and backward,
 of (B, T, H) activations). Legend: p = pp, m micro-batches, g accumulation flushes, v
 stages per rank, b sentences per micro-batch, s / t padded source / target tokens.
+
+The kind costs live in `trainer.planner.blocks`, the link model and device table in
+`trainer.planner.hardware`, the layout in `trainer.planner.layout`.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class CostContext:
     sequence_parallel: bool
     optimizer_s_per_param: float
     fetch_s_per_microbatch: float = 0.0
-    # Executor and step overheads the block profile does not see (`plan_measure.measure_overheads`)
+    # Executor and step overheads the block profile does not see (`trainer.planner.measure.measure_overheads`)
     action_overhead_s: float = 0.0  # per F and per B (or I) action of a stage on one micro-batch
     step_overhead_s: float = 0.0  # per optimizer step: barrier, clip, scheduler, bookkeeping
 

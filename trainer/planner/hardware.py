@@ -82,6 +82,4 @@ _DEVICES: dict[str, tuple[float, float, float, float]] = {
 
 
 H100_EFFICIENCY = 0.62
-
-
 H100_BLOCK_OVERHEAD_S = 2.9e-3

@@ -48,8 +48,6 @@ def layout_args(layout: Layout, base: list[str]) -> list[str]:
 
 
 Family = tuple[int, int, int, bool]  # (pp, tp, dp, split backward): a calibration family
-
-
 SPLIT_BACKWARD = ("zero_bubble", "zbv")
 
 

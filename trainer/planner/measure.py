@@ -227,7 +227,7 @@ def _ping_pong(rank: int, port: int, repeats: int, queue) -> None:  # type: igno
 
 
 class _FixedBatch:
-    """The slice of `trainer.data.GlobalBatch` that `trainer.loop.train_step` reads."""
+    """The slice of `trainer.data.batching.GlobalBatch` that `trainer.run.step.train_step` reads."""
 
     def __init__(self, batches: list[Any]) -> None:
         self.batches = batches
@@ -243,7 +243,7 @@ def measure_overheads(
 ) -> tuple[float, float]:
     """(per action, per step) seconds the trainer's real step spends beyond the block costs.
 
-    Runs `trainer.loop.train_step` (timed, as the validation runs log every step) on a
+    Runs `trainer.run.step.train_step` (timed, as the validation runs log every step) on a
     one-rank mesh with the one-layer model and m = 1 and m = 3 micro-batches of `shape`,
     subtracts the modelled block time (m x sum of F + B) and optimizer time, and fits
     overhead(m) = per_step + 2 m per_action (a stage runs one F and one B per micro-batch).

@@ -144,7 +144,7 @@ def _simulate_best(
 
 
 class TrainerCheck:
-    """`trainer.train.validate_early` on a layout, as the trainer would see its flags.
+    """`trainer.run.preflight.validate_early` on a layout, as the trainer would see its flags.
 
     The config is the job's with the layout's fields replaced (the dataclasses re-run their
     own checks); the mesh and schedule part is checked once per (mesh, m, g, schedule, v),

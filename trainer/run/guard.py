@@ -1,6 +1,6 @@
 """The step guard: divergence (`nan_policy`) and preemption (SIGTERM / SIGUSR1), agreed by every rank.
 
-One optimizer step (trainer/loop.py::train_step):
+One optimizer step (trainer/run/step.py::train_step):
 
     grads + clip            pm.train_step(...); grad_norm = pm.grads.clip_(max_norm)
     guard.check             [loss non-finite, grad norm non-finite, signal number]   (3,) fp32

@@ -53,7 +53,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         validate_early -> find_resume -> claim_output_dir -> setup_run -> resume_state -> tracker, evaluator
         -> [eval before] -> train_loop -> finish_run
 
-    Rank 0 holds output_dir's lock until this returns or raises (trainer.outdir).
+    Rank 0 holds output_dir's lock until this returns or raises (trainer.run.outdir).
     """
     dims = validate_early(cfg, dist.get_world_size())
     resume = find_resume(cfg, dims)  # before the claim: a mismatch with the checkpoint's run writes nothing
@@ -67,7 +67,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
             before = evaluator.run(step)
             tracker.log({"step": step, **before})
         args = cfg.training
-        # SIGTERM/SIGUSR1 from here on: save at the next step boundary (trainer/guard.py). A signal
+        # SIGTERM/SIGUSR1 from here on: save at the next step boundary (trainer/run/guard.py). A signal
         # during the final eval and save is not acted on: the run completes and exits 0.
         with PreemptionSignals() as signals:
             guard = StepGuard(args.nan_policy, args.nan_max_consecutive_skips, ctx.pm.device, signals)

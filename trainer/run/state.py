@@ -17,9 +17,7 @@ from parallel.mesh import ParallelDims
 from trainer.checkpoint import dcp as ckpt
 from trainer.checkpoint.resume import run_identity
 from trainer.errors import ConfigError
-from trainer.run.guard import (
-    assert_finite_state,
-)
+from trainer.run.guard import assert_finite_state
 from trainer.run.setup import RunContext
 
 logger = logging.getLogger("trainer")

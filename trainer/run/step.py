@@ -6,7 +6,7 @@ One optimizer step:
     flushes = gb.shard(dp_rank)               [gradient_accumulation_steps][num_microbatches]
     pm.train_step(flushes, 1 / gb.num_tokens) pipeline executor; dp + tied reduce at the last GR
     grad_norm = pm.grads.clip_(max_norm)      over the whole mesh, each parameter once
-    guard.check(step, loss_sum, grad_norm)    trainer/guard.py: non-finite? preempted? (all ranks agree)
+    guard.check(step, loss_sum, grad_norm)    trainer/run/guard.py: non-finite? preempted? (all ranks agree)
     optimizer.step(); scheduler.step()        unless the guard skips the step (nan_policy=skip)
 
 The step reads the device once, in the guard's check (a (3,) tensor of flags,

@@ -15,7 +15,7 @@ This form is what the run's `tokenizer/` holds and what `python -m trainer.expor
 for NLLB-style runs and for M2M100-style runs with a code outside stock M2M100's list. An
 M2M100-style run whose codes are all stock is exported as a true M2M100 checkpoint instead,
 `tok.src_lang = "en"` as with `facebook/m2m100_418M`: `M2M100Tokenizer` files and the model's
-vocabulary permuted to its ids (`trainer.hf_m2m100`).
+vocabulary permuted to its ids (`trainer.tokenizer.stock_m2m100`).
 
 transformers 5 rebuilds an `NllbTokenizer` as SentencePiece-BPE from the vocabulary and
 merges of `tokenizer.json` (4.x loads `tokenizer.json` as it is). A run trained with

@@ -4,7 +4,7 @@ An M2M100-style run (tags `__xx__`) whose every code is one of stock M2M100's 10
 (`FAIRSEQ_LANGUAGE_CODES["m2m100"]`) is exported as a true M2M100 checkpoint, so that
 `AutoTokenizer` gives an `M2M100Tokenizer` on which `tok.src_lang = "en"`,
 `tok.tgt_lang = "de"`, `text_target=` and `tok.get_lang_id("de")` work as with
-`facebook/m2m100_418M`. Other runs keep the `NllbTokenizer` form (`trainer.hf_tokenizer`).
+`facebook/m2m100_418M`. Other runs keep the `NllbTokenizer` form (`trainer.tokenizer.hf_format`).
 
 Stock M2M100Tokenizer maps SentencePiece pieces through `vocab.json` and puts language code
 i of its fixed list at `len(vocab.json) + i`, then 8 "madeup words" (stock `vocab_size` is

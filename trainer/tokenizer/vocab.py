@@ -16,9 +16,9 @@ Sequences are built by the data pipeline: source `__src__ tokens </s>`, labels
 Hugging Face export: `save_pretrained(dir)` writes files that stock
 `AutoTokenizer.from_pretrained(dir)` loads in transformers 4.x and 5.x, with the same ids
 (an `NllbTokenizer` honouring `src_lang` / `tgt_lang` / `text_target` for BPE models; see
-`trainer.hf_tokenizer` for the choice of class). `python -m trainer.export` writes a stock
+`trainer.tokenizer.hf_format` for the choice of class). `python -m trainer.export` writes a stock
 `M2M100Tokenizer` instead when every tag is a stock M2M100 code, permuting the model's
-vocabulary to its ids (`trainer.hf_m2m100`). A directory holding a stock
+vocabulary to its ids (`trainer.tokenizer.stock_m2m100`). A directory holding a stock
 `NllbTokenizer` or `M2M100Tokenizer` is used as is (`HFTokenizer`).
 """
 
@@ -217,7 +217,7 @@ class SentencePieceTokenizer(Tokenizer):
             raise TokenizerError(f"tokenizer at {path} is unreadable: {e}") from None
 
     def save_pretrained(self, directory: str | Path, model_max_length: int | None = None) -> None:
-        """Write the files `AutoTokenizer.from_pretrained` loads (see `trainer.hf_tokenizer`).
+        """Write the files `AutoTokenizer.from_pretrained` loads (see `trainer.tokenizer.hf_format`).
 
         Args:
             directory: destination.
