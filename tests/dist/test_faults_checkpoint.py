@@ -34,7 +34,7 @@ from tests.dist.train_workers import base_config
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
 HOLD_LOCK = (
-    "import sys; from trainer.outdir import OutputDirLock; OutputDirLock(sys.argv[1]).acquire(); "
+    "import sys; from trainer.run.outdir import OutputDirLock; OutputDirLock(sys.argv[1]).acquire(); "
     "print('held', flush=True); sys.stdin.read()"
 )
 
