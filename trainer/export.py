@@ -20,6 +20,8 @@ vocabulary permuted to its ids (`trainer.tokenizer.stock_m2m100`); other runs ke
 (checked by `tests/unit/test_hf_tokenizer.py` with `scripts/check_hf_export.py`). Everything is written into a temporary
 directory beside DIR and renamed at the end, so a failure leaves no half-written
 export. Bad input fails with one line on stderr and exit status 2.
+
+This module parses the flags and calls the library: `trainer.checkpoint.hf_export`.
 """
 
 from __future__ import annotations

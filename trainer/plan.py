@@ -16,6 +16,8 @@
     validate    run the top K with trainer.train for a few steps; predicted vs measured
 
 Everything rejected is listed with its reason (in plan.json and counted in the printout).
+
+This module parses the flags and calls the library: `trainer.planner (search, space, cost, calibrate, report)`.
 """
 
 from __future__ import annotations

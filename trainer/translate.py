@@ -22,6 +22,8 @@ device) through `trainer.eval.runner.translate_on_mesh`: the dp replicas share
 the length-sorted batches. Rank 0 reads stdin, writes stdout and logs the mesh on
 stderr; the other ranks write nothing. Bad sizes or flags fail on every rank before
 the process group exists.
+
+This module parses the flags and calls the library: `trainer.eval.hf_translate`.
 """
 
 from __future__ import annotations
@@ -30,15 +32,12 @@ import io
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
 from transformers import HfArgumentParser
 
 from models.hf import CheckpointMismatchError
 from trainer.errors import TokenizerError
-
-if TYPE_CHECKING:
-    pass
 from trainer.eval.hf_translate import RankError, TranslateArguments, TranslateError, run
 
 

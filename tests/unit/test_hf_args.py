@@ -170,7 +170,7 @@ def test_forced_bos_token_must_be_the_target() -> None:
 
 
 def test_do_predict_needs_an_existing_test_file() -> None:
-    from trainer.eval.predict import check_predict_args
+    from trainer.run.preflight import check_predict_args
 
     with pytest.raises(ConfigError, match=r"do_predict=True needs test_file .* or a dataset_name"):
         check_predict_args(parse_config(["--config", TINY, "--dataset_name", "null", "--train_file",

@@ -7,6 +7,9 @@ either are an error naming the key; `--field null` unsets a value the file set
 (e.g. `--dataset_name null --train_file my.jsonl` over a config with a dataset). Field names follow `Seq2SeqTrainingArguments`
 and `run_translation.py` where one exists; model fields follow `M2M100Config`.
 Each component receives only its own section.
+
+Here: the model and parallel sections and `JobConfig`; the data and training sections are
+`data_args.py` and `training_args.py`, their shared checks `checks.py`, parsing `parse.py`.
 """
 
 from __future__ import annotations

@@ -28,40 +28,12 @@ from trainer.config.schema import JobConfig
 from trainer.data.batching import eval_batches
 from trainer.data.sources import RawDatasets, load_test_pairs
 from trainer.data.tokenization import TranslationData, tokenize_pairs
-from trainer.errors import ConfigError
 from trainer.eval.decode import SAMPLES_KEY, DirectionTexts, score_directions
 from trainer.eval.runner import Evaluator
 from trainer.tokenizer.vocab import Tokenizer
 
 if TYPE_CHECKING:
     from trainer.run.setup import RunContext
-
-
-def check_predict_args(cfg: JobConfig) -> None:
-    """do_predict needs test data: a test_file that exists, or a dataset_name (checked before
-    anything runs; a dataset without a 'test' split is refused when the data is loaded, before
-    training: `trainer.run.setup.setup_run`).
-
-    Raises:
-        ConfigError: do_predict with neither test_file nor dataset_name, or a test_file (or one of
-            its per-language files, for a '{lang}' pattern) that does not exist.
-    """
-    if not cfg.training.do_predict:
-        return
-    test = cfg.data.test_file
-    if not test and cfg.data.dataset_name:
-        return
-    if not test:
-        raise ConfigError(
-            "do_predict=True needs test_file (JSON lines / Parquet / '{lang}' text files) "
-            "or a dataset_name with a 'test' split"
-        )
-    from trainer.data.sources import run_languages
-
-    paths = [test.format(lang=lang) for lang in run_languages(cfg.data)] if "{lang}" in test else [test]
-    missing = [p for p in paths if not Path(p).is_file()]
-    if missing:
-        raise ConfigError(f"test_file={test!r}: {missing[0]!r} does not exist")
 
 
 def load_test_data(cfg: JobConfig, tok: Tokenizer, raw: RawDatasets | None = None) -> TranslationData:

@@ -5,11 +5,13 @@ Also the planner's filter: a candidate layout's trainer flags must pass them.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from parallel.mesh import ParallelDims
 from trainer.config.dims import parallel_dims
 from trainer.config.schema import JobConfig
+from trainer.data.sources import run_languages
 from trainer.errors import ConfigError
-from trainer.eval.predict import check_predict_args
 from trainer.run.strategies import check_metric_name
 
 
@@ -46,3 +48,28 @@ def validate_early(cfg: JobConfig, world: int) -> ParallelDims:
     check_predict_args(cfg)
     check_metric_name(cfg.training.metric_for_best_model, [f"{s}-{t}" for s, t in cfg.data.directions()])
     return dims
+
+
+def check_predict_args(cfg: JobConfig) -> None:
+    """do_predict needs test data: a test_file that exists, or a dataset_name (checked before
+    anything runs; a dataset without a 'test' split is refused when the data is loaded, before
+    training: `trainer.run.setup.setup_run`).
+
+    Raises:
+        ConfigError: do_predict with neither test_file nor dataset_name, or a test_file (or one of
+            its per-language files, for a '{lang}' pattern) that does not exist.
+    """
+    if not cfg.training.do_predict:
+        return
+    test = cfg.data.test_file
+    if not test and cfg.data.dataset_name:
+        return
+    if not test:
+        raise ConfigError(
+            "do_predict=True needs test_file (JSON lines / Parquet / '{lang}' text files) "
+            "or a dataset_name with a 'test' split"
+        )
+    paths = [test.format(lang=lang) for lang in run_languages(cfg.data)] if "{lang}" in test else [test]
+    missing = [p for p in paths if not Path(p).is_file()]
+    if missing:
+        raise ConfigError(f"test_file={test!r}: {missing[0]!r} does not exist")
