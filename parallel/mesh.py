@@ -13,7 +13,7 @@ axis, consecutive ranks on one node), as in Megatron-LM and torchtitan:
 Usage (one object created once and passed in; a function gets only its axis):
 
     init_distributed(timeout_s=600)
-    dims = ParallelDims.from_args(parallel_args, world_size=dist.get_world_size())
+    dims = ParallelDims(pp=2, dp=-1, tp=2, world_size=dist.get_world_size())  # -1: dp inferred
     dims.validate(model_config)            # before any collective
     mesh = build_mesh(dims, "cuda" if torch.cuda.is_available() else "cpu")
     apply_tensor_parallel(model, mesh.group("tp"))
@@ -39,7 +39,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 if TYPE_CHECKING:
     from models.config import ModelConfig
-    from trainer.config import ParallelArguments
 
 logger = logging.getLogger(__name__)
 
@@ -69,31 +68,6 @@ class ParallelDims:
     world_size: int
     local_world_size: int | None = None
     allow_tp_across_nodes: bool = False
-
-    @classmethod
-    def from_args(
-        cls, args: ParallelArguments, world_size: int, local_world_size: int | None = None
-    ) -> ParallelDims:
-        """Sizes from the job's `ParallelArguments`.
-
-        Args:
-            args: the parallel section of the job config.
-            world_size: number of ranks.
-            local_world_size: ranks per node; default from the LOCAL_WORLD_SIZE env var.
-
-        Returns:
-            Unvalidated dims (call `validate()`).
-        """
-        if local_world_size is None and "LOCAL_WORLD_SIZE" in os.environ:
-            local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
-        return cls(
-            pp=args.pipeline_parallel_size,
-            dp=args.data_parallel_size,
-            tp=args.tensor_parallel_size,
-            world_size=world_size,
-            local_world_size=local_world_size,
-            allow_tp_across_nodes=args.allow_tp_across_nodes,
-        )
 
     def validate(self, model_config: ModelConfig | None = None) -> ParallelDims:
         """Check the sizes (and the model's divisibility by tp); infer dp if -1. Pure: no collectives.

@@ -118,7 +118,7 @@ class ActivationParts:
     The executor's meter charges a stage's inputs once and every saved storage once per
     (stage, micro-batch); a block profiled alone charges its own inputs again (the encoder
     output that every decoder layer receives, for one). Stage sums use these parts instead
-    (`trainer.plan_cost.stage_activation_bytes`).
+    (`trainer.planner.cost.stage_activation_bytes`).
 
     own: bytes saved for backward that are not the block's inputs.
     inputs: bytes of each input state key; saved_inputs: the input keys it saves.

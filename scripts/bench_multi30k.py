@@ -5,7 +5,7 @@
 
 Both sides do the same thing:
 
-* data: multi30k train en->de (line-aligned .gz files), read once by `trainer.data.load_raw_datasets`;
+* data: multi30k train en->de (line-aligned .gz files), read once by `trainer.data.sources.load_raw_datasets`;
   the HF side gets the same pairs, tokenized by the exported `AutoTokenizer` as
   `tok("__en__ " + src)` / `tok("__de__ " + tgt)` (= our `__en__ x </s>` / `__de__ y </s>`; checked
   id for id against `tokenize_datasets`), padded by the same `collate` (labels -100,
@@ -19,9 +19,9 @@ Both sides do the same thing:
   label smoothing 0.1, 32 sentences per step, no gradient accumulation, fp32, 2 threads, no eval;
   HF uses `train_sampling_strategy="group_by_length"` (its length bucketing; ours always buckets);
 * evaluation: the first `--eval_sentences` validation pairs, greedy (num_beams 1, max_length 64),
-  ours with `trainer.evaluate.translate`, HF with `generate(forced_bos_token_id=...)`; our trained
+  ours with `trainer.eval.decode.translate`, HF with `generate(forced_bos_token_id=...)`; our trained
   weights are also exported and decoded with HF `generate` as a cross-check; sacreBLEU via
-  `trainer.evaluate.compute_metrics` (13a BLEU, chrF).
+  `trainer.eval.decode.compute_metrics` (13a BLEU, chrF).
 
 Not the same (by design): the data order (different samplers) and the dropout masks. Loss: ours
 is the token mean over the global batch; HF's `LabelSmoother` is the token mean over the batch
@@ -49,18 +49,13 @@ sys.path.insert(0, str(ROOT))
 from models.config import ModelConfig  # noqa: E402
 from models.hf import load_hf_weights, load_into, save_hf_model  # noqa: E402
 from models.m2m100 import IGNORE_INDEX, M2M100Translation, Seq2SeqBatch  # noqa: E402
-from trainer.config import JobConfig, load_config_dict  # noqa: E402
-from trainer.data import (  # noqa: E402
-    BatchLayout,
-    GlobalBatchSampler,
-    collate,
-    load_raw_datasets,
-    run_languages,
-    tokenize_datasets,
-    training_texts,
-)
-from trainer.evaluate import compute_metrics, translate  # noqa: E402
-from trainer.tokenizer import Tokenizer, load_or_train_tokenizer  # noqa: E402
+from trainer.config.parse import load_config_dict  # noqa: E402
+from trainer.config.schema import JobConfig  # noqa: E402
+from trainer.data.batching import BatchLayout, GlobalBatchSampler, collate  # noqa: E402
+from trainer.data.sources import load_raw_datasets, run_languages, training_texts  # noqa: E402
+from trainer.data.tokenization import tokenize_datasets  # noqa: E402
+from trainer.eval.decode import compute_metrics, translate  # noqa: E402
+from trainer.tokenizer.vocab import Tokenizer, load_or_train_tokenizer  # noqa: E402
 
 DATA = Path("/work/shared/data/multi30k")
 SRC, TGT = "en", "de"
@@ -146,7 +141,7 @@ def prepare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     tok_dir, init_dir = work / "tokenizer", work / "init"
     if (tok_dir / "tokenizer.json").is_file():
         tok = Tokenizer.load(tok_dir, run_languages(cfg.data))
-    else:  # exactly what `trainer.train.setup_tokenizer` does on rank 0
+    else:  # exactly what `trainer.run.setup.setup_tokenizer` does on rank 0
         tok = load_or_train_tokenizer(None, run_languages(cfg.data), training_texts(raw.train),
                                       cfg.model.vocab_size, cfg.data.spm_model_type,
                                       cfg.data.spm_character_coverage, cfg.data.spm_input_sentence_size,
@@ -217,10 +212,10 @@ def hf_label_smoothed_loss(model: Any, batch: Seq2SeqBatch, eps: float) -> torch
 
 
 def run_ours(args: argparse.Namespace, work: Path, shared: dict[str, Any]) -> dict[str, Any]:
-    """`trainer.train.run` in this process on a 1-rank gloo group; step entry/exit times recorded."""
+    """`trainer.run.loop.run` in this process on a 1-rank gloo group; step entry/exit times recorded."""
     import torch.distributed as dist
 
-    import trainer.train as tt
+    import trainer.run.loop as tt
     from parallel.mesh import init_distributed
 
     values = job_values(args, work)
@@ -404,7 +399,7 @@ def evaluate(args: argparse.Namespace, work: Path, shared: dict[str, Any], ours:
              hf: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
     from transformers import M2M100ForConditionalGeneration
 
-    from trainer.export import load_full_state
+    from trainer.checkpoint.hf_export import load_full_state
 
     mc: ModelConfig = shared["mc"]
     sources, refs = shared["val_sources"], shared["val_refs"]
@@ -534,7 +529,7 @@ def write_report(out: Path, result: dict[str, Any]) -> None:
         f"BLEU/chrF (sacreBLEU 13a) on the first {result['eval_sentences']} validation sentences, "
         f"greedy, max_length 64.",
         "",
-        "| | ours (`trainer.train.run`, 1 rank) | transformers `Seq2SeqTrainer` | ours / HF |",
+        "| | ours (`trainer.run.loop.run`, 1 rank) | transformers `Seq2SeqTrainer` | ours / HF |",
         "|---|---|---|---|",
         f"| steps | {o['steps']} | {h['steps']} | |",
         f"| training loop wall time (s) | {o['loop_wall_s']:.1f} | {h['loop_wall_s']:.1f} | "
@@ -583,7 +578,7 @@ def write_report(out: Path, result: dict[str, Any]) -> None:
         f"- Tokenizer: the exported `AutoTokenizer` gives our ids on all but {result['tokenizer_mismatches']} "
         f"of {2 * result['train_pairs']} training sequences (SentencePiece vs `tokenizers` breaking Viterbi "
         "score ties differently, e.g. `95,000` -> `00 0` vs `0 00`); HF trains on its own tokenizer's ids.",
-        f"- Decoding: ours with `trainer.evaluate.translate` ({ev['ours']['decode_s']:.1f} s), HF with "
+        f"- Decoding: ours with `trainer.eval.decode.translate` ({ev['ours']['decode_s']:.1f} s), HF with "
         f"`generate(forced_bos_token_id=__de__)` ({ev['hf']['decode_s']:.1f} s).",
         "",
         "Samples (first validation sentences):",

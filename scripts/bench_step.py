@@ -6,14 +6,14 @@
 Both sides train the same M2M100 architecture from the same weights on the same
 batch (fp32 on a CPU, bf16 on a GPU), with AdamW (foreach on a CPU, fused on a
 GPU) and clipping at 1.0. "Ours" is `build_parallel_model` on a one-rank mesh
-driven by `trainer.loop.train_step`, exactly what `trainer.train` runs; "HF" is
+driven by `trainer.run.step.train_step`, exactly what `trainer.train` runs; "HF" is
 `M2M100ForConditionalGeneration` (sdpa attention) in a plain loop, with m
 micro-batches accumulated when the case has m > 1; "HF compile" the same under
 `torch.compile`.
 
 Per case it reports step time (medians; on a CPU the two sides alternate step by
 step so machine noise hits both alike), tokens/s, MFU (GPU: model FLOPs from
-`trainer.flops` over the device's peak), peak memory, the device-to-host reads
+`trainer.run.flops` over the device's peak), peak memory, the device-to-host reads
 and the aten ops of one micro-batch's forward and backward
 (`parallel.dispatch_count`), and on a GPU the synchronisations of a whole step
 (`torch.cuda.set_sync_debug_mode`). Prints one JSON line per case (`RESULT {...}`)
@@ -41,7 +41,7 @@ from models.config import ModelConfig  # noqa: E402
 from models.hf import to_hf_config, to_hf_state_dict  # noqa: E402
 from models.m2m100 import IGNORE_INDEX, M2M100Translation, Seq2SeqBatch  # noqa: E402
 from parallel.dispatch_count import DispatchCounter  # noqa: E402
-from trainer.flops import peak_flops, step_flops  # noqa: E402
+from trainer.run.flops import peak_flops, step_flops  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -137,8 +137,8 @@ def ours(
 
     from parallel.mesh import ParallelDims, build_mesh
     from parallel.parallelize import build_parallel_model
-    from trainer.config import TrainingArguments
-    from trainer.loop import build_optimizer, build_scheduler, train_step
+    from trainer.config.training_args import TrainingArguments
+    from trainer.run.step import build_optimizer, build_scheduler, train_step
 
     mesh = build_mesh(ParallelDims(pp=1, dp=1, tp=1, world_size=1), device.type)
     model = copy.deepcopy(base).to(device)

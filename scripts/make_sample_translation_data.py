@@ -4,7 +4,7 @@
 
 Train / validation / test files in the Hugging Face translation format
 (`{"translation": {"en": "...", "de": "..."}}`), drawn from the built-in corpus
-(`trainer.corpus`: numbers, dates, CLDR names), so they need no download; the items
+(`trainer.data.corpus`: numbers, dates, CLDR names), so they need no download; the items
 of the three splits never overlap. The committed files are this script's output with
 the defaults.
 """
@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from trainer.corpus import build_builtin_corpus
+from trainer.data.corpus import build_builtin_corpus
 
 
 def main() -> None:

@@ -109,9 +109,9 @@ def guard_cases(rank: int, world: int, base: dict[str, Any]) -> dict[str, Any]:
     from torch.utils._python_dispatch import _disable_current_modes
 
     from parallel.dispatch_count import DispatchCounter
-    from trainer import train
-    from trainer.config import load_config_dict
-    from trainer.guard import DivergenceError, Preempted
+    from trainer.run import loop as train
+    from trainer.config.parse import load_config_dict
+    from trainer.run.guard import DivergenceError, Preempted
 
     datasets.disable_progress_bars()
     logging.basicConfig(level=logging.ERROR)
@@ -182,7 +182,7 @@ def guard_cases(rank: int, world: int, base: dict[str, Any]) -> dict[str, Any]:
     out["resumed"] = [(r["step"], r["loss"]) for r in _history(tracker_rows)]
 
     # 3b. SIGTERM to rank 0 only while the step-2 evaluation runs: it finishes, then step 2 is saved.
-    from trainer.evaluation_runner import Evaluator
+    from trainer.eval.runner import Evaluator
 
     evaluate = Evaluator.run
 

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.mesh import AXES, ParallelDims, build_mesh, init_distributed
+from trainer.config.dims import parallel_dims
 
 
 def probe(out_dir: Path, pp: int, tp: int, dp: int = -1) -> dict[str, object]:
@@ -66,7 +67,7 @@ def probe(out_dir: Path, pp: int, tp: int, dp: int = -1) -> dict[str, object]:
 
 
 def _tp_across_nodes_error(world: int) -> str | None:
-    """The trainer's own check (`ParallelDims.from_args(...).validate()`, LOCAL_WORLD_SIZE from
+    """The trainer's own check (`parallel_dims(...).validate()`, LOCAL_WORLD_SIZE from
     torchrun's environment) for tp = the whole world: the message it raises, or None if accepted."""
     args = SimpleNamespace(
         pipeline_parallel_size=1,
@@ -75,7 +76,7 @@ def _tp_across_nodes_error(world: int) -> str | None:
         allow_tp_across_nodes=False,
     )
     try:
-        ParallelDims.from_args(args, world_size=world).validate()  # type: ignore[arg-type]
+        parallel_dims(args, world_size=world).validate()  # type: ignore[arg-type]
     except ValueError as exc:
         return str(exc)
     return None

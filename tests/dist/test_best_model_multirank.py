@@ -34,8 +34,8 @@ def best_model_run(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
     import datasets
     import torch
 
-    import trainer.train as train_module
-    from trainer.config import load_config_dict
+    import trainer.run.loop as train_module
+    from trainer.config.parse import load_config_dict
 
     datasets.disable_progress_bars()
     snapshots: dict[str, dict[str, torch.Tensor]] = {}

@@ -19,11 +19,11 @@ DATA = Path("/work/shared/data/multi30k")
 def share_tokenization(rank: int, world: int, text_dir: str, out: str) -> dict[str, Any]:
     import datasets
 
-    import trainer.data as data_module
-    import trainer.train as train_module
-    from trainer.config import load_config_dict
-    from trainer.data import load_raw_datasets
-    from trainer.tokenizer import Tokenizer
+    import trainer.data.tokenization as data_module
+    import trainer.run.setup as train_module
+    from trainer.config.parse import load_config_dict
+    from trainer.data.sources import load_raw_datasets
+    from trainer.tokenizer.vocab import Tokenizer
 
     datasets.disable_progress_bars()
     cfg = load_config_dict({"train_file": f"{text_dir}/train.{{lang}}.gz", "language_pairs": ["en-de", "de-en"],
@@ -56,7 +56,7 @@ def share_tokenization(rank: int, world: int, text_dir: str, out: str) -> dict[s
 
 
 def test_rank0_tokenizes_the_others_load(tmp_path: Path) -> None:
-    from trainer.tokenizer import train_tokenizer
+    from trainer.tokenizer.vocab import train_tokenizer
 
     lines = {}
     for lang in ("de", "en"):

@@ -32,7 +32,7 @@ import yaml
 from tests.dist.harness import run_distributed
 
 if TYPE_CHECKING:
-    from trainer.hf_m2m100 import StockLayout
+    from trainer.tokenizer.stock_m2m100 import StockLayout
 
 ROOT = Path(__file__).resolve().parents[2]
 REL_TOL = 1e-5
@@ -69,8 +69,8 @@ def _values(output_dir: Path, **extra: Any) -> dict[str, Any]:
 
 
 def train_worker(rank: int, world_size: int, values: dict[str, Any]) -> None:
-    from trainer.config import load_config_dict
-    from trainer.train import run
+    from trainer.config.parse import load_config_dict
+    from trainer.run.loop import run
 
     run(load_config_dict(values))
 
@@ -99,9 +99,11 @@ def stock_eval_loss(
     import torch.nn.functional as F
     from transformers import AutoModelForSeq2SeqLM
 
-    from trainer.config import load_config_dict
-    from trainer.data import eval_batches, load_raw_datasets, run_languages, tokenize_datasets
-    from trainer.tokenizer import Tokenizer
+    from trainer.config.parse import load_config_dict
+    from trainer.data.batching import eval_batches
+    from trainer.data.sources import load_raw_datasets, run_languages
+    from trainer.data.tokenization import tokenize_datasets
+    from trainer.tokenizer.vocab import Tokenizer
 
     cfg = load_config_dict(values)
     tok = Tokenizer.load(Path(values["output_dir"]) / "tokenizer", run_languages(cfg.data))
@@ -149,9 +151,9 @@ def _stock_model(tmp: Path, values: dict[str, Any]) -> Path:
     import torch
     from transformers import M2M100Config, M2M100ForConditionalGeneration
 
-    from trainer.config import load_config_dict
-    from trainer.data import load_raw_datasets, run_languages, training_texts
-    from trainer.tokenizer import load_or_train_tokenizer
+    from trainer.config.parse import load_config_dict
+    from trainer.data.sources import load_raw_datasets, run_languages, training_texts
+    from trainer.tokenizer.vocab import load_or_train_tokenizer
 
     cfg = load_config_dict(values)
     raw = load_raw_datasets(cfg.data, cfg.training.seed)
@@ -253,8 +255,8 @@ def test_export_from_3d_checkpoint_matches_trainer_eval_loss(
     assert evals[-1]["step"] == 2 and abs(trainer_loss - evals[0]["eval_loss"]) > 1e-4, (
         "training changed nothing"
     )
-    from trainer.hf_m2m100 import run_layout
-    from trainer.tokenizer import SentencePieceTokenizer, Tokenizer
+    from trainer.tokenizer.stock_m2m100 import run_layout
+    from trainer.tokenizer.vocab import SentencePieceTokenizer, Tokenizer
 
     run_tok = Tokenizer.load(Path(values["output_dir"]) / "tokenizer")
     assert isinstance(run_tok, SentencePieceTokenizer)

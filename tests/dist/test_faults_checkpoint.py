@@ -34,7 +34,7 @@ from tests.dist.train_workers import base_config
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
 HOLD_LOCK = (
-    "import sys; from trainer.outdir import OutputDirLock; OutputDirLock(sys.argv[1]).acquire(); "
+    "import sys; from trainer.run.outdir import OutputDirLock; OutputDirLock(sys.argv[1]).acquire(); "
     "print('held', flush=True); sys.stdin.read()"
 )
 
@@ -58,10 +58,10 @@ def fault_story(rank: int, world: int, base: dict[str, Any]) -> dict[str, Any]:
 
     import torch.distributed as dist
 
-    from trainer import checkpoint as ckpt
-    from trainer.config import load_config_dict
-    from trainer.outdir import claim_output_dir
-    from trainer.train import run
+    from trainer.checkpoint import dcp as ckpt
+    from trainer.config.parse import load_config_dict
+    from trainer.run.outdir import claim_output_dir
+    from trainer.run.loop import run
 
     out, res = Path(base["output_dir"]), {}
 

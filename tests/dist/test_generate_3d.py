@@ -85,7 +85,7 @@ def random_sources(n: int, seed: int, max_len: int = 9) -> list[list[int]]:
 def copy_batch(cfg: Any, words: list[list[int]], tags: list[int]) -> Any:
     """`__en__ w.. </s>` -> `__tgt__ w.. </s>` (teacher forcing from `</s>`)."""
     from models.m2m100 import IGNORE_INDEX, Seq2SeqBatch
-    from trainer.evaluate import pad_batch
+    from trainer.eval.decode import pad_batch
 
     src, mask = pad_batch([[TAGS["en"], *w, cfg.eos_token_id] for w in words], cfg.pad_token_id)
     labels, _ = pad_batch([[t, *w, cfg.eos_token_id] for w, t in zip(words, tags)], IGNORE_INDEX)
@@ -118,7 +118,7 @@ def token_parity(base: Any, pm: Any, dp_rank: int) -> list[dict[str, Any]]:
     """Greedy and beam search on this replica's own batch: 3D ids vs `generate` (leader ranks)."""
     from models.generate import SearchSettings, generate
     from parallel.generate import pipeline_generate
-    from trainer.evaluate import pad_batch
+    from trainer.eval.decode import pad_batch
 
     cfg = base.config
     words = random_sources(5, seed=dp_rank)
@@ -140,9 +140,9 @@ def bleu_parity(base: Any, pm: Any, mesh: Any, log_rank: int) -> dict[str, Any] 
     """`Evaluator.run` on the mesh vs `evaluate_directions` on the full model (logging rank)."""
     import torch.distributed as dist
 
-    from trainer.data import EvalBatch
-    from trainer.evaluate import evaluate_directions, translate
-    from trainer.evaluation_runner import Evaluator
+    from trainer.data.batching import EvalBatch
+    from trainer.eval.decode import evaluate_directions, translate
+    from trainer.eval.runner import Evaluator
 
     tok, cfg = WordTokenizer(), base.config
     batches: dict[str, list[EvalBatch]] = {}

@@ -27,9 +27,9 @@ def predict_run(rank: int, world: int, cfg: dict[str, Any], no_test: dict[str, A
     """Train 2 steps and predict; then a dataset without a test split (must fail at set-up)."""
     import datasets
 
-    from trainer.config import load_config_dict
-    from trainer.data import DataError
-    from trainer.train import run
+    from trainer.config.parse import load_config_dict
+    from trainer.errors import DataError
+    from trainer.run.loop import run
 
     datasets.disable_progress_bars()
     summary = run(load_config_dict(cfg))

@@ -40,8 +40,9 @@ def resume_story(rank: int, world: int, base: dict[str, Any]) -> dict[str, Any]:
     """Train 4 steps saving at 2, lose checkpoint-4, resume; then try each mismatch."""
     import datasets
 
-    from trainer.config import ConfigError, load_config_dict
-    from trainer.train import run
+    from trainer.errors import ConfigError
+    from trainer.config.parse import load_config_dict
+    from trainer.run.loop import run
 
     datasets.disable_progress_bars()
     out = Path(base["output_dir"])

@@ -43,8 +43,8 @@ def train_export(out: Path) -> None:
     from models.config import ModelConfig
     from models.hf import save_hf_model
     from models.m2m100 import IGNORE_INDEX, M2M100Translation, Seq2SeqBatch
-    from trainer.evaluate import pad_batch
-    from trainer.tokenizer import train_tokenizer
+    from trainer.eval.decode import pad_batch
+    from trainer.tokenizer.vocab import train_tokenizer
 
     en, de = read_lines("train.en.gz", 2000), read_lines("train.de.gz", 2000)
     tok = train_tokenizer(en + de, ["en", "de"], vocab_size=256)

@@ -63,8 +63,8 @@ def train_cases(rank: int, world: int, base: dict[str, Any], cases: list[dict[st
 
     import datasets
 
-    from trainer.config import load_config_dict
-    from trainer.train import run
+    from trainer.config.parse import load_config_dict
+    from trainer.run.loop import run
 
     datasets.disable_progress_bars()
     logging.basicConfig(level=logging.WARNING)

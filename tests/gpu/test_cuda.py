@@ -66,8 +66,8 @@ def test_bf16_step_fused_adamw_no_sync_and_event_timing() -> None:
     """On CUDA: fused AdamW, no synchronisation inside the flushes and the clip, and a timeline
     from CUDA events whose busy time is device time (positive, within the flush's span)."""
     from parallel.timing import DeviceClock
-    from trainer.config import TrainingArguments
-    from trainer.loop import build_optimizer
+    from trainer.config.training_args import TrainingArguments
+    from trainer.run.step import build_optimizer
 
     cfg, pm = _one_rank_model(bf16=True)
     opt = build_optimizer(pm.model, TrainingArguments(output_dir="/tmp/gpu_test"))
@@ -93,8 +93,8 @@ def test_bf16_step_fused_adamw_no_sync_and_event_timing() -> None:
 
 def test_bf16_loss_tracks_fp32_over_steps() -> None:
     """Ten AdamW steps on one batch: the bf16 losses stay within 3% of the fp32 ones."""
-    from trainer.config import TrainingArguments
-    from trainer.loop import build_optimizer
+    from trainer.config.training_args import TrainingArguments
+    from trainer.run.step import build_optimizer
 
     losses = {}
     for bf16 in (False, True):

@@ -30,11 +30,12 @@ import pytest
 import torch
 from torch import nn
 
-from trainer import checkpoint as ckpt
-from trainer.commit import COMMIT_MARKER, CheckpointCorruptError, share_of, verify_checkpoint
-from trainer.config import ConfigError, TrainingArguments
+from trainer.checkpoint import dcp as ckpt
+from trainer.checkpoint.commit import COMMIT_MARKER, CheckpointCorruptError, share_of, verify_checkpoint
+from trainer.config.training_args import TrainingArguments
+from trainer.errors import ConfigError
 from trainer.export import main as export_main
-from trainer.outdir import OutputDirBusyError, OutputDirLock, claim_output_dir
+from trainer.run.outdir import OutputDirBusyError, OutputDirLock, claim_output_dir
 
 
 def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import ConfigError, parse_config
+from trainer.config.parse import parse_config
+from trainer.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs/tiny.yaml")

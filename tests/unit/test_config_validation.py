@@ -10,14 +10,10 @@ from dataclasses import fields
 
 import pytest
 
-from trainer.config import (
-    SECTIONS,
-    ConfigError,
-    DataArguments,
-    ModelArguments,
-    ParallelArguments,
-    TrainingArguments,
-)
+from trainer.config.data_args import DataArguments
+from trainer.config.schema import SECTIONS, ModelArguments, ParallelArguments
+from trainer.config.training_args import TrainingArguments
+from trainer.errors import ConfigError
 
 BAD = [
     (TrainingArguments, "learning_rate", -1.0, r"learning_rate=-1\.0 must be >= 0"),

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from trainer.corpus import CorpusError, build_builtin_corpus, split_of, to_hf_dataset
+from trainer.data.corpus import CorpusError, build_builtin_corpus, split_of, to_hf_dataset
 
 LANGS = ["en", "de", "fr", "es", "it", "pt", "ru", "ja"]
 

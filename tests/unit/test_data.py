@@ -11,19 +11,12 @@ import numpy as np
 import pytest
 
 from models.m2m100 import IGNORE_INDEX
-from trainer.config import DataArguments
-from trainer.data import (
-    BatchLayout,
-    DataError,
-    GlobalBatchSampler,
-    TranslationData,
-    eval_batches,
-    load_raw_datasets,
-    load_test_pairs,
-    tokenize_datasets,
-    training_texts,
-)
-from trainer.tokenizer import SentencePieceTokenizer, train_tokenizer
+from trainer.config.data_args import DataArguments
+from trainer.data.batching import BatchLayout, GlobalBatchSampler, eval_batches
+from trainer.data.sources import load_raw_datasets, load_test_pairs, training_texts
+from trainer.data.tokenization import TranslationData, tokenize_datasets
+from trainer.errors import DataError
+from trainer.tokenizer.vocab import SentencePieceTokenizer, train_tokenizer
 
 DATA = Path("/work/shared/data/multi30k")
 LANGS = ["cs", "de", "en", "fr"]

@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
-import trainer.data as data_module
-from trainer.config import DataArguments
-from trainer.data import TranslationData, load_raw_datasets, tokenize_datasets
-from trainer.tokenizer import SentencePieceTokenizer, train_tokenizer
+import trainer.data.tokenization as data_module
+from trainer.config.data_args import DataArguments
+from trainer.data.sources import load_raw_datasets
+from trainer.data.tokenization import TranslationData, tokenize_datasets
+from trainer.tokenizer.vocab import SentencePieceTokenizer, train_tokenizer
 
 DATA = Path("/work/shared/data/multi30k")
 N = 1200
@@ -128,7 +129,7 @@ def test_memory_mapped_data_resumes_exactly_on_another_mesh(text_dir: Path, tok:
     more micro-batches serves the same rows at every following step, across the epoch boundary."""
     import json
 
-    from trainer.data import BatchLayout, GlobalBatchSampler
+    from trainer.data.batching import BatchLayout, GlobalBatchSampler
 
     args = _args(text_dir)
 

@@ -24,7 +24,7 @@ from models.generate import generate
 from models.hf import save_hf_model
 from models.m2m100 import M2M100Translation
 from tests.unit.test_model_parity import CFG
-from trainer.evaluate import (
+from trainer.eval.decode import (
     SAMPLES_KEY,
     DirectionTexts,
     Sample,

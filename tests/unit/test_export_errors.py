@@ -16,10 +16,10 @@ import torch
 
 from models.config import ModelConfig
 from models.m2m100 import M2M100Translation, Seq2SeqBatch
-from trainer.checkpoint import COMMIT_MARKER
+from trainer.checkpoint.commit import COMMIT_MARKER
 from trainer.export import main
-from trainer.hf_m2m100 import run_layout
-from trainer.tokenizer import SentencePieceTokenizer, Tokenizer, train_tokenizer
+from trainer.tokenizer.stock_m2m100 import run_layout
+from trainer.tokenizer.vocab import SentencePieceTokenizer, Tokenizer, train_tokenizer
 
 LANGS = ["de", "en"]
 TEXTS = [f"{w} number {i} is here and there" for i in range(60) for w in ("hello", "hallo", "welt", "world")]

@@ -17,7 +17,7 @@ from parallel import p2p, watchdog
 from parallel.mesh import elastic_attempt_store
 from parallel.schedule import Action, ActionType
 from parallel.watchdog import CommWaitError, RankIdentity
-from trainer.faults import FaultInjection
+from trainer.run.faults import FaultInjection
 
 ME = RankIdentity(rank=6, shape=(2, 2, 2))  # pp=1 dp=1 tp=0
 

@@ -13,9 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from trainer.checkpoint import rotation_victims
-from trainer.config import ConfigError, DataArguments, TrainingArguments, load_config_dict, parse_config
-from trainer.strategies import BestModel, check_metric_name, interval_due, resolve_max_steps
+from trainer.checkpoint.dcp import rotation_victims
+from trainer.config.data_args import DataArguments
+from trainer.config.parse import load_config_dict, parse_config
+from trainer.config.training_args import TrainingArguments
+from trainer.errors import ConfigError
+from trainer.run.strategies import BestModel, check_metric_name, interval_due, resolve_max_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 STYLE = str(ROOT / "configs/run_translation_style.yaml")
@@ -167,7 +170,7 @@ def test_forced_bos_token_must_be_the_target() -> None:
 
 
 def test_do_predict_needs_an_existing_test_file() -> None:
-    from trainer.predict import check_predict_args
+    from trainer.run.preflight import check_predict_args
 
     with pytest.raises(ConfigError, match=r"do_predict=True needs test_file .* or a dataset_name"):
         check_predict_args(parse_config(["--config", TINY, "--dataset_name", "null", "--train_file",
@@ -197,7 +200,7 @@ def test_metric_for_best_model_is_checked_against_the_run() -> None:
 
 
 def test_predictions_are_written_per_direction(tmp_path: Path) -> None:
-    from trainer.predict import write_predictions
+    from trainer.eval.predict import write_predictions
 
     write_predictions(tmp_path, {"en-de": ["a", "b\nc"], "de-en": ["x"]}, {"predict_bleu": 1.0})
     assert (tmp_path / "predictions_en-de.txt").read_text() == "a\nb c\n"  # one line per hypothesis

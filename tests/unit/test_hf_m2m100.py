@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from models.config import ModelConfig
-from trainer.hf_m2m100 import permute_model, save_m2m100_tokenizer, stock_codes, stock_layout
-from trainer.tokenizer import TokenizerError
+from trainer.errors import TokenizerError
+from trainer.tokenizer.stock_m2m100 import permute_model, save_m2m100_tokenizer, stock_codes, stock_layout
 
 SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]
 PIECES = [*SPECIALS, "__de__", "__en__", "▁a", "b", "c"]  # ours: S = 9 (L = 2 tags), N = 7

@@ -34,8 +34,8 @@ from models.hf import load_hf_weights, load_into, read_hf_config
 from models.m2m100 import M2M100Translation, Seq2SeqBatch
 from tests.unit.test_export_errors import write_run
 from trainer.export import main as export_main
-from trainer.hf_m2m100 import run_layout, stock_codes
-from trainer.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokenizer, lang_tag, train_tokenizer
+from trainer.tokenizer.stock_m2m100 import run_layout, stock_codes
+from trainer.tokenizer.vocab import HFTokenizer, SentencePieceTokenizer, Tokenizer, lang_tag, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path("/work/shared/data/multi30k")

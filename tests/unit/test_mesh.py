@@ -9,7 +9,8 @@ import pytest
 
 from models.config import ModelConfig
 from parallel.mesh import ParallelDims, check_tp_divides_model, coords_to_rank, rank_to_coords
-from trainer.config import ParallelArguments
+from trainer.config.dims import parallel_dims
+from trainer.config.schema import ParallelArguments
 
 
 def test_mesh_not_multiplying_to_world_names_every_flag() -> None:
@@ -95,7 +96,7 @@ def test_tp_must_divide_heads_ffn_and_d_model() -> None:
 
 def test_from_args() -> None:
     args = ParallelArguments(pipeline_parallel_size=2, tensor_parallel_size=2, allow_tp_across_nodes=True)
-    dims = ParallelDims.from_args(args, world_size=8, local_world_size=2).validate()
+    dims = parallel_dims(args, world_size=8, local_world_size=2).validate()
     assert (dims.pp, dims.dp, dims.tp, dims.allow_tp_across_nodes) == (2, 2, 2, True)
 
 

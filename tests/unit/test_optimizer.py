@@ -10,8 +10,8 @@ import torch
 from models.config import ModelConfig
 from models.m2m100 import M2M100Translation
 from tests.dist.pipeline_workers import TINY, random_batch
-from trainer.config import TrainingArguments
-from trainer.loop import build_optimizer
+from trainer.config.training_args import TrainingArguments
+from trainer.run.step import build_optimizer
 
 
 def test_foreach_adamw_equals_the_per_parameter_loop() -> None:

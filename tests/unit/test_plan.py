@@ -17,21 +17,13 @@ from models.config import ModelConfig
 from models.m2m100 import BlockKind, M2M100Translation
 from parallel.parallelize import make_plan
 from trainer import plan as planner
-from trainer.config import parse_config
-from trainer.plan_cost import (
-    CostContext,
-    Layout,
-    LinkModel,
-    Shape,
-    block_costs,
-    block_param_counts,
-    device_spec,
-    measure_kind_costs,
-    predict,
-    stage_costs,
-    tp_shape,
-)
-from trainer.train import validate_early
+from trainer.config.parse import parse_config
+from trainer.planner import space
+from trainer.planner.blocks import Shape, block_param_counts, measure_kind_costs
+from trainer.planner.cost import CostContext, block_costs, layout_stage_costs, predict_step, tp_shape
+from trainer.planner.hardware import LinkModel, device_spec
+from trainer.planner.layout import Layout
+from trainer.run.preflight import validate_early
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -51,7 +43,7 @@ def tiny_plan(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_meshes_are_the_ones_parallel_dims_accepts() -> None:
     arch = ModelConfig(vocab_size=100, d_model=48, encoder_attention_heads=3, decoder_attention_heads=3,
                        encoder_ffn_dim=96, decoder_ffn_dim=96)  # fmt: skip
-    valid, rejected = planner.meshes(world=4, gpus_per_node=2, arch=arch)
+    valid, rejected = space.meshes(world=4, gpus_per_node=2, arch=arch)
     assert sorted((d.pp, d.tp, d.dp) for d in valid) == [(1, 1, 4), (2, 1, 2), (4, 1, 1)]
     reasons = dict(rejected)
     assert "does not divide encoder_attention_heads(3)" in reasons["pp=1 tp=2 dp=2"]
@@ -60,16 +52,16 @@ def test_meshes_are_the_ones_parallel_dims_accepts() -> None:
 
 def test_batch_cuts_keep_the_global_batch() -> None:
     cfg = parse_config(["--config", TINY])  # 8 sentences x m=1 x g=1 x dp=2 on 2 ranks
-    budget = planner.batch_budget(cfg, world=2)
+    budget = space.batch_budget(cfg, world=2)
     assert budget.total == 16 and not budget.token_mode
     for dp in (1, 2):
-        cuts = list(planner.batch_cuts(budget, dp, max_m=64))
+        cuts = list(space.batch_cuts(budget, dp, max_m=64))
         assert cuts and all(b * m * g * dp == 16 for m, g, b in cuts)
-    assert list(planner.batch_cuts(budget, 3, max_m=64)) == []
+    assert list(space.batch_cuts(budget, 3, max_m=64)) == []
     tokens = parse_config(["--config", TINY, "--max_tokens_per_microbatch", "256"])
-    tb = planner.batch_budget(tokens, world=2)
+    tb = space.batch_budget(tokens, world=2)
     assert tb.token_mode and tb.total == 512
-    assert all(cap >= tb.longest for _, _, cap in planner.batch_cuts(tb, 1, max_m=64))
+    assert all(cap >= tb.longest for _, _, cap in space.batch_cuts(tb, 1, max_m=64))
 
 
 def test_plan_json_ranks_valid_candidates(tiny_plan: dict) -> None:
@@ -117,14 +109,14 @@ def test_memory_model_counts_the_parameters_each_rank_holds() -> None:
     ctx = CostContext(mc, LinkModel(1e-5, 1e9, 1e-5, 1e9), 2, False, False, False, 1e-9)
     kinds = measure_kind_costs(mc, Shape(2, 5, 6), "none", bf16=False, repeats=1)
     costs = block_costs(kinds, kinds, 1.0, mc, Shape(2, 5, 6), 1, ctx)
-    pred = predict(layout, stage_costs(layout, costs, Shape(2, 5, 6), ctx), ctx)
+    pred = predict_step(layout, layout_stage_costs(layout, costs, Shape(2, 5, 6), ctx), ctx)
     plan = make_plan(model.blocks, balance, 2, 2, 2, "interleaved_1f1b")
     for rank in range(2):
         held = M2M100Translation(mc).keep_only(plan.rank_blocks(rank))
         assert pred.params_per_pp_rank[rank] == sum(p.numel() for p in held.parameters())
-    if ("zbv", 2) in planner.schedule_space():  # V placement: rank 0 holds the first and the last stage
+    if ("zbv", 2) in space.schedule_space():  # V placement: rank 0 holds the first and the last stage
         v_layout = replace(layout, schedule="zbv")
-        v_pred = predict(v_layout, stage_costs(v_layout, costs, Shape(2, 5, 6), ctx), ctx)
+        v_pred = predict_step(v_layout, layout_stage_costs(v_layout, costs, Shape(2, 5, 6), ctx), ctx)
         v_plan = make_plan(model.blocks, balance, 2, 2, 2, "zbv")
         for rank in range(2):
             held = M2M100Translation(mc).keep_only(v_plan.rank_blocks(rank))
@@ -135,7 +127,9 @@ def test_memory_model_counts_the_parameters_each_rank_holds() -> None:
     assert pred.peak_memory_bytes == sum(worst.values())
     zero1_layout = replace(layout, dp=2)
     zero1_ctx = replace(ctx, zero1=True, gpus_per_node=4)
-    zero1 = predict(zero1_layout, stage_costs(zero1_layout, costs, Shape(2, 5, 6), zero1_ctx), zero1_ctx)
+    zero1 = predict_step(
+        zero1_layout, layout_stage_costs(zero1_layout, costs, Shape(2, 5, 6), zero1_ctx), zero1_ctx
+    )
     assert zero1.memory["optimizer"] == worst["optimizer"] / 2
 
 
@@ -199,7 +193,7 @@ def _calibration_entry(pp: int, dp: int, schedule: str = "1f1b", bound: float = 
 def test_calibration_fit_reproduces_its_run_and_scales_the_mesh() -> None:
     """The fitted prediction of the calibration layout is its measured step; other layouts of
     the mesh move by the same compute scale and offset; other meshes are untouched."""
-    from trainer import plan_calibrate as cal
+    from trainer.planner import calibrate as cal
 
     entry = _calibration_entry(2, 1)
     _, layout, sc, ctx = entry
@@ -209,13 +203,13 @@ def test_calibration_fit_reproduces_its_run_and_scales_the_mesh() -> None:
     assert fit.compute_scale == pytest.approx(2.0)
     other = _calibration_entry(1, 2)
     [(_, lay, sc2, ctx2), (_, lay_o, sc_o, ctx_o)] = cal.apply([entry, other], {(2, 1, 1, False): fit})
-    assert predict(lay, sc2, ctx2).step_time_s == pytest.approx(0.5)
+    assert predict_step(lay, sc2, ctx2).step_time_s == pytest.approx(0.5)
     assert list(sc2.forward) == [0.02, 0.02] and sc2.link == sc.link
     assert sc_o is other[2] and ctx_o is other[3]
 
 
 def test_calibration_layout_is_the_family_s_cheapest_1f1b_or_zero_bubble() -> None:
-    from trainer import plan_calibrate as cal
+    from trainer.planner import calibrate as cal
 
     entries = [_calibration_entry(2, 1, "zero_bubble", 0.1), _calibration_entry(2, 1, "1f1b", 0.3),
                _calibration_entry(2, 1, "1f1b", 0.2), _calibration_entry(1, 2, "1f1b", 0.5),
@@ -228,7 +222,7 @@ def test_calibration_layout_is_the_family_s_cheapest_1f1b_or_zero_bubble() -> No
 def test_calibrate_true_refuses_a_world_this_machine_cannot_run() -> None:
     import argparse
 
-    from trainer import plan_calibrate as cal
+    from trainer.planner import calibrate as cal
 
     opts = argparse.Namespace(calibrate="true", world_size=10_000)
     with pytest.raises(ValueError, match="--world_size 10000 >"):
@@ -247,7 +241,8 @@ def test_stage_activation_bytes_match_the_executor_meter() -> None:
     from models.loss import cross_entropy_sum
     from models.m2m100 import block_specs
     from parallel.memory import SavedTensorMeter
-    from trainer.plan_cost import stage_activation_bytes, synthetic_batch
+    from trainer.planner.blocks import synthetic_batch
+    from trainer.planner.cost import stage_activation_bytes
 
     mc = parse_config(["--config", TINY]).model.model_config(1000, {})
     shape = Shape(4, 10, 13)
@@ -279,7 +274,7 @@ def test_validate_runs_in_rounds_and_measures_the_drift(
     calibration layout's re-measured step over the plan-time one (here the host got 10% slower)."""
     import argparse
 
-    from trainer import plan_report
+    from trainer.planner import report as plan_report
 
     layout_a = {"pp": 2, "tp": 1, "dp": 1, "m": 1, "g": 1, "microbatch": 16, "schedule": "1f1b", "v": 1,
                 "remat": "none", "partition": "uniform", "balance": [4, 4], "token_mode": False}  # fmt: skip

@@ -14,8 +14,11 @@ from typing import Any
 import pytest
 
 from parallel.mesh import ParallelDims
-from trainer.config import SECTIONS, ConfigError, JobConfig, load_config_dict
-from trainer.resume import MAY_CHANGE, MUST_MATCH, find_resume, run_identity
+from trainer.checkpoint.resume import MAY_CHANGE, MUST_MATCH, find_resume, run_identity
+from trainer.config.dims import parallel_dims
+from trainer.config.parse import load_config_dict
+from trainer.config.schema import SECTIONS, JobConfig
+from trainer.errors import ConfigError
 
 BASE = {"dataset_name": "builtin", "language_pairs": ["en-de"], "vocab_size": 1000, "d_model": 64,
         "per_device_train_batch_size": 8, "num_microbatches": 1}  # fmt: skip
@@ -26,7 +29,7 @@ def _cfg(out: Path, **kw: Any) -> JobConfig:
 
 
 def _dims(cfg: JobConfig, world: int) -> ParallelDims:
-    return ParallelDims.from_args(cfg.parallel, world, local_world_size=world).validate()
+    return parallel_dims(cfg.parallel, world, local_world_size=world).validate()
 
 
 def _run_dir(tmp: Path, with_config: bool = True, **kw: Any) -> Path:

@@ -10,15 +10,16 @@ import datasets
 import numpy as np
 import pytest
 
-from trainer.config import ConfigError, DataArguments
-from trainer.data import BatchLayout, DataError, GlobalBatchSampler, direction_ids
-from trainer.sampling import (
+from trainer.config.data_args import DataArguments
+from trainer.data.batching import BatchLayout, GlobalBatchSampler, direction_ids
+from trainer.data.sampling import (
     DirectionSampling,
     SamplingError,
     direction_probabilities,
     draw_epoch,
     epoch_counts,
 )
+from trainer.errors import ConfigError, DataError
 
 SIZES = {"en-de": 2000, "de-en": 400, "en-fr": 40}  # 50:10:1, a high / mid / low-resource mix
 

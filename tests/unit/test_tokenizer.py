@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokenizer, TokenizerError, train_tokenizer
+from trainer.errors import TokenizerError
+from trainer.tokenizer.vocab import HFTokenizer, SentencePieceTokenizer, Tokenizer, train_tokenizer
 
 DATA = Path("/work/shared/data/multi30k")
 LANGS = ["cs", "de", "en", "fr"]

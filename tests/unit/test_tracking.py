@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from trainer.tracking import Tracker
+from trainer.run.tracking import Tracker
 
 
 def test_disabled_tracker_writes_nothing(tmp_path) -> None:
@@ -41,7 +41,7 @@ def test_wandb_runs_offline_without_key(tmp_path, monkeypatch, capsys) -> None:
 
 
 def test_dashboard_keys_are_grouped_like_the_hf_trainer() -> None:
-    from trainer.tracking import dashboard_key
+    from trainer.run.tracking import dashboard_key
 
     assert dashboard_key("loss") == "train/loss"
     assert dashboard_key("tokens_per_sec") == "train/tokens_per_sec"

@@ -1,0 +1,1 @@
+"""The job configuration: typed sections (schema), their checks, parsing from YAML and flags."""

@@ -1,0 +1,244 @@
+"""The training section of the job config: optimisation, evaluation, checkpoints, failures, tracking."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainer.config.checks import (
+    NAN_POLICIES,
+    REPORT_CHOICES,
+    SCHEDULER_CHOICES,
+    STRATEGY_CHOICES,
+    check_choice,
+    check_range,
+    resolve_report_to,
+)
+from trainer.errors import ConfigError
+
+
+@dataclass
+class TrainingArguments:
+    """The optimisation loop, evaluation, checkpoints and tracking (TrainingArguments names)."""
+
+    _argument_group_name = (
+        "training: optimisation, evaluation, checkpoints, failures, tracking"  # a section of `--help`
+    )
+
+    output_dir: str = field(default="outputs/run", metadata={"help": "Where everything is written."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Reuse a non-empty output_dir: a fresh start (no resume, not a torchrun restart) "
+            "first removes the earlier run's checkpoints, metrics, summary, tokenizer, configs and logs."
+        },
+    )
+    max_steps: int = field(
+        default=-1,
+        metadata={
+            "help": "Optimizer steps; > 0 overrides num_train_epochs (as in HF); -1: from num_train_epochs."
+        },
+    )
+    num_train_epochs: float = field(
+        default=3.0,
+        metadata={
+            "help": "Epochs when max_steps is -1: max_steps = ceil(num_train_epochs x global batches per "
+            "epoch) (a fraction is allowed)."
+        },
+    )
+    learning_rate: float = field(default=5e-4, metadata={"help": "Peak learning rate."})
+    warmup_steps: int = field(default=0, metadata={"help": "Linear warmup steps."})
+    lr_scheduler_type: str = field(default="linear", metadata={"help": f"One of {list(SCHEDULER_CHOICES)}."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (not on norms/biases)."})
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
+    adam_beta2: float = field(default=0.98, metadata={"help": "AdamW beta2."})
+    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Global grad-norm clip; 0 disables."})
+    nan_policy: str = field(
+        default="stop",
+        metadata={
+            "help": f"One of {list(NAN_POLICIES)}. On a non-finite loss or grad norm, 'stop' exits "
+            "with code 3 naming the step (nothing applied or saved); 'skip' drops the step's update "
+            "(no AdamW or lr-scheduler step; its batch is consumed) and counts it (skipped_steps)."
+        },
+    )
+    nan_max_consecutive_skips: int = field(
+        default=5,
+        metadata={"help": "nan_policy=skip: stop (exit code 3) after more non-finite steps in a row."},
+    )
+    label_smoothing_factor: float = field(default=0.0, metadata={"help": "Label smoothing epsilon."})
+    per_device_train_batch_size: int = field(default=16, metadata={"help": "Sentence pairs per micro-batch."})
+    per_device_eval_batch_size: int = field(default=32, metadata={"help": "Sentence pairs per eval batch."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Pipeline flushes per step."})
+    logging_steps: int = field(default=10, metadata={"help": "Log every N steps."})
+    eval_strategy: str = field(
+        default="steps",
+        metadata={
+            "help": f"One of {list(STRATEGY_CHOICES)}: evaluate during training every eval_steps, at each "
+            "epoch's end, or not (do_eval still evaluates before and after)."
+        },
+    )
+    eval_steps: int = field(
+        default=0, metadata={"help": "eval_strategy=steps: every N steps (0: only at the end)."}
+    )
+    do_train: bool = field(default=True, metadata={"help": "Train (false: only evaluate and/or predict)."})
+    do_eval: bool = field(default=True, metadata={"help": "Evaluate before and after training."})
+    do_predict: bool = field(
+        default=False,
+        metadata={
+            "help": "After training, translate test_file (else dataset_name's 'test' split) per direction: "
+            "predictions_<src>-<tgt>.txt and "
+            "predict_results.json (predict_bleu, predict_chrf per direction) in output_dir."
+        },
+    )
+    predict_with_generate: bool = field(
+        default=True,
+        metadata={"help": "Accepted for run_translation configs: evaluation and prediction always decode."},
+    )
+    save_strategy: str = field(
+        default="steps",
+        metadata={
+            "help": f"One of {list(STRATEGY_CHOICES)}: checkpoint every save_steps, at each epoch's end, or "
+            "not during training; the final checkpoint is always written when training."
+        },
+    )
+    save_steps: int = field(
+        default=0, metadata={"help": "save_strategy=steps: every N steps (0: only at the end)."}
+    )
+    save_total_limit: int | None = field(
+        default=None, metadata={"help": "Keep at most N checkpoints (the best one is always kept)."}
+    )
+    load_best_model_at_end: bool = field(
+        default=False,
+        metadata={
+            "help": "Track the best checkpoint by metric_for_best_model and load it at the end (before "
+            "predict and the summary); needs the same eval and save strategy (save_steps a multiple of "
+            "eval_steps), as in HF."
+        },
+    )
+    metric_for_best_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "An evaluation key (eval_loss, eval_bleu, eval_chrf, eval_bleu_en-de, ...; the eval_ "
+            "prefix may be left out); default eval_loss when a best model or early stopping is asked for."
+        },
+    )
+    greater_is_better: bool | None = field(
+        default=None,
+        metadata={"help": "Whether a larger metric is better; default: false for a *loss metric, else true."},
+    )
+    early_stopping_patience: int | None = field(
+        default=None,
+        metadata={
+            "help": "Stop after this many evaluations in a row without improving metric_for_best_model by "
+            "more than early_stopping_threshold (HF EarlyStoppingCallback)."
+        },
+    )
+    early_stopping_threshold: float = field(
+        default=0.0, metadata={"help": "The improvement that counts for early stopping."}
+    )
+    resume_from_checkpoint: str | None = field(
+        default=None, metadata={"help": "A checkpoint directory, or 'latest' for the newest in output_dir."}
+    )
+    seed: int = field(default=42, metadata={"help": "Seed for init, data order and dropout."})
+    bf16: bool = field(
+        default=False,
+        metadata={"help": "bf16 working weights (cast once per step) over fp32 masters, bf16 autocast."},
+    )
+    fp16: bool = field(
+        default=False, metadata={"help": "Not supported (no loss scaling in the pipeline); use bf16."}
+    )
+    torch_compile: bool = field(
+        default=False, metadata={"help": "torch.compile each encoder/decoder layer (regional compilation)."}
+    )
+    mfu_peak_tflops: float = field(
+        default=0.0,
+        metadata={"help": "Per-device peak TFLOP/s for the logged mfu; 0: from the device table (GPUs)."},
+    )
+    generation_num_beams: int = field(default=1, metadata={"help": "Beams for evaluation decoding."})
+    generation_max_length: int = field(default=64, metadata={"help": "Longest generated translation."})
+    report_to: list[str] = field(
+        default_factory=lambda: ["none"],
+        metadata={
+            "help": f"Trackers beside metrics.jsonl: any of {list(REPORT_CHOICES)}, 'all' (those installed) "
+            "or 'none'; one name or a list, as in the HF Trainer."
+        },
+    )
+    run_name: str | None = field(default=None, metadata={"help": "Run name for tracking."})
+    wandb_project: str = field(default="polyglot3d", metadata={"help": "W&B project."})
+    disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
+
+    def __post_init__(self) -> None:
+        self.report_to = resolve_report_to(self.report_to)
+        check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULER_CHOICES)
+        check_choice("nan_policy", self.nan_policy, NAN_POLICIES)
+        positive = ("per_device_train_batch_size", "per_device_eval_batch_size",
+                    "gradient_accumulation_steps", "logging_steps", "generation_num_beams",
+                    "generation_max_length", "nan_max_consecutive_skips")  # fmt: skip
+        check_range(self, positive, 1)
+        check_range(self, ("warmup_steps", "eval_steps", "save_steps"), 0)  # 0: none / only at the end
+        check_range(self, ("learning_rate", "weight_decay", "mfu_peak_tflops"), 0)
+        check_range(self, ("max_grad_norm",), 0)  # 0 disables clipping
+        check_range(self, ("adam_beta1", "adam_beta2", "label_smoothing_factor"), 0, 1, high_open=True)
+        check_range(self, ("adam_epsilon",), 0, low_open=True)
+        check_range(self, ("save_total_limit",), 1, optional=True)
+        check_range(self, ("seed",), 0, 2**32 - 1)  # numpy's seed range
+        self._check_hf_fields()
+
+    def _check_hf_fields(self) -> None:
+        """The run_translation / Seq2SeqTrainingArguments fields: length, strategies, best model, fp16."""
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ConfigError(f"max_steps={self.max_steps} must be >= 1, or -1 to train num_train_epochs")
+        if self.max_steps == -1:
+            check_range(self, ("num_train_epochs",), 0, low_open=True)
+        check_choice("eval_strategy", self.eval_strategy, STRATEGY_CHOICES)
+        check_choice("save_strategy", self.save_strategy, STRATEGY_CHOICES)
+        check_range(self, ("early_stopping_patience",), 1, optional=True)
+        check_range(self, ("early_stopping_threshold",), 0)
+        if self.fp16:
+            raise ConfigError(
+                "fp16=True is not supported (the pipeline has no loss scaling); use bf16: true "
+                "(bf16 working weights over fp32 masters, on GPUs with bf16 and on CPUs)"
+            )
+        if not self.predict_with_generate:
+            raise ConfigError(
+                "predict_with_generate=False is not supported: evaluation and do_predict always decode "
+                "(eval_bleu, predictions); remove it or set it to true"
+            )
+        if self.load_best_model_at_end or self.early_stopping_patience or self.metric_for_best_model:
+            check_best_model_args(self)
+
+
+def check_best_model_args(args: TrainingArguments) -> None:
+    """Fill the HF defaults of the best-model fields and check they can work (in place).
+
+    `metric_for_best_model` defaults to eval_loss and gets the `eval_` prefix when left out;
+    `greater_is_better` defaults to False for a metric ending in "loss", True otherwise.
+
+    Raises:
+        ConfigError: no evaluation during training, or (load_best_model_at_end) a save
+            strategy that does not save at evaluation steps.
+    """
+    metric = args.metric_for_best_model or "eval_loss"
+    args.metric_for_best_model = metric if metric.startswith("eval_") else f"eval_{metric}"
+    if args.greater_is_better is None:
+        args.greater_is_better = not args.metric_for_best_model.endswith("loss")
+    if not (args.load_best_model_at_end or args.early_stopping_patience):
+        return  # metric_for_best_model alone: best_metric is recorded at the evaluations there are
+    asked = "load_best_model_at_end" if args.load_best_model_at_end else "early_stopping_patience"
+    if args.eval_strategy == "no" or (args.eval_strategy == "steps" and not args.eval_steps):
+        raise ConfigError(
+            f"{asked} needs evaluations during training: eval_strategy={args.eval_strategy!r}, "
+            f"eval_steps={args.eval_steps}; set eval_strategy: epoch, or steps with eval_steps > 0"
+        )
+    if not args.load_best_model_at_end:
+        return
+    if args.save_strategy != args.eval_strategy:
+        raise ConfigError(
+            f"load_best_model_at_end needs save_strategy == eval_strategy, got save_strategy="
+            f"{args.save_strategy!r} and eval_strategy={args.eval_strategy!r}"
+        )
+    if args.save_strategy == "steps" and (not args.save_steps or args.save_steps % args.eval_steps):
+        raise ConfigError(
+            f"load_best_model_at_end needs save_steps to be a multiple of eval_steps, got save_steps="
+            f"{args.save_steps} and eval_steps={args.eval_steps}"
+        )

@@ -1,0 +1,316 @@
+"""Translation with an exported model (the library of `python -m trainer.translate`).
+
+Loading and checking the model directory, one-process decoding, and decoding on a
+(pp, dp, tp) mesh under torchrun; the usage is in `trainer/translate.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+import torch
+
+from models.hf import CheckpointMismatchError, load_hf_weights, load_into, read_hf_config
+from models.m2m100 import M2M100Translation
+from trainer.eval.decode import translate
+from trainer.tokenizer.vocab import Tokenizer
+
+if TYPE_CHECKING:
+    from models.config import ModelConfig
+    from models.generate import SearchSettings
+    from parallel.mesh import ParallelDims, ParallelMesh
+    from parallel.parallelize import ParallelModel
+
+
+@dataclass
+class TranslateArguments:
+    """Command-line arguments of `python -m trainer.translate`."""
+
+    model: str = field(
+        metadata={
+            "help": "Exported Hugging Face directory (config.json, model.safetensors, tokenizer files)."
+        }
+    )
+    source_lang: str = field(
+        metadata={
+            "help": "Source language code; the tokenizer must have its tag "
+            "(`en` -> `__en__`; NLLB codes such as `eng_Latn` are their own tag)."
+        }
+    )
+    target_lang: str = field(metadata={"help": "Target language code; forced as the first generated token."})
+    num_beams: int = field(default=4, metadata={"help": "Beam width; 1 is greedy search."})
+    max_length: int = field(
+        default=128,
+        metadata={"help": "Most output tokens per line, the start token and language tag included."},
+    )
+    batch_size: int = field(default=32, metadata={"help": "Sentences decoded together (sorted by length)."})
+    max_source_length: int | None = field(
+        default=None, metadata={"help": "Cut longer sources to this many tokens (tag and </s> included)."}
+    )
+    device: str = field(
+        default="auto",
+        metadata={
+            "help": "cpu, cuda, cuda:N, or auto (cuda when available). Under torchrun: auto, cuda "
+            "(each rank on cuda:LOCAL_RANK) or cpu (gloo)."
+        },
+    )
+    pipeline_parallel_size: int = field(
+        default=1, metadata={"help": "Pipeline stages under torchrun (the model is cut uniformly by blocks)."}
+    )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Tensor-parallel ranks under torchrun (must divide heads, FFN, d_model)."},
+    )
+    data_parallel_size: int = field(
+        default=-1,
+        metadata={"help": "Replicas sharing the lines under torchrun; -1: WORLD_SIZE / (pp * tp)."},
+    )
+
+
+class TranslateError(ValueError):
+    """Bad command-line input; the message names the bad value and what is valid."""
+
+
+class RankError(TranslateError):
+    """An error met by one rank after the process group is up (the others may not meet it)."""
+
+
+def pick_device(name: str) -> torch.device:
+    """`auto` -> cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def check_model_dir(path: str | Path) -> None:
+    """Fail early and clearly on a wrong `--model`.
+
+    Raises:
+        TranslateError: `path` is not a directory.
+    """
+    if not Path(path).is_dir():
+        raise TranslateError(
+            f"--model {str(path)!r} is not a directory; expected an exported Hugging Face model directory "
+            "(config.json, model.safetensors, tokenizer files)"
+        )
+
+
+def load_model(path: str | Path, device: torch.device) -> M2M100Translation:
+    """Our model with the weights of an HF directory, in eval mode on `device`.
+
+    Raises:
+        TranslateError: `path` is not a directory.
+        CheckpointMismatchError: no config.json / safetensors, or weights that do not fit.
+    """
+    check_model_dir(path)
+    model = M2M100Translation(read_hf_config(path))
+    load_into(model, load_hf_weights(path))
+    return model.to(device).eval()
+
+
+def write_lines(stdout: TextIO, hyps: Sequence[str]) -> None:
+    """One line per hypothesis (newlines inside one are spaces: lines stay aligned with the input)."""
+    for hyp in hyps:
+        stdout.write(hyp.replace("\n", " ") + "\n")
+    stdout.flush()
+
+
+def run(args: TranslateArguments, stdin: TextIO, stdout: TextIO) -> None:
+    """Load, read every line of `stdin`, write one translation per line to `stdout`.
+
+    Under torchrun (WORLD_SIZE > 1) see `run_on_mesh`.
+
+    Raises:
+        TranslateError, CheckpointMismatchError, TokenizerError: bad model dir, language or sizes.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dims = mesh_dims(args, world)
+    if world > 1:
+        run_on_mesh(args, dims, stdin, stdout)
+        return
+    check_model_dir(args.model)
+    # Tags first: a missing language should fail before the (slow) weight loading.
+    tokenizer = Tokenizer.load(args.model, languages=[args.source_lang, args.target_lang])
+    model = load_model(args.model, pick_device(args.device))
+    lines = stdin.read().splitlines()
+    hyps = translate(
+        model,
+        tokenizer,
+        lines,
+        args.source_lang,
+        args.target_lang,
+        num_beams=args.num_beams,
+        max_length=args.max_length,
+        batch_size=args.batch_size,
+        max_source_length=args.max_source_length,
+    )
+    write_lines(stdout, hyps)
+
+
+def mesh_dims(args: TranslateArguments, world: int) -> ParallelDims:
+    """The (pp, dp, tp) sizes checked against the world size (pure; before any process group).
+
+    Raises:
+        TranslateError: naming the flag, e.g. `pipeline_parallel_size(2) * data_parallel_size(1) *
+            tensor_parallel_size(1) = 2 != WORLD_SIZE(4); valid: ...`.
+    """
+    from parallel.mesh import ParallelDims
+
+    # No LOCAL_WORLD_SIZE check: tp across nodes is slow but correct, and decoding moves little over tp.
+    dims = ParallelDims(
+        args.pipeline_parallel_size, args.data_parallel_size, args.tensor_parallel_size, world
+    )
+    try:
+        return dims.validate()
+    except ValueError as e:
+        raise TranslateError(str(e)) from None
+
+
+def check_model_fits(dims: ParallelDims, config: ModelConfig) -> list[int]:
+    """tp vs heads/FFN/d_model and pp vs blocks; returns the uniform block counts per stage.
+
+    Raises:
+        TranslateError: naming the size that does not fit (pure; before any process group).
+    """
+    from models.m2m100 import block_specs
+    from parallel.mesh import check_tp_divides_model
+    from parallel.partition import uniform_partition
+
+    try:
+        check_tp_divides_model(config, dims.tp)
+    except ValueError as e:
+        raise TranslateError(str(e)) from None
+    n_blocks = len(block_specs(config))
+    if dims.pp > n_blocks:
+        raise TranslateError(
+            f"pipeline_parallel_size={dims.pp} but the model has only {n_blocks} blocks "
+            f"({config.encoder_layers} encoder + {config.decoder_layers} decoder layers + 4); "
+            f"valid: 1..{n_blocks}"
+        )
+    return uniform_partition(n_blocks, dims.pp)
+
+
+def search_settings(args: TranslateArguments) -> SearchSettings:
+    """--num_beams, --max_length and --batch_size, checked before any process group.
+
+    Raises:
+        TranslateError: naming the bad value.
+    """
+    from models.generate import SearchSettings
+
+    if args.batch_size < 1:
+        raise TranslateError(f"--batch_size {args.batch_size} must be >= 1")
+    try:
+        return SearchSettings(num_beams=args.num_beams, max_length=args.max_length).validate()
+    except ValueError as e:
+        raise TranslateError(str(e)) from None
+
+
+def mesh_device(name: str) -> torch.device:
+    """This rank's device: cuda:LOCAL_RANK for `cuda` (and `auto` with CUDA), else cpu.
+
+    Raises:
+        TranslateError: a device naming one GPU (`cuda:1`), which every rank would share.
+    """
+    kind = pick_device(name)
+    if kind.type == "cuda" and kind.index is not None:
+        raise TranslateError(
+            f"--device {name!r} names one GPU, but under torchrun each rank uses cuda:LOCAL_RANK; "
+            "valid: auto, cuda, cpu"
+        )
+    if kind.type == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return kind
+
+
+def load_on_mesh(
+    path: str, config: ModelConfig, mesh: ParallelMesh, balance: list[int], device: torch.device
+) -> ParallelModel:
+    """This rank's pipeline stage and tp shard of the HF weights at `path`, on `device`, in eval mode.
+
+    Host memory briefly holds the whole model, randomly initialised, before it is cut to
+    this rank's blocks; only those blocks' tensors are then read from the safetensors
+    files (`models.hf.load_hf_into`), split over tp on the host, and moved to `device`,
+    which thus never holds more than this rank's shard. The pipeline schedule is unused
+    by decoding (GPipe, one micro-batch).
+
+    Raises:
+        CheckpointMismatchError: a tensor of this rank's blocks is absent or misshapen.
+    """
+    from models.hf import load_hf_into
+    from parallel.parallelize import build_parallel_model
+
+    def load_stage(stage_model: M2M100Translation) -> None:
+        load_hf_into(stage_model, path)
+
+    model = M2M100Translation(config)
+    pm = build_parallel_model(
+        model, mesh, balance, 1, "gpipe", 1, "none", 0.0, before_tp=load_stage, device=device
+    )
+    pm.model.eval()
+    return pm
+
+
+def share_lines(stdin: TextIO) -> list[str]:
+    """Rank 0 reads every line of `stdin`; every rank gets them (collective)."""
+    import torch.distributed as dist
+
+    payload: list[list[str] | None] = [stdin.read().splitlines() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(payload, src=0)
+    assert payload[0] is not None
+    return payload[0]
+
+
+def run_on_mesh(args: TranslateArguments, dims: ParallelDims, stdin: TextIO, stdout: TextIO) -> None:
+    """Translate on the (pp, dp, tp) mesh of this torchrun job (see the module docstring).
+
+    Every check that needs no peer runs first, identically on every rank, so bad input
+    fails everywhere before any collective could wait on a rank that left. A rank that
+    fails later (a tensor of its stage missing from the files) raises `RankError`, and
+    torchrun stops the others.
+
+    Raises:
+        TranslateError, CheckpointMismatchError, TokenizerError: before the process group.
+        RankError: after it.
+    """
+    import torch.distributed as dist
+
+    from models.hf import read_hf_config
+    from parallel.mesh import build_mesh, init_distributed
+    from trainer.eval.runner import translate_on_mesh
+
+    check_model_dir(args.model)
+    config = read_hf_config(args.model)
+    balance = check_model_fits(dims, config)
+    settings = search_settings(args)
+    device = mesh_device(args.device)
+    tokenizer = Tokenizer.load(args.model, languages=[args.source_lang, args.target_lang])
+    owned = not dist.is_initialized()
+    init_distributed("nccl" if device.type == "cuda" else "gloo")
+    try:
+        mesh = build_mesh(dims, device.type)
+        pm = load_on_mesh(args.model, config, mesh, balance, device)
+        lines = share_lines(stdin)
+        if dist.get_rank() == 0:
+            print(
+                f"trainer.translate: {len(lines)} lines on (pp, dp, tp) = {dims.shape}, "
+                f"{device.type}, stages of {balance} blocks",
+                file=sys.stderr,
+                flush=True,
+            )
+        hyps = translate_on_mesh(
+            pm, tokenizer, lines, args.source_lang, args.target_lang, settings, args.batch_size,
+            dst=0, max_source_length=args.max_source_length,
+        )  # fmt: skip
+        if hyps is not None:
+            write_lines(stdout, hyps)
+    except CheckpointMismatchError as e:
+        raise RankError(f"rank {dist.get_rank()}: {e}") from e
+    finally:
+        if owned:
+            dist.destroy_process_group()

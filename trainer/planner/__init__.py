@@ -1,0 +1,1 @@
+"""The layout planner: search over meshes and schedules, the cost model, measurements, calibration, reports."""

@@ -1,0 +1,289 @@
+"""The planner's cost model: what one layout costs per step, in seconds and bytes per rank.
+
+    kind costs       one micro-batch through each block kind (embeddings, encoder layer, norm,
+                     decoder layer, head): F, B, I, W seconds and the activation bytes the
+                     executor's meter counts. Measured on this machine by
+                     `parallel.profile.profile_block_phases` on a one-layer copy of the model
+                     (`measure_kind_costs`), or for another device from FLOPs and a device
+                     table (`table_kind_costs`; activation bytes still measured here, at one
+                     sentence, and scaled by the micro-batch size)
+    LinkModel        point-to-point and ring all-reduce times: latency + bytes / bandwidth,
+                     intra- versus inter-node
+    predict_step     a layout -> per-stage costs -> `parallel.simulate` on the schedule's real
+                     action lists (makespan, bubble, peak activation bytes per pp rank)
+                     + data fetch + dp / tied-embedding reduces + optimizer = step time;
+                     parameters + grads + AdamW state (ZeRO-1: / dp) + bf16 working weights
+                     + peak activations = memory per rank
+
+Tensor parallelism is modelled, not measured: a block's compute divides by tp and pays
+Megatron's all-reduces (2 per encoder layer, 3 per decoder layer, forward and backward,
+of (B, T, H) activations). Legend: p = pp, m micro-batches, g accumulation flushes, v
+stages per rank, b sentences per micro-batch, s / t padded source / target tokens.
+
+The kind costs live in `trainer.planner.blocks`, the link model and device table in
+`trainer.planner.hardware`, the layout in `trainer.planner.layout`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from models.config import ModelConfig
+from models.m2m100 import BlockKind, block_specs
+from parallel.partition import resolve_partition
+from parallel.profile import BlockPhases
+from parallel.schedule import Action, build_schedule, placement_for
+from parallel.simulate import StageCosts, simulate
+from trainer.planner.blocks import KindCosts, Shape, block_param_counts
+from trainer.planner.hardware import LinkModel
+from trainer.planner.layout import Layout
+
+
+@dataclass
+class CostContext:
+    """Everything `predict_step` needs besides the layout and the block costs."""
+
+    mc: ModelConfig
+    link: LinkModel
+    gpus_per_node: int
+    bf16: bool
+    zero1: bool
+    sequence_parallel: bool
+    optimizer_s_per_param: float
+    fetch_s_per_microbatch: float = 0.0
+    # Executor and step overheads the block profile does not see (`trainer.planner.measure.measure_overheads`)
+    action_overhead_s: float = 0.0  # per F and per B (or I) action of a stage on one micro-batch
+    step_overhead_s: float = 0.0  # per optimizer step: barrier, clip, scheduler, bookkeeping
+
+
+@dataclass
+class Prediction:
+    """A layout's predicted step: time split and the most loaded rank's memory."""
+
+    step_time_s: float
+    makespan_s: float
+    bubble_fraction: float
+    link_s: float
+    grad_reduce_s: float
+    optimizer_s: float
+    data_s: float
+    peak_memory_bytes: float
+    memory: dict[str, float]  # the peak rank's parameters, grads, optimizer, working, activations
+    params_per_pp_rank: list[int]
+    peak_activation_bytes_per_pp_rank: list[float]
+    stage_time_s: list[float] = field(default_factory=list)
+
+
+def tp_shape(shape: Shape, tp: int) -> tuple[Shape, float]:
+    """The micro-batch whose single-device cost stands in for one tp rank's share, and a time factor.
+
+    A tp rank runs every op of the layer on 1/tp of its columns: the FLOPs of the layer on
+    b/tp rows, with the same number of ops (per-op host overhead does not shrink). So its
+    compute is costed as the block's on b/tp sentences, times (b/tp) / round(b/tp).
+    """
+    rows = max(1, round(shape.b / tp))
+    return Shape(rows, shape.s, shape.t), shape.b / tp / rows
+
+
+def block_costs(
+    kinds: KindCosts,
+    kinds_tp: KindCosts,
+    factor: float,
+    mc: ModelConfig,
+    shape: Shape,
+    tp: int,
+    ctx: CostContext,
+) -> list[BlockPhases]:
+    """Every block's costs on one tp rank.
+
+    Args:
+        kinds: the block kinds' costs on the whole micro-batch (for activation bytes).
+        kinds_tp, factor: costs on `tp_shape(shape, tp)` and its time factor (the rank's compute).
+        tp: tensor-parallel size; adds Megatron's all-reduces, shards activations
+            (all with sequence parallelism; all but ~30% otherwise, Korthikanti et al. 2022).
+    """
+    out = []
+    inter = tp > ctx.gpus_per_node
+    e = 2 if ctx.bf16 else 4
+    # Megatron all-reduces of (b, len, H) per block: forward, backward, len
+    comm = {
+        BlockKind.SRC_EMBED: (1, 0, shape.s),
+        BlockKind.ENC_LAYER: (2, 2, shape.s),
+        BlockKind.TGT_EMBED: (1, 0, shape.t),
+        BlockKind.DEC_LAYER: (3, 3, shape.t),
+        BlockKind.HEAD: (0, 1, shape.t),
+    }
+    replicated = 0.0 if ctx.sequence_parallel else 0.3  # norms, residuals, dropout masks
+    for spec in block_specs(mc):
+        full, ph = kinds[spec.kind], kinds_tp[spec.kind]
+        n_f, n_b, length = comm.get(spec.kind, (0, 0, 0))
+        ar = ctx.link.all_reduce(shape.b * length * mc.d_model * e, tp, inter) if tp > 1 else 0.0
+        shard = replicated + (1 - replicated) / tp
+        out.append(
+            BlockPhases(
+                ph.forward_s * factor + n_f * ar,
+                ph.backward_s * factor + n_b * ar,
+                ph.backward_input_s * factor + n_b * ar,
+                ph.backward_weight_s * factor,
+                int(full.activation_bytes * shard),
+                full.parts.scaled(shard) if full.parts else None,
+            )
+        )
+    return out
+
+
+def balance_from_costs(
+    method: str, costs: Sequence[BlockPhases], params: Sequence[int], n_stages: int
+) -> list[int]:
+    """The balance the trainer's `partition_method` would pick from these per-block costs."""
+    names = [str(i) for i in range(len(costs))]
+    times = [c.forward_s + c.backward_s for c in costs]
+    mems = [4.0 * p + c.activation_bytes for p, c in zip(params, costs)]
+    return resolve_partition(method, names, n_stages, param_counts=params, time_costs=times, mem_costs=mems)
+
+
+def _boundary_bytes(mc: ModelConfig, shape: Shape, block_index: int) -> float:
+    """Bytes entering block `block_index` (fp32 residual stream): what a stage boundary sends."""
+    kind = block_specs(mc)[block_index].kind
+    tokens = shape.s if kind in (BlockKind.ENC_LAYER, BlockKind.ENC_NORM) else shape.s + shape.t
+    return 0.0 if kind is BlockKind.SRC_EMBED else 4.0 * shape.b * tokens * mc.d_model
+
+
+def stage_activation_bytes(costs: Sequence[BlockPhases], blocks: range) -> float:
+    """Bytes a stage of `blocks` holds per micro-batch, counted as the executor's meter counts them.
+
+    The stage's inputs once, each block's own saved bytes, and a tensor one block of the stage
+    produces and a later one saves, once (`parallel.profile.ActivationParts`). Summing the
+    blocks' `activation_bytes` instead counts the encoder output once per decoder layer.
+    """
+    parts = [p for p in (costs[i].parts for i in blocks) if p is not None]
+    if not parts or len(parts) < len(blocks):
+        return float(sum(costs[i].activation_bytes for i in blocks))
+    total = sum(n for _, n in parts[0].inputs) + sum(p.own for p in parts)
+    produced: dict[str, int] = {}  # made inside the stage, not counted yet
+    for p in parts:
+        for key in p.saved_inputs:
+            total += produced.pop(key, 0)
+        for key, n in p.outputs:
+            if key not in p.passthrough:
+                produced[key] = n
+    return float(total)
+
+
+def layout_stage_costs(
+    layout: Layout, costs: Sequence[BlockPhases], shape: Shape, ctx: CostContext
+) -> StageCosts:
+    """The simulator's per-stage costs of `layout`: block costs summed by the balance, the p2p link.
+
+    Non-zero-bubble schedules run the full B (`backward_input` = B, `backward_weight` = 0);
+    "stage" remat recomputes the stage's forward in its backward and keeps only its input.
+    """
+    mc, n = ctx.mc, layout.pp * layout.v
+    starts = [sum(layout.balance[:i]) for i in range(n)]
+    ranges = [range(st, st + k) for st, k in zip(starts, layout.balance)]
+    zb = layout.schedule in ("zero_bubble", "zbv")
+    o = ctx.action_overhead_s
+    fwd = [o + sum(costs[i].forward_s for i in r) for r in ranges]
+    bin_ = [o + sum((costs[i].backward_input_s if zb else costs[i].backward_s) for i in r) for r in ranges]
+    bw = [sum(costs[i].backward_weight_s for i in r) if zb else 0.0 for r in ranges]
+    act = [stage_activation_bytes(costs, r) for r in ranges]
+    if layout.remat == "stage":
+        bin_ = [b + f for b, f in zip(bin_, fwd)]
+        act = [max(_boundary_bytes(mc, shape, r.start), 1.0) for r in ranges]
+    node, slab = max(1, ctx.gpus_per_node), layout.dp * layout.tp  # slab: global ranks per pp rank
+    place = placement_for(layout.schedule, layout.pp, layout.v)
+    hops = [(place.rank_of(i - 1), place.rank_of(i), st) for i, st in enumerate(starts) if i > 0]
+    link = max(
+        (ctx.link.p2p(_boundary_bytes(mc, shape, st), (a * slab) // node != (b * slab) // node)
+         for a, b, st in hops if a != b),
+        default=0.0,
+    )  # fmt: skip
+    return StageCosts(fwd, bin_, bw, link, act)
+
+
+def _outside_pipeline(layout: Layout, ctx: CostContext) -> tuple[list[int], float, float, float]:
+    """(parameters per pp rank, grad reduce s, optimizer s, data fetch s): a step's costs besides its flushes."""
+    params_block, table = block_param_counts(ctx.mc, layout.tp)
+    rank_params = _rank_params(params_block, table, layout, ctx.mc)
+    grad_reduce = _grad_reduce_s(max(rank_params), table, layout, ctx)
+    optimizer = ctx.optimizer_s_per_param * max(rank_params) / (layout.dp if ctx.zero1 else 1)
+    data = ctx.fetch_s_per_microbatch * layout.m * layout.g
+    return rank_params, grad_reduce, optimizer + ctx.step_overhead_s, data
+
+
+def lower_bound(layout: Layout, sc: StageCosts, ctx: CostContext) -> float:
+    """A step time `predict_step` cannot undercut: the busiest rank's compute, no bubble, no p2p."""
+    place = placement_for(layout.schedule, layout.pp, layout.v)
+    busy = [0.0] * layout.pp
+    for s in range(place.n):
+        busy[place.rank_of(s)] += sc.forward[s] + sc.backward_input[s] + sc.backward_weight[s]
+    _, reduce_s, optimizer_s, data_s = _outside_pipeline(layout, ctx)
+    return layout.g * layout.m * max(busy) + reduce_s + optimizer_s + data_s
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(name: str, p: int, m: int, v: int) -> list[list[Action]]:
+    return build_schedule(name, p, m, v)
+
+
+def predict_step(layout: Layout, sc: StageCosts, ctx: CostContext) -> Prediction:
+    """Predicted step time and per-rank memory of `layout` from its `layout_stage_costs` (module docstring).
+
+    Raises:
+        ValueError: the costs do not match the stages, or the schedule rejects (p, m, v).
+    """
+    p, v, m = layout.pp, layout.v, layout.m
+    sim = simulate(_schedule(layout.schedule, p, m, v), p, m, v, sc)
+    rank_params, grad_reduce, optimizer, data = _outside_pipeline(layout, ctx)
+    step = layout.g * sim.makespan + grad_reduce + optimizer + data
+    mems = [_rank_memory(n_p, a, layout, ctx) for n_p, a in zip(rank_params, sim.peak_activation_bytes)]
+    worst = max(range(p), key=lambda r: sum(mems[r].values()))
+    stage_time = [f + b + w for f, b, w in zip(sc.forward, sc.backward_input, sc.backward_weight)]
+    return Prediction(
+        step, sim.makespan, sim.bubble_fraction, sc.link, grad_reduce, optimizer, data,
+        sum(mems[worst].values()), mems[worst], rank_params, list(sim.peak_activation_bytes), stage_time,
+    )  # fmt: skip
+
+
+def _rank_params(params_block: list[int], table: int, layout: Layout, mc: ModelConfig) -> list[int]:
+    """Parameters held by each pp rank (the tied table once per rank that uses it)."""
+    specs = block_specs(mc)
+    out = []
+    for r in range(layout.pp):
+        stages = placement_for(layout.schedule, layout.pp, layout.v).stages_of(r)
+        blocks = [i for s in stages for i in range(sum(layout.balance[:s]), sum(layout.balance[: s + 1]))]
+        uses_table = any(specs[i].uses_shared_embedding for i in blocks)
+        out.append(sum(params_block[i] for i in blocks) + (table if uses_table else 0))
+    return out
+
+
+def _grad_reduce_s(params: int, table: int, layout: Layout, ctx: CostContext) -> float:
+    """dp all-reduce of a rank's fp32 grads, plus the tied table's between first and last stage."""
+    node = max(1, ctx.gpus_per_node)
+    dp_inter = layout.dp * layout.tp > node
+    t = ctx.link.all_reduce(4.0 * params, layout.dp, dp_inter)
+    if layout.pp > 1:
+        pp_inter = layout.pp * layout.dp * layout.tp > node
+        t += ctx.link.all_reduce(4.0 * table, 2, pp_inter)
+    return t
+
+
+def _rank_memory(params: int, activations: float, layout: Layout, ctx: CostContext) -> dict[str, float]:
+    """Bytes of one rank: fp32 params and grads, AdamW's two moments, bf16 working copies."""
+    working = 2.0 * params if ctx.bf16 and layout.m * layout.g > 1 else 0.0
+    return {
+        "parameters": 4.0 * params,
+        "gradients": 4.0 * params,
+        "optimizer": 8.0 * params / (layout.dp if ctx.zero1 else 1),
+        "working_weights": working,
+        "activations": activations,
+    }
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    prediction: Prediction
+    args: list[str]

@@ -1,0 +1,291 @@
+"""What the planner measures on this machine: micro-batch shapes, block costs, link, optimizer.
+
+CostSource      the job's architecture and micro-batch shapes (the data's first global
+                batches for each batch cut, or a fixed sentence length when the data is
+                not at hand or --seq_len is given), the per-kind costs of each shape and
+                remat policy (`plan_cost.measure_kind_costs` here, or the device table),
+                cached
+measure_link    latency and bandwidth between two local gloo processes (ping-pong)
+measure_optimizer_s_per_param   clip + AdamW time per parameter
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from models.config import ModelConfig
+from models.m2m100 import M2M100Translation
+from parallel.profile import BlockPhases
+from trainer.config.schema import JobConfig
+from trainer.planner.blocks import KindCosts, Shape, measure_kind_costs, one_layer_config, table_kind_costs
+from trainer.planner.cost import CostContext, block_costs, tp_shape
+from trainer.planner.hardware import DeviceSpec, LinkModel
+from trainer.planner.options import PlanOptions
+
+logger = logging.getLogger("trainer.plan")
+
+# Global batches whose micro-batches give the median shape: a validation run's first 24 steps
+SHAPE_SAMPLE_BATCHES = 24
+
+
+class CostSource:
+    """Micro-batch shapes (from the data, or a fixed length) and per-kind costs, cached."""
+
+    def __init__(self, cfg: JobConfig, opts: PlanOptions, device: DeviceSpec | None) -> None:
+        self.cfg, self.opts, self.device = cfg, opts, device
+        self.sampler_data: Any = None
+        self.mc = self._load(cfg, opts)
+        self.fetch_s: dict[tuple[int, ...], float] = {}
+        self._shapes: dict[tuple[int, ...], Shape] = {}
+        self._costs: dict[tuple[Shape, str], KindCosts] = {}
+        self._acts: dict[tuple[int, int, str], KindCosts] = {}
+
+    def _load(self, cfg: JobConfig, opts: PlanOptions) -> ModelConfig:
+        """The architecture; with data at hand (and no --seq_len), its tokenizer's vocabulary too."""
+        if opts.seq_len is None:
+            try:
+                return self._load_data(cfg)
+            except (OSError, ValueError) as e:
+                logger.warning("data not loadable (%s): shapes from max_source/target_length", e)
+        if cfg.model.model_name_or_path:
+            from models.hf import read_hf_config
+
+            return read_hf_config(cfg.model.model_name_or_path)
+        return cfg.model.model_config(cfg.model.vocab_size, {})
+
+    def _load_data(self, cfg: JobConfig) -> ModelConfig:
+        from trainer.data.sources import load_raw_datasets, run_languages, training_texts
+        from trainer.data.tokenization import tokenize_datasets
+        from trainer.run.setup import model_config_for
+        from trainer.tokenizer.vocab import load_or_train_tokenizer
+
+        d, m = cfg.data, cfg.model
+        raw = load_raw_datasets(d, cfg.training.seed)
+        tok = load_or_train_tokenizer(
+            m.tokenizer_name, run_languages(d), training_texts(raw.train), m.vocab_size,
+            d.spm_model_type, d.spm_character_coverage, d.spm_input_sentence_size, cfg.training.seed,
+        )  # fmt: skip
+        self.sampler_data = (tokenize_datasets(raw, tok, d).train, tok)
+        return model_config_for(cfg, tok)
+
+    def shape(self, mb: int, m: int, g: int, dp: int, token_mode: bool) -> Shape:
+        """Median micro-batch of this batch cut: from the data's first global batches, else fixed length."""
+        key = (mb, m, g, dp, int(token_mode))
+        if key not in self._shapes:
+            self._shapes[key] = (
+                self._data_shape(key) if self.sampler_data else self._fixed_shape(mb, token_mode)
+            )
+        return self._shapes[key]
+
+    def _fixed_shape(self, mb: int, token_mode: bool) -> Shape:
+        d = self.cfg.data
+        length = self.opts.seq_len or max(d.max_source_length, d.max_target_length)
+        return Shape(max(1, mb // length) if token_mode else mb, length, length)
+
+    def _data_shape(self, key: tuple[int, ...]) -> Shape:
+        import time
+
+        import numpy as np
+
+        from trainer.data.batching import BatchLayout, GlobalBatchSampler
+
+        mb, m, g, dp, token_mode = key
+        train, tok = self.sampler_data
+        layout = BatchLayout(1 if token_mode else mb, m, g, dp, mb if token_mode else None)
+        sampler = GlobalBatchSampler(train, layout, self.cfg.training.seed, tok.pad_id,
+                                     tok.special_ids()["decoder_start_token_id"])  # fmt: skip
+        rows, src, tgt, fetch = [], [], [], []
+        for _ in range(SHAPE_SAMPLE_BATCHES):
+            gb = next(sampler)
+            for flush in gb.replica_slots(0):
+                for idx in flush:
+                    rows.append(len(idx))
+                    src.append(int(sampler.src_len[idx].max()))
+                    tgt.append(int(sampler.tgt_len[idx].max()))
+            t0 = time.perf_counter()
+            gb.shard(0)
+            fetch.append((time.perf_counter() - t0) / (m * g))
+        self.fetch_s[key] = statistics.median(fetch)
+        # the median micro-batch: `--validate` compares with the median step
+        med = [round(float(np.median(x))) for x in (rows, src, tgt)]
+        return Shape(max(1, med[0]), med[1], med[2])
+
+    def kind_costs(self, shape: Shape, remat: str) -> KindCosts:
+        """Per-kind costs of one micro-batch under `remat` ("stage" is costed as "none" here)."""
+        remat = "none" if remat == "stage" else remat
+        key = (shape, remat)
+        if key not in self._costs:
+            bf16 = self.cfg.training.bf16
+            if self.device is None:
+                self._costs[key] = measure_kind_costs(self.mc, shape, remat, bf16, self.opts.repeats)
+            else:
+                one = self._one_sentence_bytes(shape.s, shape.t, remat)
+                scale = shape.b * (0.5 if bf16 else 1.0)  # bf16 keeps 2-byte activations
+                self._costs[key] = table_kind_costs(self.mc, shape, remat, self.device, one, scale)
+        return self._costs[key]
+
+    def _one_sentence_bytes(self, s: int, t: int, remat: str) -> KindCosts:
+        """Activation bytes per block kind of one sentence, measured here in fp32 (table mode; times 0)."""
+        key = (s, t, remat)
+        if key not in self._acts:
+            self._acts[key] = measure_kind_costs(self.mc, Shape(1, s, t), remat, bf16=False, timed=False)
+        return self._acts[key]
+
+    def block_costs(self, shape: Shape, remat: str, tp: int, ctx: CostContext) -> list[BlockPhases]:
+        """Every block's costs on one tp rank (`plan_cost.block_costs`)."""
+        rank_shape, factor = tp_shape(shape, tp)
+        kinds = self.kind_costs(shape, remat)
+        return block_costs(kinds, self.kind_costs(rank_shape, remat), factor, self.mc, shape, tp, ctx)
+
+
+def measure_optimizer_s_per_param(mc: ModelConfig, repeats: int = 3) -> float:
+    """Seconds per parameter of clip + AdamW (foreach) on this machine, from the one-layer model."""
+    torch.manual_seed(0)
+    model = M2M100Translation(one_layer_config(mc))
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    samples = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+        if i:
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) / sum(p.numel() for p in params)
+
+
+def measure_link(repeats: int = 10, timeout_s: float = 120) -> LinkModel:
+    """Latency and bandwidth between two local gloo processes (half a ping-pong round trip).
+
+    Raises:
+        RuntimeError: the two processes failed or did not finish within `timeout_s`.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_ping_pong, args=(r, port, repeats, queue)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    alive = [proc for proc in procs if proc.is_alive()]
+    for proc in alive:
+        proc.kill()
+    if alive or any(proc.exitcode != 0 for proc in procs) or queue.empty():
+        raise RuntimeError(f"link measurement failed (exit codes {[p.exitcode for p in procs]})")
+    small, large, small_s, large_s = queue.get()
+    bw = (large - small) / max(large_s - small_s, 1e-9)
+    latency = max(small_s - small / bw, 1e-7)
+    return LinkModel(latency, bw, latency, bw)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ping_pong(rank: int, port: int, repeats: int, queue) -> None:  # type: ignore[no-untyped-def]
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    sizes = (1024, 4 * 1024 * 1024)
+    medians = []
+    for nbytes in sizes:
+        buf = torch.zeros(nbytes // 4)
+        samples = []
+        for i in range(repeats + 2):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for phase in (0, 1):
+                (dist.send if phase == rank else dist.recv)(buf, 1 - rank)
+            if i >= 2:
+                samples.append((time.perf_counter() - t0) / 2)
+        medians.append(statistics.median(samples))
+    if rank == 0:
+        queue.put((float(sizes[0]), float(sizes[1]), medians[0], medians[1]))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class _FixedBatch:
+    """The slice of `trainer.data.batching.GlobalBatch` that `trainer.run.step.train_step` reads."""
+
+    def __init__(self, batches: list[Any]) -> None:
+        self.batches = batches
+        self.num_tokens = sum(b.num_tokens() for b in batches)
+        self.num_src_tokens = sum(b.num_src_tokens() for b in batches)
+
+    def shard(self, dp_rank: int) -> list[list[Any]]:
+        return [self.batches]
+
+
+def measure_overheads(
+    cfg: JobConfig, mc: ModelConfig, shape: Shape, kinds: KindCosts, opt_s_per_param: float, repeats: int = 5
+) -> tuple[float, float]:
+    """(per action, per step) seconds the trainer's real step spends beyond the block costs.
+
+    Runs `trainer.run.step.train_step` (timed, as the validation runs log every step) on a
+    one-rank mesh with the one-layer model and m = 1 and m = 3 micro-batches of `shape`,
+    subtracts the modelled block time (m x sum of F + B) and optimizer time, and fits
+    overhead(m) = per_step + 2 m per_action (a stage runs one F and one B per micro-batch).
+    """
+    import torch.distributed as dist
+
+    from parallel.mesh import ParallelDims, build_mesh, init_distributed
+
+    created = not dist.is_initialized()
+    init_distributed(backend="gloo")
+    try:
+        mesh = build_mesh(ParallelDims(1, 1, 1, 1).validate(), "cpu")
+        over = _step_overheads(cfg, mc, shape, kinds, opt_s_per_param, repeats, mesh)
+    finally:
+        if created:
+            dist.destroy_process_group()
+    per_action = max(0.0, (over[3] - over[1]) / 4)
+    return per_action, max(0.0, over[1] - 2 * per_action)
+
+
+def _step_overheads(cfg, mc, shape, kinds, opt_s_per_param, repeats, mesh) -> dict[int, float]:  # type: ignore[no-untyped-def]
+    """Measured train_step time minus the modelled block and optimizer time, for m = 1 and 3."""
+    from parallel.parallelize import build_parallel_model
+    from trainer.planner.blocks import synthetic_batch
+    from trainer.run.step import build_optimizer, build_scheduler, train_step
+
+    small = one_layer_config(mc)
+    block_s = sum(ph.forward_s + ph.backward_s for ph in kinds.values())
+    over = {}
+    for m in (1, 3):
+        torch.manual_seed(0)
+        model = M2M100Translation(small)
+        pm = build_parallel_model(model, mesh, [len(model.blocks)], m, "1f1b", 1, "none", 0.0)
+        opt = build_optimizer(pm.model, cfg.training, only=pm.optimizer_params())
+        sched = build_scheduler(opt, cfg.training)
+        batch = _FixedBatch([synthetic_batch(mc, shape, seed=i) for i in range(m)])
+        n_params = sum(p.numel() for p in pm.model.parameters())
+        samples = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            train_step(pm, opt, sched, batch, 0, 1.0, i, timed=True)
+            if i:
+                samples.append(time.perf_counter() - t0)
+        over[m] = statistics.median(samples) - m * block_s - opt_s_per_param * n_params
+    return over

@@ -1,0 +1,270 @@
+"""The planner's search: enumerate layouts, cost them, calibrate, rank (`python -m trainer.plan`'s
+library; the usage and the stages are in `trainer/plan.py`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+from parallel.mesh import ParallelDims
+from parallel.simulate import StageCosts
+from trainer.config.dims import parallel_dims
+from trainer.config.parse import parse_config
+from trainer.config.schema import JobConfig
+from trainer.planner.blocks import Shape, block_param_counts
+from trainer.planner.calibrate import Calibration, apply, calibrate, should_calibrate
+from trainer.planner.calibrate import report as calibration_rows
+from trainer.planner.cost import (
+    Candidate,
+    CostContext,
+    balance_from_costs,
+    layout_stage_costs,
+    lower_bound,
+    predict_step,
+)
+from trainer.planner.hardware import GIB, LinkModel, device_spec
+from trainer.planner.layout import Family, Layout, describe, layout_args
+from trainer.planner.measure import CostSource, measure_link, measure_optimizer_s_per_param, measure_overheads
+from trainer.planner.options import PlanOptions
+from trainer.planner.report import build_report, run_root
+from trainer.planner.space import (
+    PARTITION_SPACE,
+    REMAT_SPACE,
+    batch_budget,
+    batch_cuts,
+    meshes,
+    schedule_space,
+)
+
+logger = logging.getLogger("trainer.plan")
+
+
+def check_args(args: list[str], world: int) -> JobConfig:
+    """Parse the candidate's flags as trainer.train does and run its early validation.
+
+    Raises:
+        ValueError: whatever `parse_config` or `validate_early` reject.
+    """
+    from trainer.run.preflight import validate_early
+
+    cfg = parse_config(list(args))
+    validate_early(cfg, world)
+    return cfg
+
+
+def plan(cfg: JobConfig, base_args: list[str], opts: PlanOptions) -> dict[str, Any]:
+    """Enumerate, predict_step, filter and rank; returns what plan.json holds.
+
+    Candidates are simulated in order of their lower bound (`plan_cost.lower_bound`); once
+    `opts.keep` fitting candidates are known, one whose bound exceeds the keep-th best
+    prediction cannot enter the table and is counted as pruned instead of simulated.
+    """
+    world, gpn = opts.world_size, opts.gpus_per_node or opts.world_size
+    device = device_spec(opts.device, cfg.training.bf16) if opts.device else None
+    source = CostSource(cfg, opts, device)
+    link = device.link if device else _local_link(opts)
+    memory_gib = opts.device_memory_gib or (device.memory_gib if device else None)
+    ctx = CostContext(
+        source.mc, link, gpn, cfg.training.bf16, cfg.parallel.data_parallel_sharding == "zero1",
+        cfg.parallel.sequence_parallel,
+        28.0 / device.hbm_bytes_per_s if device else measure_optimizer_s_per_param(source.mc),
+    )  # fmt: skip
+    calibrating, why_not = should_calibrate(opts, measured_here=device is None)
+    if device is None and not calibrating:  # what the block profile misses, on a one-rank mesh
+        logger.info("no calibration runs (%s): executor overheads from a one-rank run", why_not)
+        shape0 = source.shape(*_own_cut(cfg, world))
+        ctx.action_overhead_s, ctx.step_overhead_s = measure_overheads(
+            cfg, source.mc, shape0, source.kind_costs(shape0, "none"), ctx.optimizer_s_per_param
+        )
+    budget = batch_budget(cfg, world)
+    valid, rejected_meshes = meshes(world, gpn, source.mc)
+    rejected: list[dict[str, str]] = [{"layout": m, "reason": r} for m, r in rejected_meshes]
+    pending: list[tuple[float, Layout, StageCosts, CostContext]] = []
+    accepts = TrainerCheck(cfg, world)
+    for dims in valid:
+        cuts = list(batch_cuts(budget, dims.dp, opts.max_microbatches))
+        if not cuts:
+            rejected.append({"layout": f"pp={dims.pp} tp={dims.tp} dp={dims.dp}",
+                             "reason": f"the global batch ({budget.total}) has no cut over dp={dims.dp}"})  # fmt: skip
+        for m, g, mb in cuts:
+            shape = source.shape(mb, m, g, dims.dp, budget.token_mode)
+            fetch = source.fetch_s.get((mb, m, g, dims.dp, int(budget.token_mode)), 0.0)
+            cut_ctx = replace(ctx, fetch_s_per_microbatch=fetch)
+            for layout in _layouts(dims, m, g, mb, budget.token_mode, source, shape, cut_ctx, rejected):
+                error = accepts(layout)
+                if error:
+                    rejected.append({"layout": describe(layout), "reason": f"trainer rejects it: {error}"})
+                    continue
+                sc = layout_stage_costs(
+                    layout, source.block_costs(shape, layout.remat, layout.tp, cut_ctx), shape, cut_ctx
+                )
+                pending.append((lower_bound(layout, sc, cut_ctx), layout, sc, cut_ctx))
+    fits = calibrate(pending, base_args, opts, run_root(opts, "calibrate")) if calibrating else {}
+    candidates, pruned = _simulate_best(apply(pending, fits), memory_gib, opts, rejected)
+    for c in candidates[: opts.top]:  # the printed rows: their flags through the trainer's own parser
+        c.args = layout_args(c.layout, base_args)
+        check_args(c.args, world)
+    for c in candidates[opts.top :]:
+        c.args = layout_args(c.layout, base_args)
+    own = own_layout(cfg, base_args, source, ctx, world, gpn, fits)
+    result = build_report(cfg, opts, device, link, memory_gib, candidates, rejected, pruned, own)
+    result["calibration"] = calibration_rows(fits) if calibrating else why_not
+    return result
+
+
+def _simulate_best(
+    pending: list[tuple[float, Layout, StageCosts, CostContext]], memory_gib: float | None,
+    opts: PlanOptions, rejected: list[dict[str, str]],
+) -> tuple[list[Candidate], int]:  # fmt: skip
+    """Simulate in lower-bound order until no remaining layout can enter the best `opts.keep`."""
+    limit = memory_gib * GIB * opts.memory_headroom if memory_gib else None
+    best: list[float] = []  # max-heap (negated) of the keep best fitting step times
+    out: list[Candidate] = []
+    pruned = 0
+    for bound, layout, sc, ctx in sorted(pending, key=lambda x: x[0]):
+        if len(best) >= opts.keep and bound > -best[0]:
+            pruned += 1
+            continue
+        pred = predict_step(layout, sc, ctx)
+        if limit is not None and pred.peak_memory_bytes > limit:
+            rejected.append({"layout": describe(layout), "reason": (
+                f"does not fit: needs {pred.peak_memory_bytes / GIB:.1f} GiB per rank > "
+                f"{opts.memory_headroom:.0%} of {memory_gib:g} GiB")})  # fmt: skip
+            continue
+        out.append(Candidate(layout, pred, []))
+        heapq.heappush(best, -pred.step_time_s)
+        if len(best) > opts.keep:
+            heapq.heappop(best)
+    out.sort(key=lambda c: (c.prediction.step_time_s, c.prediction.peak_memory_bytes))
+    return out, pruned
+
+
+class TrainerCheck:
+    """`trainer.run.preflight.validate_early` on a layout, as the trainer would see its flags.
+
+    The config is the job's with the layout's fields replaced (the dataclasses re-run their
+    own checks); the mesh and schedule part is checked once per (mesh, m, g, schedule, v),
+    the balance by `validate_balance`, which is what validate_early runs on it.
+    """
+
+    def __init__(self, cfg: JobConfig, world: int) -> None:
+        self.cfg, self.world = cfg, world
+        self._seen: dict[tuple[Any, ...], str] = {}
+
+    def __call__(self, layout: Layout) -> str:
+        """The trainer's error message for `layout`, or "" when it accepts it."""
+        from parallel.partition import validate_balance
+        from trainer.run.preflight import validate_early
+
+        key = (
+            layout.pp,
+            layout.tp,
+            layout.dp,
+            layout.m,
+            layout.g,
+            layout.microbatch,
+            layout.schedule,
+            layout.v,
+        )
+        if key not in self._seen:
+            try:
+                validate_early(self._config(layout), self.world)
+                self._seen[key] = ""
+            except ValueError as e:
+                self._seen[key] = str(e)
+        if self._seen[key] or len(layout.balance) < 2:
+            return self._seen[key]
+        try:
+            validate_balance(list(layout.balance), sum(layout.balance), layout.pp * layout.v)
+        except ValueError as e:
+            return str(e)
+        return ""
+
+    def _config(self, layout: Layout) -> JobConfig:
+        c = self.cfg
+        parallel = replace(
+            c.parallel, pipeline_parallel_size=layout.pp, tensor_parallel_size=layout.tp,
+            data_parallel_size=layout.dp, num_microbatches=layout.m, pipeline_schedule=layout.schedule,
+            virtual_pipeline_stages=max(layout.v, 2), partition_method="uniform",
+        )  # fmt: skip
+        b = c.training.per_device_train_batch_size if layout.token_mode else layout.microbatch
+        training = replace(c.training, gradient_accumulation_steps=layout.g, per_device_train_batch_size=b)
+        data = replace(c.data, max_tokens_per_microbatch=layout.microbatch) if layout.token_mode else c.data
+        return replace(c, parallel=parallel, training=training, data=data)
+
+
+def _own_cut(cfg: JobConfig, world: int) -> tuple[int, int, int, int, bool]:
+    """(micro-batch, m, g, dp, token mode) of the config's own layout (dp=1 if it does not fit)."""
+    try:
+        dp = parallel_dims(cfg.parallel, world, local_world_size=world).validate().dp
+    except ValueError:
+        dp = 1
+    token = bool(cfg.data.max_tokens_per_microbatch)
+    mb = int(cfg.data.max_tokens_per_microbatch or 0) if token else cfg.training.per_device_train_batch_size
+    return mb, cfg.parallel.num_microbatches, cfg.training.gradient_accumulation_steps, dp, token
+
+
+def _local_link(opts: PlanOptions) -> LinkModel:
+    if opts.link_gbps:
+        lat = opts.link_latency_us * 1e-6
+        return LinkModel(lat, opts.link_gbps * 1e9, lat, (opts.inter_node_gbps or opts.link_gbps) * 1e9)
+    return measure_link()
+
+
+def _layouts(
+    dims: ParallelDims, m: int, g: int, mb: int, token_mode: bool, source: CostSource,
+    shape: Shape, ctx: CostContext, rejected: list[dict[str, str]],
+) -> Iterator[Layout]:  # fmt: skip
+    """Schedules x remat x partitions of one mesh and batch cut, distinct balances only."""
+    schedules = schedule_space() if dims.pp > 1 else [("1f1b", 1)]  # one stage: the schedules coincide
+    params, _ = block_param_counts(source.mc, dims.tp)
+    for schedule, v in schedules:
+        if source.opts.schedules and schedule not in source.opts.schedules:
+            continue
+        for remat in source.opts.remat or REMAT_SPACE:
+            costs = source.block_costs(shape, remat, dims.tp, ctx)
+            seen: set[tuple[int, ...]] = set()
+            for method in PARTITION_SPACE if dims.pp * v > 1 else ("uniform",):
+                base = Layout(dims.pp, dims.tp, dims.dp, m, g, mb, schedule, v, remat, method, (), token_mode)
+                try:
+                    balance = tuple(balance_from_costs(method, costs, params, dims.pp * v))
+                except ValueError as e:
+                    rejected.append({"layout": describe(base), "reason": str(e)})
+                    break
+                if balance not in seen:
+                    seen.add(balance)
+                    yield replace(base, balance=balance)
+
+
+def own_layout(
+    cfg: JobConfig, base_args: list[str], source: CostSource, ctx: CostContext, world: int, gpn: int,
+    fits: dict[Family, Calibration] | None = None,
+) -> Candidate | str:  # fmt: skip
+    """The config's own layout, predicted the same way (or why it cannot run on this world)."""
+    p = cfg.parallel
+    try:
+        dims = parallel_dims(p, world, local_world_size=gpn).validate(source.mc)
+    except ValueError as e:
+        return str(e)
+    token = bool(cfg.data.max_tokens_per_microbatch)
+    mb = int(cfg.data.max_tokens_per_microbatch or 0) if token else cfg.training.per_device_train_batch_size
+    m, g, v = p.num_microbatches, cfg.training.gradient_accumulation_steps, p.virtual_stages
+    shape = source.shape(mb, m, g, dims.dp, token)
+    fetch = source.fetch_s.get((mb, m, g, dims.dp, int(token)), 0.0)
+    ctx = replace(ctx, fetch_s_per_microbatch=fetch)
+    costs = source.block_costs(shape, p.activation_checkpointing, dims.tp, ctx)
+    params, _ = block_param_counts(source.mc, dims.tp)
+    try:
+        balance = p.partition_balance() or balance_from_costs(p.partition_method, costs, params, dims.pp * v)
+        layout = Layout(dims.pp, dims.tp, dims.dp, m, g, mb, p.pipeline_schedule, v,
+                        p.activation_checkpointing, p.partition_method, tuple(balance), token)  # fmt: skip
+        [(_, _, sc, lay_ctx)] = apply(
+            [(0.0, layout, layout_stage_costs(layout, costs, shape, ctx), ctx)], fits or {}
+        )
+        return Candidate(layout, predict_step(layout, sc, lay_ctx), list(base_args))
+    except ValueError as e:
+        return str(e)

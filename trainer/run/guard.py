@@ -1,0 +1,227 @@
+"""The step guard: divergence (`nan_policy`) and preemption (SIGTERM / SIGUSR1), agreed by every rank.
+
+One optimizer step (trainer/run/step.py::train_step):
+
+    grads + clip            pm.train_step(...); grad_norm = pm.grads.clip_(max_norm)
+    guard.check             [loss non-finite, grad norm non-finite, signal number]   (3,) fp32
+                            MAX-all-reduced over the world group, read once: the step's one sync
+    apply | skip | stop     optimizer.step() + scheduler.step()  |  nothing  |  DivergenceError
+
+The loss sum lives only on the last pipeline stage and the global grad norm is the
+same on every rank, so the loss flag needs the world reduce; the signal number rides
+along, so a SIGTERM delivered to one rank only still stops every rank at the same
+step (no rank can be left waiting in a collective).
+
+nan_policy:
+    stop   a non-finite loss or grad norm raises `DivergenceError` before the optimizer
+           touches anything: exit code 3, one line naming the step and what was non-finite.
+    skip   the step's update is dropped: no AdamW update (parameters and moments unchanged,
+           AdamW's step count not advanced) and no scheduler step (the lr schedule counts
+           applied updates, as Megatron-LM and the HF Trainer do for skipped fp16 steps);
+           the step number and the data position do advance (the poisoned batch is not
+           retried). Skips are counted (`skipped_steps` in metrics rows); more than
+           `nan_max_consecutive_skips` in a row raise `DivergenceError`.
+
+Preemption: the handler only records the signal number. At the next step's check every
+rank learns it; the step completes, a committed checkpoint of it is written and
+`Preempted` is raised: exit code 75 (EX_TEMPFAIL of sysexits.h, "temporary failure,
+retry later": distinct from 1 = crash, 2 = bad input, 3 = diverged, and from 128+N =
+killed by signal N, so a launcher can requeue on it). See the README's "Failures" for
+torchrun and SLURM.
+
+`assert_finite_state` is the last line of defence: no checkpoint with a non-finite
+parameter or optimizer moment is ever written.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from trainer.config.checks import NAN_POLICIES
+
+logger = logging.getLogger("trainer")
+
+EXIT_DIVERGED = 3
+EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class DivergenceError(RuntimeError):
+    """Training produced a non-finite loss, gradient or state; the message names the step."""
+
+
+class Preempted(Exception):
+    """A preemption signal arrived; a committed checkpoint of `step` was written."""
+
+    def __init__(self, step: int, signum: int, checkpoint: str) -> None:
+        name = signal.Signals(signum).name
+        super().__init__(
+            f"{name} at step {step}: saved {checkpoint}; resume with "
+            f"--resume_from_checkpoint latest (exit code {EXIT_PREEMPTED})"
+        )
+        self.step, self.signum, self.checkpoint = step, signum, checkpoint
+
+
+class PreemptionSignals:
+    """A context manager: SIGTERM and SIGUSR1 set `received` (and do nothing else) while inside.
+
+    The previous handlers come back on exit. Outside the main thread (where Python
+    cannot install handlers) it does nothing and `received` stays 0.
+    """
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS) -> None:
+        self.signals, self.received = signals, 0
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum  # no work here: the training loop acts on it at the next step boundary
+
+    def __enter__(self) -> PreemptionSignals:
+        if threading.current_thread() is threading.main_thread():
+            for s in self.signals:
+                self._previous[s] = signal.signal(s, self._handler)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
+        self._previous.clear()
+
+
+@dataclass
+class Verdict:
+    """What every rank agreed on for one step."""
+
+    apply: bool  # run the optimizer and scheduler step
+    signum: int  # a preemption signal seen by any rank (0: none)
+
+
+class StepGuard:
+    """Per-step agreement on non-finite values and preemption; counts skipped steps.
+
+    Args:
+        policy: "stop" or "skip" (see the module docstring).
+        max_consecutive_skips: with "skip", the most non-finite steps in a row before stopping.
+        device: where the flags live (NCCL reduces device tensors only).
+        signals: the preemption flag to fold into the check (None: no preemption).
+
+    Raises:
+        ValueError: an unknown policy or a limit below 1.
+    """
+
+    def __init__(
+        self,
+        policy: str,
+        max_consecutive_skips: int,
+        device: torch.device,
+        signals: PreemptionSignals | None = None,
+    ) -> None:
+        if policy not in NAN_POLICIES:
+            raise ValueError(f"nan_policy={policy!r} is not valid; choose one of {list(NAN_POLICIES)}")
+        if max_consecutive_skips < 1:
+            raise ValueError(f"nan_max_consecutive_skips={max_consecutive_skips} must be >= 1")
+        self.policy, self.max_consecutive, self.device = policy, max_consecutive_skips, device
+        self.signals = signals
+        self.skipped = 0  # skipped steps in this process's run
+        self.consecutive = 0
+
+    def _signum(self) -> int:
+        return self.signals.received if self.signals is not None else 0
+
+    def _agree(self, flags: Tensor) -> list[float]:
+        """MAX over the world group, then the one read (collective when the world has > 1 rank)."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return [float(x) for x in flags.tolist()]
+
+    def check(self, step: int, loss_sum: Tensor | None, grad_norm: Tensor) -> Verdict:
+        """Agree on step `step`'s loss, grad norm and signals; collective over the world, one device read.
+
+        Args:
+            step: the step number (for messages).
+            loss_sum: this rank's loss sum (last pipeline stage), None elsewhere.
+            grad_norm: the global grad norm before clipping (same on every rank).
+
+        Returns:
+            Whether to apply the update, and any preemption signal.
+
+        Raises:
+            DivergenceError: non-finite with nan_policy=stop, or too many consecutive skips.
+        """
+        zero = torch.zeros((), dtype=torch.float32, device=self.device)
+        loss_bad = zero if loss_sum is None else (~torch.isfinite(loss_sum)).float()
+        grad_bad = (~torch.isfinite(grad_norm)).float()
+        sig = torch.full((), float(self._signum()), device=self.device)  # a fill, not a host copy
+        bad_loss, bad_grad, signum = self._agree(torch.stack([loss_bad, grad_bad, sig]))
+        if not (bad_loss or bad_grad):
+            self.consecutive = 0
+            return Verdict(True, int(signum))
+        what = " and ".join(n for n, bad in (("loss", bad_loss), ("grad norm", bad_grad)) if bad)
+        if self.policy == "stop":
+            raise DivergenceError(
+                f"step {step}: non-finite {what} (nan_policy=stop); the step was not applied; lower "
+                f"learning_rate, or set nan_policy=skip, and resume from the last checkpoint"
+            )
+        self.skipped += 1
+        self.consecutive += 1
+        if self.consecutive > self.max_consecutive:
+            raise DivergenceError(
+                f"step {step}: non-finite {what} in {self.consecutive} consecutive steps, more than "
+                f"nan_max_consecutive_skips={self.max_consecutive} (nan_policy=skip)"
+            )
+        logger.warning(
+            "step %d: non-finite %s: update skipped (%d in a row, %d in total)",
+            step,
+            what,
+            self.consecutive,
+            self.skipped,
+        )
+        return Verdict(False, int(signum))
+
+    def preemption_agreed(self) -> int:
+        """Collective over the world: the preemption signal any rank has seen, or 0 (one read)."""
+        return int(self._agree(torch.full((1,), float(self._signum()), device=self.device))[0])
+
+
+def assert_finite_state(model: nn.Module, optimizer: torch.optim.Optimizer, what: str) -> None:
+    """Refuse to save `what` if any rank holds a non-finite parameter or optimizer state tensor.
+
+    Collective over the world group (every rank learns which ranks are bad, so all
+    raise together and none waits in the save's barriers).
+
+    Raises:
+        DivergenceError: naming the checkpoint, the bad ranks and a few of this rank's bad tensors.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    tensors: list[tuple[str, Tensor]] = [(n, p.detach()) for n, p in model.named_parameters()]
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, Tensor) and value.is_floating_point() and value.dim() > 0:
+                tensors.append((f"{names.get(id(p), '?')}.{key}", value))
+    device = next(model.parameters()).device
+    flags = torch.stack([torch.isfinite(t).all() for _, t in tensors]).logical_not()
+    bad = [n for (n, _), f in zip(tensors, flags.tolist()) if f]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    per_rank = torch.zeros(world, dtype=torch.float32, device=device)
+    per_rank[rank] = float(len(bad))
+    if world > 1:
+        dist.all_reduce(per_rank)
+    bad_ranks = [r for r, n in enumerate(per_rank.tolist()) if n]
+    if bad_ranks:
+        example = f" (here: {bad[:3]})" if bad else ""
+        raise DivergenceError(
+            f"refusing to save {what}: non-finite values in the model or optimizer state on "
+            f"rank(s) {bad_ranks}{example}; nothing was written"
+        )

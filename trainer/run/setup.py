@@ -1,0 +1,317 @@
+"""Set-up of a training run: everything built once before the first step.
+
+    setup_run        data + tokenizer -> mesh -> sampler ->
+                     partition -> model (HF import, parallelize) -> optimizer/scheduler
+
+The pieces land in a `RunContext`, which the loop, resume, save and summary read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from models.config import ModelConfig
+from models.m2m100 import M2M100Translation
+from parallel.mesh import ParallelDims, ParallelMesh, build_mesh, coords_to_rank
+from parallel.parallelize import ParallelModel, build_parallel_model
+from parallel.simulate import bubble_theory
+from parallel.watchdog import RankIdentity, default_warn_after, start_watchdog
+from trainer.checkpoint.resume import ResumePoint, adopt_tokenizer, log_changes
+from trainer.config.schema import JobConfig
+from trainer.data.batching import BatchLayout, GlobalBatchSampler
+from trainer.data.sampling import DirectionSampling
+from trainer.data.sources import (
+    RawDatasets,
+    load_raw_datasets,
+    load_test_pairs,
+    run_languages,
+    training_texts,
+)
+from trainer.data.tokenization import TranslationData, tokenize_datasets
+from trainer.errors import ConfigError, DataError
+from trainer.run.balance import choose_partition
+from trainer.run.faults import FaultInjection
+from trainer.run.step import build_optimizer, build_scheduler
+from trainer.run.strategies import BestModel, resolve_max_steps
+from trainer.tokenizer.vocab import Tokenizer, load_or_train_tokenizer
+
+logger = logging.getLogger("trainer")
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def setup_tokenizer(cfg: JobConfig, raw: Any, out: Path, rank: int, resume: ResumePoint | None) -> Tokenizer:
+    """Rank 0 trains (or loads) and saves the tokenizer; the others load what it saved.
+
+    On resume every rank reads the checkpoint's run's tokenizer back: never retrained or rewritten.
+    """
+    tok_dir = out / "tokenizer"
+    languages = run_languages(cfg.data)
+    if resume is not None:
+        return Tokenizer.load(adopt_tokenizer(resume, out, rank), languages)
+    if rank == 0:
+        source = cfg.model.tokenizer_name or cfg.model.model_name_or_path
+        tok = load_or_train_tokenizer(
+            source if source and _has_tokenizer(source) else cfg.model.tokenizer_name,
+            languages,
+            training_texts(raw.train),
+            cfg.model.vocab_size,
+            cfg.data.spm_model_type,
+            cfg.data.spm_character_coverage,
+            cfg.data.spm_input_sentence_size,
+            cfg.training.seed,
+        )
+        tok.save(tok_dir)
+    dist.barrier()
+    return Tokenizer.load(tok_dir, languages) if rank != 0 else tok
+
+
+def tokenize_shared(cfg: JobConfig, raw: Any, tok: Tokenizer, out: Path, rank: int) -> TranslationData:
+    """Rank 0 tokenizes into the on-disk cache (`cache_dir`, default <output_dir>/data_cache); the
+    others wait, then load it (a cache hit; on a node without the shared disk they build their own).
+
+    Rank 0's failure is broadcast, so every rank raises it instead of waiting at a barrier
+    (one collective: broadcast_object_list).
+    """
+    cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else out / "data_cache"
+    data: TranslationData | None = None
+    failure: list[str | None] = [None]
+    if rank == 0:
+        try:
+            data = tokenize_datasets(raw, tok, cfg.data, cache)
+        except Exception as e:
+            failure = [f"{type(e).__name__}: {e}"]
+            dist.broadcast_object_list(failure, src=0)
+            raise
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise DataError(f"rank 0 could not tokenize the data: {failure[0]}")
+    return data if data is not None else tokenize_datasets(raw, tok, cfg.data, cache)
+
+
+def _has_tokenizer(path: str) -> bool:
+    p = Path(path)
+    return p.is_dir() and any(
+        (p / f).exists() for f in ("tokenizer.json", "spm.model", "tokenizer_config.json")
+    )
+
+
+def model_config_for(cfg: JobConfig, tok: Tokenizer) -> ModelConfig:
+    if cfg.model.model_name_or_path:
+        from models.hf import read_hf_config
+
+        mc = read_hf_config(cfg.model.model_name_or_path)
+        for k in ("dropout", "attention_dropout", "activation_dropout"):
+            setattr(mc, k, getattr(cfg.model, k))  # regularisation is the run's choice
+        if tok.vocab_size > mc.vocab_size:
+            raise ConfigError(
+                f"tokenizer has {tok.vocab_size} entries but the model at "
+                f"{cfg.model.model_name_or_path} only {mc.vocab_size}"
+            )
+        return mc
+    return cfg.model.model_config(tok.vocab_size, tok.special_ids())
+
+
+def build_model(
+    cfg: JobConfig, mc: ModelConfig, mesh: ParallelMesh, balance: list[int], device: torch.device
+) -> ParallelModel:
+    """The full model, identically initialised on every rank, cut and sharded for this rank."""
+    torch.manual_seed(cfg.training.seed)
+    model = M2M100Translation(mc).to(device)
+    path = cfg.model.model_name_or_path
+
+    def load_pretrained(stage_model: M2M100Translation) -> None:
+        from models.hf import load_hf_into
+
+        assert path is not None
+        load_hf_into(stage_model, path)  # only this stage's tensors are read
+
+    p = cfg.parallel
+    return build_parallel_model(
+        model,
+        mesh,
+        balance,
+        p.num_microbatches,
+        p.pipeline_schedule,
+        p.virtual_stages,
+        p.activation_checkpointing,
+        cfg.training.label_smoothing_factor,
+        autocast_dtype=torch.bfloat16 if cfg.training.bf16 else None,
+        sequence_parallel=p.sequence_parallel,
+        before_tp=load_pretrained if path else None,
+        dp_sharding=p.data_parallel_sharding,
+        compile_layers=cfg.training.torch_compile,
+        saved_tensor_meter=p.profile_activation_memory,
+    )
+
+
+@dataclass
+class RunContext:
+    """The pieces `setup_run` builds once; the loop, resume, save and summary read them."""
+
+    cfg: JobConfig
+    dims: ParallelDims
+    mesh: ParallelMesh
+    out: Path
+    tok: Tokenizer
+    data: TranslationData
+    mc: ModelConfig
+    sampler: GlobalBatchSampler
+    balance: list[int]
+    pm: ParallelModel
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    log_rank: int  # the last stage's dp=0/tp=0 rank: it holds the loss and writes the metrics
+    t_start: float  # perf_counter() before data loading; the summary's wall_time_s counts from here
+    fault: FaultInjection | None = None  # TRAINER_FAULT_INJECT, the failure tests' hook
+    resume: ResumePoint | None = None  # the checkpoint this session continues, checked by find_resume
+    steps_per_epoch: int = 1  # global batches in the sampler's epoch (num_train_epochs, "epoch" strategies)
+    best: BestModel = field(default_factory=BestModel)  # best evaluation / checkpoint, early-stop count
+    test_raw: RawDatasets | None = (
+        None  # do_predict's test pairs, read at set-up (a missing split fails early)
+    )
+
+    @property
+    def is_logger(self) -> bool:
+        return dist.get_rank() == self.log_rank
+
+    @property
+    def bubble_theory(self) -> float:
+        p = self.cfg.parallel
+        return bubble_theory(self.dims.pp, p.num_microbatches, p.virtual_stages, p.pipeline_schedule)
+
+
+def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint | None = None) -> RunContext:
+    """Build data, tokenizer, mesh, sampler, partition, model and optimizer (config validated,
+    `out` claimed, `resume` checked against the checkpoint's run by `find_resume`).
+
+    Collective (tokenizer barrier, mesh groups, partition profiling). Rank 0 also writes
+    config.yaml and model_config.json and logs the mesh and partition.
+    """
+    rank = dist.get_rank()
+    fault = FaultInjection.from_env()
+    if rank != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    set_seed(cfg.training.seed)
+    t_start = time.perf_counter()
+
+    raw = load_raw_datasets(cfg.data, cfg.training.seed)
+    test_raw = load_test_pairs(cfg.data, cfg.training.seed) if cfg.training.do_predict else None
+    tok = setup_tokenizer(cfg, raw, out, rank, resume)
+    data = tokenize_shared(cfg, raw, tok, out, rank)
+    mc = resume.model_config(cfg) if resume else model_config_for(cfg, tok)
+    dims.validate(mc)
+    mesh = build_mesh(dims, device.type)
+    p = cfg.parallel
+    warn_after = p.hang_warning_s or default_warn_after(p.dist_timeout_s)
+    start_watchdog(RankIdentity(rank, dims.shape), warn_after, p.dist_timeout_s)
+    sampler = build_sampler(cfg, dims.dp, data, tok)
+    steps_per_epoch = len(sampler.epoch_plan(0))
+    cfg.training.max_steps = resolve_max_steps(cfg.training, steps_per_epoch)  # -1: from num_train_epochs
+    logger.info("training %d steps; an epoch is %d global batches", cfg.training.max_steps, steps_per_epoch)
+    balance, partition_text = choose_partition(cfg, mc, mesh, sampler, device)
+    pm = build_model(cfg, mc, mesh, balance, device)
+    optimizer = build_optimizer(pm.model, cfg.training, only=pm.optimizer_params())
+    scheduler = build_scheduler(optimizer, cfg.training)
+    log_rank = coords_to_rank((pm.plan.last_stage_rank, 0, 0), dims.shape)
+    if rank == 0:
+        record_setup(cfg, out, dims, mc, partition_text, data.skipped, resume)
+    return RunContext(
+        cfg=cfg,
+        dims=dims,
+        mesh=mesh,
+        out=out,
+        tok=tok,
+        data=data,
+        mc=mc,
+        sampler=sampler,
+        balance=balance,
+        pm=pm,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        log_rank=log_rank,
+        t_start=t_start,
+        fault=fault,
+        resume=resume,
+        steps_per_epoch=steps_per_epoch,
+        best=BestModel.from_args(cfg.training),
+        test_raw=test_raw,
+    )
+
+
+def build_sampler(cfg: JobConfig, dp: int, data: TranslationData, tok: Tokenizer) -> GlobalBatchSampler:
+    """The seeded, resumable sampler of global batches, cut into m * g * dp slots."""
+    layout = BatchLayout(
+        cfg.training.per_device_train_batch_size,
+        cfg.parallel.num_microbatches,
+        cfg.training.gradient_accumulation_steps,
+        dp,
+        cfg.data.max_tokens_per_microbatch,
+    )
+    weights = cfg.data.direction_weights(cfg.data.sampling_weights)
+    sampling = DirectionSampling(cfg.data.sampling_temperature, weights)
+    sampler = GlobalBatchSampler(
+        data.train,
+        layout,
+        cfg.training.seed,
+        tok.pad_id,
+        tok.special_ids()["decoder_start_token_id"],
+        sampling,
+    )
+    expected = {name: share["expected"] for name, share in sampler.shares().items()}
+    logger.info(
+        "direction sampling T=%g weights %s: expected shares %s", sampling.temperature, weights, expected
+    )
+    return sampler
+
+
+def record_setup(
+    cfg: JobConfig,
+    out: Path,
+    dims: ParallelDims,
+    mc: ModelConfig,
+    partition_text: str,
+    skipped: dict[str, dict[str, int]],
+    resume: ResumePoint | None = None,
+) -> None:
+    """Rank 0: config.yaml and model_config.json into output_dir; mesh, partition and size to the log.
+
+    On resume they stay the run's: written only where absent (resuming into a new output_dir);
+    the settings changed on resume go to the log (and to later checkpoints' trainer_state.json).
+    """
+    if resume is not None:
+        log_changes(resume)
+    if resume is None or not (out / "config.yaml").is_file():
+        cfg.save(out / "config.yaml")
+    if resume is None or not (out / "model_config.json").is_file():
+        (out / "model_config.json").write_text(json.dumps(mc.to_dict(), indent=1))
+    logger.info(
+        "mesh pp=%d dp=%d tp=%d, schedule %s (v=%d), remat %s\n%s",
+        dims.pp,
+        dims.dp,
+        dims.tp,
+        cfg.parallel.pipeline_schedule,
+        cfg.parallel.virtual_stages,
+        cfg.parallel.activation_checkpointing,
+        partition_text,
+    )
+    logger.info("model: %.2fM parameters; data skipped: %s", mc.num_parameters() / 1e6, skipped)

@@ -1,0 +1,140 @@
+"""The run's state to and from checkpoints: save at a step, resume, load the best model.
+
+What a checkpoint holds beside the tensors (`trainer_state.json`): the step, scheduler, sampler,
+mesh, partition, model config, the run identity a resume checks, and the best-model record.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+from parallel.mesh import ParallelDims
+from trainer.checkpoint import dcp as ckpt
+from trainer.checkpoint.resume import run_identity
+from trainer.errors import ConfigError
+from trainer.run.guard import assert_finite_state
+from trainer.run.setup import RunContext
+
+logger = logging.getLogger("trainer")
+
+
+def resume_state(ctx: RunContext) -> int:
+    """Restore model, optimizer, scheduler and sampler from `resume_from_checkpoint`.
+
+    Returns:
+        The step to continue from: the checkpoint's, or 0 when there is nothing to resume.
+    """
+    log_restart(ctx.cfg.training.resume_from_checkpoint, ctx.resume.path if ctx.resume else None)
+    if ctx.resume is None:
+        return 0
+    resume = ctx.resume.path
+    state = ckpt.load_checkpoint(
+        resume,
+        [ctx.pm.model],
+        ctx.optimizer,
+        to_logical=ctx.pm.to_logical,
+        restore_rng=state_mesh_matches(resume, ctx.dims),
+    )
+    ctx.scheduler.load_state_dict(state["scheduler"])
+    # The optimizer's param groups carry the lr of the *next* step; DCP restored only tensors.
+    for group, lr in zip(ctx.optimizer.param_groups, ctx.scheduler.get_last_lr()):
+        group["lr"] = lr
+    ctx.sampler.load_state_dict(state["data"])
+    ctx.best.load_state_dict(state)
+    step = int(state["step"])
+    if step > ctx.cfg.training.max_steps:
+        raise ConfigError(
+            f"num_train_epochs={ctx.cfg.training.num_train_epochs} gives max_steps="
+            f"{ctx.cfg.training.max_steps}, below the step of resume_from_checkpoint={resume} ({step})"
+        )
+    logger.info("resumed from %s at step %d", resume, step)
+    return step
+
+
+def log_restart(resume_from_checkpoint: str | None, resume: Path | None) -> None:
+    """On a group restarted by `torchrun --max-restarts`, say where this attempt starts.
+
+    A restart never resumes on its own: the config decides. Resuming without
+    `resume_from_checkpoint` would pick up whatever checkpoint lies in output_dir,
+    which need not be this run's; so a restart without it trains from step 0 again,
+    and says so loudly.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or dist.get_rank() != 0:
+        return
+    limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+    if resume is not None:
+        logger.warning("restart %d of %s: resuming from %s", attempt, limit, resume)
+    elif resume_from_checkpoint:
+        logger.warning("restart %d of %s: no committed checkpoint yet; training from step 0", attempt, limit)
+    else:
+        logger.warning(
+            "restart %d of %s: resume_from_checkpoint is not set, so this attempt trains from step 0 "
+            "again; pass --resume_from_checkpoint latest --save_steps K to continue from the last "
+            "committed checkpoint",
+            attempt,
+            limit,
+        )
+
+
+def load_best_model(ctx: RunContext, step: int) -> None:
+    """load_best_model_at_end: read the best checkpoint's weights into the model (collective).
+
+    Only after training (do_train): a do_train=false run evaluates / predicts the checkpoint it
+    was given (resume_from_checkpoint or model_name_or_path), as HF's does.
+    """
+    best, args = ctx.best.best_model_checkpoint, ctx.cfg.training
+    if not (args.do_train and args.load_best_model_at_end) or best is None or ctx.best.best_step == step:
+        return
+    ckpt.load_checkpoint(Path(best), [ctx.pm.model], None, to_logical=ctx.pm.to_logical, restore_rng=False)
+    logger.info("loaded the best model: %s (%s = %s)", best, ctx.best.metric, ctx.best.best_metric)
+
+
+def mesh_sizes(dims: ParallelDims) -> dict[str, int]:
+    """The mesh as recorded in run config, checkpoints and the summary."""
+    return {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp}
+
+
+def state_mesh_matches(path: Path, dims: ParallelDims) -> bool:
+    saved = json.loads((path / "trainer_state.json").read_text()).get("mesh", {})
+    return saved == mesh_sizes(dims)
+
+
+def save(ctx: RunContext, step: int) -> None:
+    """Checkpoint model, optimizer, scheduler and sampler at `step` (collective).
+
+    Raises:
+        DivergenceError: some rank holds a non-finite parameter or optimizer state; nothing is written.
+    """
+    path = ckpt.checkpoint_dir(ctx.out, step)
+    assert_finite_state(ctx.pm.model, ctx.optimizer, path.name)
+    state = {
+        "step": step,
+        "scheduler": ctx.scheduler.state_dict(),
+        "data": ctx.sampler.state_dict(),
+        "mesh": mesh_sizes(ctx.dims),
+        "partition": ctx.balance,
+        "model_config": ctx.pm.model.config.to_dict(),
+        **run_identity(ctx.cfg, ctx.out / "tokenizer"),  # what a resume checks it continues
+    }
+    ctx.best.saved(step, str(path))
+    state["best_model"] = ctx.best.state_dict()  # HF's best_metric / best_model_checkpoint, at top level too
+    state["best_metric"], state["best_model_checkpoint"] = (
+        ctx.best.best_metric,
+        ctx.best.best_model_checkpoint,
+    )
+    best = ctx.best.best_model_checkpoint
+    ckpt.save_checkpoint(
+        path,
+        [ctx.pm.model],
+        ctx.optimizer,
+        state,
+        to_logical=ctx.pm.to_logical,
+        save_total_limit=ctx.cfg.training.save_total_limit,
+        keep=Path(best) if best else None,
+    )

@@ -1,0 +1,96 @@
+"""The end of a run: run_summary.json's fields and the printed summary table."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainer.checkpoint import dcp as ckpt
+from trainer.run.setup import RunContext
+from trainer.run.state import mesh_sizes
+
+
+def run_summary(
+    ctx: RunContext, totals: LoopTotals, before: dict[str, Any] | None, after: dict[str, Any]
+) -> dict[str, Any]:
+    """The run_summary.json fields (without `predict` and `history`)."""
+    pp, out, step = ctx.dims.pp, ctx.out, totals.step
+    return {
+        "mesh": mesh_sizes(ctx.dims),
+        "partition": ctx.balance,
+        "bubble_fraction_theory": ctx.bubble_theory,
+        **({"before": before} if before is not None else {}),
+        "after": after,
+        "steps": step,
+        "skipped_steps": totals.skipped_steps,
+        "early_stopped": totals.early_stopped,
+        "best_metric": ctx.best.best_metric,
+        "best_model_checkpoint": ctx.best.best_model_checkpoint,
+        "wall_time_s": time.perf_counter() - ctx.t_start,
+        "tokens_per_sec": totals.tokens / totals.time_in_steps if totals.time_in_steps else 0.0,
+        "bubble_fraction": float(np.mean(totals.bubbles)) if totals.bubbles else None,
+        "timeline_png": str(out / "timeline.png") if pp > 1 else None,
+        "timeline_trace": str(out / "timeline_trace.json") if pp > 1 else None,
+        "data_skipped": ctx.data.skipped,
+        "direction_shares": ctx.sampler.shares(),
+        "output_dir": str(out),
+        "last_checkpoint": str(ckpt.checkpoint_dir(out, step)) if ctx.cfg.training.do_train else None,
+    }
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    before, after = s.get("before", {}), s.get("after", {})
+    lines = [
+        "",
+        "=" * 64,
+        "run summary",
+        "=" * 64,
+        f"mesh                 pp={s['mesh']['pp']} dp={s['mesh']['dp']} tp={s['mesh']['tp']}  "
+        f"partition {s['partition']}",
+    ]
+    for key in ("eval_loss", "eval_bleu", "eval_chrf"):
+        if key in before or key in after:
+            b, a = before.get(key), after.get(key)
+            lines.append(
+                f"{key:<20} before {b if b is None else round(b, 3)!s:>8}   after "
+                f"{a if a is None else round(a, 3)!s:>8}"
+            )
+    lines.append(f"tokens/s             {s['tokens_per_sec']:.0f}")
+    if s.get("bubble_fraction") is not None:
+        lines.append(
+            f"bubble               measured {s['bubble_fraction']:.3f}   theory "
+            f"{s['bubble_fraction_theory']:.3f}"
+        )
+        lines.append(f"timeline             {s['timeline_png']}")
+    lines.append(f"wall time            {s['wall_time_s']:.1f} s over {s['steps']} steps")
+    lines.append(f"output_dir           {s['output_dir']}")
+    lines.append(f"last checkpoint      {s['last_checkpoint']}")
+    if s.get("best_model_checkpoint"):
+        lines.append(
+            f"best checkpoint      {s['best_model_checkpoint']} (best_metric {s['best_metric']:.4g})"
+        )
+    export_from = s.get("best_model_checkpoint") or s["last_checkpoint"]
+    export_dir = str(Path(s["output_dir"]) / "hf_export")
+    if export_from:
+        lines.append(
+            f"export               python -m trainer.export --checkpoint {export_from} --output {export_dir}"
+        )
+    print("\n".join(lines), flush=True)
+
+
+@dataclass
+class LoopTotals:
+    """What the training loop hands to the summary."""
+
+    step: int
+    tokens: int = 0  # source + target tokens over all steps
+    time_in_steps: float = 0.0
+    bubbles: list[float] = field(default_factory=list)  # measured bubble_fraction per logged step (pp > 1)
+    skipped_steps: int = 0  # updates the guard dropped (nan_policy=skip)
+    early_stopped: bool = False  # early_stopping_patience ended training before max_steps
+    last_eval: tuple[int, dict[str, Any]] | None = None  # (step, metrics) of the latest evaluation
+    last_save: int | None = None  # the step of the latest checkpoint written in the loop
