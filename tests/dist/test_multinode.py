@@ -278,6 +278,15 @@ def test_two_simulated_nodes_train_tiny_model(tmp_path: Path) -> None:
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["mesh"] == {"pp": 2, "dp": 1, "tp": 2} and summary["steps"] == 3, summary
+    mem = summary["memory"]  # every rank's peaks, gathered by the logging rank
+    host, startup, train = (
+        mem["peak_host_bytes"],
+        mem["startup_peak_host_bytes"],
+        mem["train_peak_host_bytes"],
+    )
+    assert len(host) == len(startup) == len(train) == 4, mem
+    assert all(100 * 2**20 < s <= t <= h < 8 * 2**30 for s, t, h in zip(startup, train, host)), mem
+    assert mem["peak_cuda_allocated_bytes"] is None and mem["peak_cuda_reserved_bytes"] is None
     ckpt = out / "checkpoint-3"
     assert ckpt.is_dir() and any(ckpt.iterdir()), nodes.report()
 

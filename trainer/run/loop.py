@@ -32,6 +32,7 @@ from trainer.run.guard import (
     PreemptionSignals,
     StepGuard,
 )
+from trainer.run.memory import gather_memory, memory_lines, peak_host_bytes
 from trainer.run.outdir import claim_output_dir
 from trainer.run.preflight import validate_early
 from trainer.run.setup import RunContext, setup_run
@@ -286,6 +287,7 @@ def finish_run(
     run_summary.json and the printed table on the logging rank, with `history` added on
     return (collective: eval, save, load, predict, barrier)."""
     step, args = totals.step, ctx.cfg.training
+    train_host = peak_host_bytes()  # before the final eval and save
     after: dict[str, Any] = {}
     if args.do_eval:  # an evaluation at this very step (early stopping) is not repeated
         last = totals.last_eval
@@ -297,10 +299,12 @@ def finish_run(
         after = ctx.best.best_metrics  # the model the run ends with
     predicted = predict_test_set(ctx) if args.do_predict else {}
     summary = run_summary(ctx, totals, before, after)
+    summary["memory"] = gather_memory(ctx.startup_peak_host_bytes, train_host, ctx.pm.device)
     summary["predict"] = {k: v for k, v in predicted.items() if k.startswith("predict_")}
     if ctx.is_logger:
         (ctx.out / "run_summary.json").write_text(json.dumps(summary, indent=1, default=str))
         print_summary(summary)
+        logger.info("memory per rank: %s", "; ".join(memory_lines(summary["memory"])))
     summary["history"] = tracker.history
     tracker.close()
     dist.barrier()

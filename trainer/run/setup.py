@@ -41,6 +41,7 @@ from trainer.data.tokenization import TranslationData, tokenize_datasets
 from trainer.errors import ConfigError, DataError
 from trainer.run.balance import choose_partition
 from trainer.run.faults import FaultInjection
+from trainer.run.memory import peak_host_bytes
 from trainer.run.step import build_optimizer, build_scheduler
 from trainer.run.strategies import BestModel, resolve_max_steps
 from trainer.tokenizer.vocab import Tokenizer, load_or_train_tokenizer
@@ -184,6 +185,7 @@ class RunContext:
     test_raw: RawDatasets | None = (
         None  # do_predict's test pairs, read at set-up (a missing split fails early)
     )
+    startup_peak_host_bytes: int = 0  # ru_maxrss once the model and optimizer are built (trainer.run.memory)
 
     @property
     def is_logger(self) -> bool:
@@ -232,6 +234,7 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint
     pm = build_model(cfg, mc, mesh, balance, device)
     optimizer = build_optimizer(pm.model, cfg.training, only=pm.optimizer_params())
     scheduler = build_scheduler(optimizer, cfg.training)
+    startup_host = peak_host_bytes()  # the start-up peak: model and optimizer built, no step run yet
     log_rank = coords_to_rank((pm.plan.last_stage_rank, 0, 0), dims.shape)
     if rank == 0:
         record_setup(cfg, out, dims, mc, partition_text, data.skipped, resume)
@@ -255,6 +258,7 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint
         steps_per_epoch=steps_per_epoch,
         best=BestModel.from_args(cfg.training),
         test_raw=test_raw,
+        startup_peak_host_bytes=startup_host,
     )
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from trainer.checkpoint import dcp as ckpt
+from trainer.run.memory import memory_lines
 from trainer.run.setup import RunContext
 from trainer.run.state import mesh_sizes
 
@@ -17,7 +18,7 @@ from trainer.run.state import mesh_sizes
 def run_summary(
     ctx: RunContext, totals: LoopTotals, before: dict[str, Any] | None, after: dict[str, Any]
 ) -> dict[str, Any]:
-    """The run_summary.json fields (without `predict` and `history`)."""
+    """The run_summary.json fields (without `predict`, `memory` and `history`)."""
     pp, out, step = ctx.dims.pp, ctx.out, totals.step
     return {
         "mesh": mesh_sizes(ctx.dims),
@@ -66,6 +67,7 @@ def print_summary(s: dict[str, Any]) -> None:
             f"{s['bubble_fraction_theory']:.3f}"
         )
         lines.append(f"timeline             {s['timeline_png']}")
+    lines.extend(memory_lines(s.get("memory") or {}))
     lines.append(f"wall time            {s['wall_time_s']:.1f} s over {s['steps']} steps")
     lines.append(f"output_dir           {s['output_dir']}")
     lines.append(f"last checkpoint      {s['last_checkpoint']}")
