@@ -106,7 +106,7 @@ def test_memory_model_counts_the_parameters_each_rank_holds() -> None:
     # 9 blocks, 2 ranks x 2 virtual stages: rank 0 holds both embeddings, rank 1 the head
     balance = (2, 2, 3, 2)
     layout = Layout(2, 1, 1, 2, 1, 2, "interleaved_1f1b", 2, "none", "explicit", balance)
-    ctx = CostContext(mc, LinkModel(1e-5, 1e9, 1e-5, 1e9), 2, False, False, False, 1e-9)
+    ctx = CostContext(mc, LinkModel(1e-5, 1e9, 1e-5, 1e9), 2, False, False, 1e-9)
     kinds = measure_kind_costs(mc, Shape(2, 5, 6), "none", bf16=False, repeats=1)
     costs = block_costs(kinds, kinds, 1.0, mc, Shape(2, 5, 6), 1, ctx)
     pred = predict_step(layout, layout_stage_costs(layout, costs, Shape(2, 5, 6), ctx), ctx)
@@ -125,8 +125,8 @@ def test_memory_model_counts_the_parameters_each_rank_holds() -> None:
     assert worst["parameters"] == worst["gradients"] == 4 * max(pred.params_per_pp_rank)
     assert worst["optimizer"] == 8 * max(pred.params_per_pp_rank)
     assert pred.peak_memory_bytes == sum(worst.values())
-    zero1_layout = replace(layout, dp=2)
-    zero1_ctx = replace(ctx, zero1=True, gpus_per_node=4)
+    zero1_layout = replace(layout, dp=2, sharding="zero1")
+    zero1_ctx = replace(ctx, gpus_per_node=4)
     zero1 = predict_step(
         zero1_layout, layout_stage_costs(zero1_layout, costs, Shape(2, 5, 6), zero1_ctx), zero1_ctx
     )
@@ -182,7 +182,7 @@ def test_block_profile_counts_what_remat_keeps() -> None:
 def _calibration_entry(pp: int, dp: int, schedule: str = "1f1b", bound: float = 1.0):  # type: ignore[no-untyped-def]
     link = LinkModel(1e-4, 1e9, 1e-4, 1e9)
     mc = parse_config(["--config", TINY]).model.model_config(1000, {})
-    ctx = CostContext(mc, link, 2, False, False, False, 1e-9)
+    ctx = CostContext(mc, link, 2, False, False, 1e-9)
     layout = Layout(pp, 1, dp, 2, 1, 8, schedule, 1, "none", "uniform", (4, 4) if pp == 2 else (8,))
     from parallel.simulate import StageCosts
 

@@ -11,9 +11,12 @@
                      intra- versus inter-node
     predict_step     a layout -> per-stage costs -> `parallel.simulate` on the schedule's real
                      action lists (makespan, bubble, peak activation bytes per pp rank)
-                     + data fetch + dp / tied-embedding reduces + optimizer = step time;
-                     parameters + grads + AdamW state (ZeRO-1: / dp) + bf16 working weights
-                     + peak activations = memory per rank
+                     + data fetch + dp / tied-embedding reduces (fsdp: reduce-scatter and
+                     parameter all-gathers; zero1: the updated parameters' broadcast)
+                     + optimizer = step time; memory per rank and at start-up from
+                     `trainer.planner.memory` (parameters, grads, AdamW state and what
+                     `data_parallel_sharding` divides by dp, fsdp's gathered units,
+                     activations, the step's transients, the host baseline)
 
 Tensor parallelism is modelled, not measured: a block's compute divides by tp and pays
 Megatron's all-reduces (2 per encoder layer, 3 per decoder layer, forward and backward,
@@ -39,6 +42,7 @@ from parallel.simulate import StageCosts, simulate
 from trainer.planner.blocks import KindCosts, Shape, block_param_counts
 from trainer.planner.hardware import LinkModel
 from trainer.planner.layout import Layout
+from trainer.planner.memory import MemorySettings, RankShape, largest_pieces, rank_memory, startup_memory
 
 
 @dataclass
@@ -49,13 +53,18 @@ class CostContext:
     link: LinkModel
     gpus_per_node: int
     bf16: bool
-    zero1: bool
     sequence_parallel: bool
     optimizer_s_per_param: float
     fetch_s_per_microbatch: float = 0.0
     # Executor and step overheads the block profile does not see (`trainer.planner.measure.measure_overheads`)
     action_overhead_s: float = 0.0  # per F and per B (or I) action of a stage on one micro-batch
     step_overhead_s: float = 0.0  # per optimizer step: barrier, clip, scheduler, bookkeeping
+    host_baseline_bytes: float = 0.0  # the process's own bytes, on runs costed for this host's CPU
+    foreach_optimizer: bool = False  # CPU AdamW: foreach, with a sqrt(v) temporary
+
+    @property
+    def memory_settings(self) -> MemorySettings:
+        return MemorySettings(self.bf16, self.host_baseline_bytes, self.foreach_optimizer)
 
 
 @dataclass
@@ -69,11 +78,13 @@ class Prediction:
     grad_reduce_s: float
     optimizer_s: float
     data_s: float
-    peak_memory_bytes: float
-    memory: dict[str, float]  # the peak rank's parameters, grads, optimizer, working, activations
+    peak_memory_bytes: float  # the peak rank's steady peak, or its start-up if that is higher
+    memory: dict[str, float]  # the peak rank's terms (`trainer.planner.memory.rank_memory`)
     params_per_pp_rank: list[int]
     peak_activation_bytes_per_pp_rank: list[float]
     stage_time_s: list[float] = field(default_factory=list)
+    startup_memory_bytes: float = 0.0  # the largest start-up peak over pp ranks
+    transients: dict[str, float] = field(default_factory=dict)  # the peak rank's step transients
 
 
 def tp_shape(shape: Shape, tp: int) -> tuple[Shape, float]:
@@ -203,14 +214,16 @@ def layout_stage_costs(
     return StageCosts(fwd, bin_, bw, link, act)
 
 
-def _outside_pipeline(layout: Layout, ctx: CostContext) -> tuple[list[int], float, float, float]:
-    """(parameters per pp rank, grad reduce s, optimizer s, data fetch s): a step's costs besides its flushes."""
+def _outside_pipeline(layout: Layout, ctx: CostContext) -> tuple[list[RankShape], float, float, float]:
+    """(each pp rank's parameters, grad reduce s, optimizer s, data fetch s): a step's costs besides its flushes."""
     params_block, table = block_param_counts(ctx.mc, layout.tp)
-    rank_params = _rank_params(params_block, table, layout, ctx.mc)
-    grad_reduce = _grad_reduce_s(max(rank_params), table, layout, ctx)
-    optimizer = ctx.optimizer_s_per_param * max(rank_params) / (layout.dp if ctx.zero1 else 1)
+    ranks = _rank_shapes(params_block, table, layout, ctx.mc)
+    most = max(r.params for r in ranks)
+    grad_reduce = _grad_reduce_s(most, table, layout, ctx)
+    sharded = layout.sharding in ("zero1", "fsdp")
+    optimizer = ctx.optimizer_s_per_param * most / (layout.dp if sharded else 1)
     data = ctx.fetch_s_per_microbatch * layout.m * layout.g
-    return rank_params, grad_reduce, optimizer + ctx.step_overhead_s, data
+    return ranks, grad_reduce, optimizer + ctx.step_overhead_s, data
 
 
 def lower_bound(layout: Layout, sc: StageCosts, ctx: CostContext) -> float:
@@ -236,50 +249,56 @@ def predict_step(layout: Layout, sc: StageCosts, ctx: CostContext) -> Prediction
     """
     p, v, m = layout.pp, layout.v, layout.m
     sim = simulate(_schedule(layout.schedule, p, m, v), p, m, v, sc)
-    rank_params, grad_reduce, optimizer, data = _outside_pipeline(layout, ctx)
+    ranks, grad_reduce, optimizer, data = _outside_pipeline(layout, ctx)
     step = layout.g * sim.makespan + grad_reduce + optimizer + data
-    mems = [_rank_memory(n_p, a, layout, ctx) for n_p, a in zip(rank_params, sim.peak_activation_bytes)]
-    worst = max(range(p), key=lambda r: sum(mems[r].values()))
+    settings = ctx.memory_settings
+    mems = [rank_memory(r, a, layout.sharding, layout.dp, m * layout.g, p, settings)
+            for r, a in zip(ranks, sim.peak_activation_bytes)]  # fmt: skip
+    worst = max(range(p), key=lambda r: sum(mems[r][0].values()))
+    startup = max(startup_memory(r, settings) for r in ranks)
     stage_time = [f + b + w for f, b, w in zip(sc.forward, sc.backward_input, sc.backward_weight)]
+    terms, transients = mems[worst]
     return Prediction(
         step, sim.makespan, sim.bubble_fraction, sc.link, grad_reduce, optimizer, data,
-        sum(mems[worst].values()), mems[worst], rank_params, list(sim.peak_activation_bytes), stage_time,
+        max(sum(terms.values()), startup), terms, [r.params for r in ranks], list(sim.peak_activation_bytes),
+        stage_time, startup, transients,
     )  # fmt: skip
 
 
-def _rank_params(params_block: list[int], table: int, layout: Layout, mc: ModelConfig) -> list[int]:
-    """Parameters held by each pp rank (the tied table once per rank that uses it)."""
+def _rank_shapes(params_block: list[int], table: int, layout: Layout, mc: ModelConfig) -> list[RankShape]:
+    """Parameters held by each pp rank (the tied table once per rank that uses it), and their largest pieces."""
     specs = block_specs(mc)
     out = []
     for r in range(layout.pp):
         stages = placement_for(layout.schedule, layout.pp, layout.v).stages_of(r)
         blocks = [i for s in stages for i in range(sum(layout.balance[:s]), sum(layout.balance[: s + 1]))]
         uses_table = any(specs[i].uses_shared_embedding for i in blocks)
-        out.append(sum(params_block[i] for i in blocks) + (table if uses_table else 0))
+        largest, unit = largest_pieces(mc, blocks, params_block, table, uses_table, layout.tp)
+        out.append(
+            RankShape(sum(params_block[i] for i in blocks) + (table if uses_table else 0), largest, unit)
+        )
     return out
 
 
 def _grad_reduce_s(params: int, table: int, layout: Layout, ctx: CostContext) -> float:
-    """dp all-reduce of a rank's fp32 grads, plus the tied table's between first and last stage."""
+    """dp reduction of a rank's fp32 grads, plus the tied table's between first and last stage.
+
+    none: a ring all-reduce; zero1: that and the updated parameters' broadcast (an all-gather's
+    cost); fsdp: a reduce-scatter and the parameters' all-gathers in the working dtype, once per
+    flush (pp > 1) or in every micro-batch's forward and backward (pp = 1), not overlapped.
+    """
     node = max(1, ctx.gpus_per_node)
     dp_inter = layout.dp * layout.tp > node
-    t = ctx.link.all_reduce(4.0 * params, layout.dp, dp_inter)
+    half = ctx.link.all_reduce(4.0 * params, layout.dp, dp_inter) / 2  # a reduce-scatter or all-gather
+    if layout.sharding == "fsdp":
+        gathers = layout.g if layout.pp > 1 else 2 * layout.m * layout.g
+        t = half + gathers * half * (0.5 if ctx.bf16 else 1.0)
+    else:
+        t = 2 * half + (half if layout.sharding == "zero1" else 0.0)
     if layout.pp > 1:
         pp_inter = layout.pp * layout.dp * layout.tp > node
         t += ctx.link.all_reduce(4.0 * table, 2, pp_inter)
     return t
-
-
-def _rank_memory(params: int, activations: float, layout: Layout, ctx: CostContext) -> dict[str, float]:
-    """Bytes of one rank: fp32 params and grads, AdamW's two moments, bf16 working copies."""
-    working = 2.0 * params if ctx.bf16 and layout.m * layout.g > 1 else 0.0
-    return {
-        "parameters": 4.0 * params,
-        "gradients": 4.0 * params,
-        "optimizer": 8.0 * params / (layout.dp if ctx.zero1 else 1),
-        "working_weights": working,
-        "activations": activations,
-    }
 
 
 @dataclass

@@ -26,6 +26,7 @@ class Layout:
     partition: str
     balance: tuple[int, ...] = ()
     token_mode: bool = False
+    sharding: str = "none"  # data_parallel_sharding: none | zero1 | fsdp
 
 
 def layout_args(layout: Layout, base: list[str]) -> list[str]:
@@ -44,6 +45,7 @@ def layout_args(layout: Layout, base: list[str]) -> list[str]:
         "--virtual_pipeline_stages", str(max(layout.v, 2)),
         "--activation_checkpointing", layout.remat,
         "--partition_method", balance,
+        "--data_parallel_sharding", layout.sharding,
     ]  # fmt: skip
 
 
@@ -61,4 +63,5 @@ def describe(layout: Layout) -> str:
     return (
         f"pp={layout.pp} tp={layout.tp} dp={layout.dp} m={layout.m} g={layout.g} {mb} "
         f"{layout.schedule}(v={layout.v}) remat={layout.remat} partition={layout.partition}"
+        + (f" sharding={layout.sharding}" if layout.sharding != "none" else "")
     )

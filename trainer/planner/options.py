@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from trainer.planner.space import REMAT_SPACE, SCHEDULE_SPACE
+from trainer.planner.space import REMAT_SPACE, SCHEDULE_SPACE, SHARDING_SPACE
 
 DESCRIPTION = (
     "`python -m trainer.plan`: rank the layouts a job can run with, by predicted step time and memory."
@@ -40,6 +40,10 @@ class PlanOptions:
     keep: int = 50  # fitting layouts simulated before pruning by bound
     schedules: list[str] | None = None  # only these schedules
     remat: list[str] | None = None  # only these remat policies
+    sharding: list[str] | None = None  # only these data_parallel_sharding modes (where dp > 1)
+    host_baseline_gib: float | None = (
+        None  # the process's own bytes; None: measured constant on CPU, 0 on a device
+    )
     repeats: int = 5  # timed repetitions per block
     link_gbps: float | None = None  # skip the link measurement
     link_latency_us: float = 50.0
@@ -85,6 +89,14 @@ def parse_args(argv: list[str] | None) -> tuple[PlanOptions, list[str]]:
     ap.add_argument("--keep", type=int, default=50, help="Fitting layouts simulated before pruning by bound.")
     ap.add_argument("--schedules", type=_names, default=None, help="Only these schedules (comma list).")
     ap.add_argument("--remat", type=_names, default=None, help="Only these remat policies (comma list).")
+    ap.add_argument(
+        "--sharding", type=_names, default=None, help="Only these data_parallel_sharding modes (comma list)."
+    )
+    ap.add_argument(
+        "--host_baseline_gib", type=float, default=None,
+        help="Memory a rank's process holds besides the model (interpreter, torch, data); default: "
+        "trainer.planner.memory.HOST_BASELINE_BYTES when costing this host's CPU, 0 for a --device.",
+    )  # fmt: skip
     ap.add_argument("--repeats", type=int, default=5, help="Timed repetitions per block.")
     ap.add_argument("--link_gbps", type=float, default=None, help="Skip the link measurement: GB/s.")
     ap.add_argument("--link_latency_us", type=float, default=50.0)
@@ -102,10 +114,13 @@ def parse_args(argv: list[str] | None) -> tuple[PlanOptions, list[str]]:
         if getattr(opts, name) < 1:
             ap.error(f"--{name}={getattr(opts, name)} must be >= 1")
     for flag, given, known in (("schedules", opts.schedules, [n for n, _ in SCHEDULE_SPACE]),
-                               ("remat", opts.remat, list(REMAT_SPACE))):  # fmt: skip
+                               ("remat", opts.remat, list(REMAT_SPACE)),
+                               ("sharding", opts.sharding, list(SHARDING_SPACE))):  # fmt: skip
         bad = sorted(set(given or []) - set(known))
         if bad:
             ap.error(f"--{flag} {bad} unknown; choose from {known}")
+    if opts.host_baseline_gib is not None and opts.host_baseline_gib < 0:
+        ap.error(f"--host_baseline_gib={opts.host_baseline_gib} must be >= 0")
     if opts.validate < 0 or opts.validate_warmup >= opts.validate_steps:
         ap.error("--validate must be >= 0 and --validate_warmup < --validate_steps")
     if opts.gpus_per_node is not None and (opts.gpus_per_node < 1 or opts.world_size % opts.gpus_per_node):
@@ -113,8 +128,3 @@ def parse_args(argv: list[str] | None) -> tuple[PlanOptions, list[str]]:
             f"--gpus_per_node={opts.gpus_per_node} must be >= 1 and divide --world_size={opts.world_size}"
         )
     return PlanOptions.from_namespace(opts), rest
-
-
-DESCRIPTION = (
-    "`python -m trainer.plan`: rank the layouts a job can run with, by predicted step time and memory."
-)

@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from parallel.mesh import ParallelDims
 from parallel.simulate import StageCosts
 from trainer.config.dims import parallel_dims
@@ -29,6 +31,7 @@ from trainer.planner.cost import (
 from trainer.planner.hardware import GIB, LinkModel, device_spec
 from trainer.planner.layout import Family, Layout, describe, layout_args
 from trainer.planner.measure import CostSource, measure_link, measure_optimizer_s_per_param, measure_overheads
+from trainer.planner.memory import HOST_BASELINE_BYTES
 from trainer.planner.options import PlanOptions
 from trainer.planner.report import build_report, run_root
 from trainer.planner.space import (
@@ -38,6 +41,7 @@ from trainer.planner.space import (
     batch_cuts,
     meshes,
     schedule_space,
+    sharding_space,
 )
 
 logger = logging.getLogger("trainer.plan")
@@ -68,10 +72,13 @@ def plan(cfg: JobConfig, base_args: list[str], opts: PlanOptions) -> dict[str, A
     source = CostSource(cfg, opts, device)
     link = device.link if device else _local_link(opts)
     memory_gib = opts.device_memory_gib or (device.memory_gib if device else None)
+    on_host_cpu = device is None and not torch.cuda.is_available()
+    baseline = HOST_BASELINE_BYTES if on_host_cpu else 0.0
     ctx = CostContext(
-        source.mc, link, gpn, cfg.training.bf16, cfg.parallel.data_parallel_sharding == "zero1",
-        cfg.parallel.sequence_parallel,
+        source.mc, link, gpn, cfg.training.bf16, cfg.parallel.sequence_parallel,
         28.0 / device.hbm_bytes_per_s if device else measure_optimizer_s_per_param(source.mc),
+        host_baseline_bytes=baseline if opts.host_baseline_gib is None else opts.host_baseline_gib * GIB,
+        foreach_optimizer=on_host_cpu,
     )  # fmt: skip
     calibrating, why_not = should_calibrate(opts, measured_here=device is None)
     if device is None and not calibrating:  # what the block profile misses, on a one-rank mesh
@@ -131,8 +138,9 @@ def _simulate_best(
             continue
         pred = predict_step(layout, sc, ctx)
         if limit is not None and pred.peak_memory_bytes > limit:
+            what = "at start-up" if pred.startup_memory_bytes >= pred.peak_memory_bytes else "per rank"
             rejected.append({"layout": describe(layout), "reason": (
-                f"does not fit: needs {pred.peak_memory_bytes / GIB:.1f} GiB per rank > "
+                f"does not fit: needs {pred.peak_memory_bytes / GIB:.1f} GiB {what} > "
                 f"{opts.memory_headroom:.0%} of {memory_gib:g} GiB")})  # fmt: skip
             continue
         out.append(Candidate(layout, pred, []))
@@ -169,6 +177,7 @@ class TrainerCheck:
             layout.microbatch,
             layout.schedule,
             layout.v,
+            layout.sharding,
         )
         if key not in self._seen:
             try:
@@ -190,6 +199,7 @@ class TrainerCheck:
             c.parallel, pipeline_parallel_size=layout.pp, tensor_parallel_size=layout.tp,
             data_parallel_size=layout.dp, num_microbatches=layout.m, pipeline_schedule=layout.schedule,
             virtual_pipeline_stages=max(layout.v, 2), partition_method="uniform",
+            data_parallel_sharding=layout.sharding,
         )  # fmt: skip
         b = c.training.per_device_train_batch_size if layout.token_mode else layout.microbatch
         training = replace(c.training, gradient_accumulation_steps=layout.g, per_device_train_batch_size=b)
@@ -219,7 +229,7 @@ def _layouts(
     dims: ParallelDims, m: int, g: int, mb: int, token_mode: bool, source: CostSource,
     shape: Shape, ctx: CostContext, rejected: list[dict[str, str]],
 ) -> Iterator[Layout]:  # fmt: skip
-    """Schedules x remat x partitions of one mesh and batch cut, distinct balances only."""
+    """Schedules x remat x partitions x dp sharding of one mesh and batch cut, distinct balances only."""
     schedules = schedule_space() if dims.pp > 1 else [("1f1b", 1)]  # one stage: the schedules coincide
     params, _ = block_param_counts(source.mc, dims.tp)
     for schedule, v in schedules:
@@ -237,7 +247,8 @@ def _layouts(
                     break
                 if balance not in seen:
                     seen.add(balance)
-                    yield replace(base, balance=balance)
+                    for sharding in sharding_space(dims.dp, source.opts.sharding):
+                        yield replace(base, balance=balance, sharding=sharding)
 
 
 def own_layout(
@@ -261,7 +272,8 @@ def own_layout(
     try:
         balance = p.partition_balance() or balance_from_costs(p.partition_method, costs, params, dims.pp * v)
         layout = Layout(dims.pp, dims.tp, dims.dp, m, g, mb, p.pipeline_schedule, v,
-                        p.activation_checkpointing, p.partition_method, tuple(balance), token)  # fmt: skip
+                        p.activation_checkpointing, p.partition_method, tuple(balance), token,
+                        p.data_parallel_sharding)  # fmt: skip
         [(_, _, sc, lay_ctx)] = apply(
             [(0.0, layout, layout_stage_costs(layout, costs, shape, ctx), ctx)], fits or {}
         )

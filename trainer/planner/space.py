@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from models.config import ModelConfig
 from parallel.mesh import ParallelDims
-from trainer.config.checks import SCHEDULE_CHOICES
+from trainer.config.checks import SCHEDULE_CHOICES, SHARDING_CHOICES
 from trainer.config.dims import parallel_dims
 from trainer.config.schema import JobConfig
 from trainer.errors import ConfigError
@@ -26,6 +26,7 @@ SCHEDULE_SPACE: list[tuple[str, int]] = [
 ]
 REMAT_SPACE = ("none", "selective", "full", "stage")
 PARTITION_SPACE = ("time", "uniform", "parameters", "memory")
+SHARDING_SPACE = ("none", "zero1", "fsdp")  # data_parallel_sharding, where dp > 1
 MAX_ACCUMULATION = 8  # the most accumulation flushes (g) a batch cut may use
 
 
@@ -52,6 +53,14 @@ def schedule_space() -> list[tuple[str, int]]:
             continue
         out.append((name, v))
     return out
+
+
+def sharding_space(dp: int, only: list[str] | None = None) -> list[str]:
+    """The `data_parallel_sharding` modes to try on a mesh with `dp` replicas ("none" alone if dp = 1),
+    less those this checkout's trainer lacks and those `only` leaves out."""
+    if dp == 1:
+        return ["none"]
+    return [s for s in SHARDING_SPACE if s in SHARDING_CHOICES and (not only or s in only)]
 
 
 def divisors(n: int) -> list[int]:

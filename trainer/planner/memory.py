@@ -1,0 +1,116 @@
+"""The planner's memory model: the bytes one rank holds at its peak in training and at start-up.
+
+With P the rank's parameters (its pp stages on its tp shard), dp the data-parallel size and
+`data_parallel_sharding` s (`trainer.config.checks.SHARDING_CHOICES`):
+
+    parameters       4 P                     fp32 master weights; fsdp: 4 P / dp
+    gradients        4 P                     fp32, freed after the step; fsdp: 4 P / dp (the shard)
+    optimizer        8 P                     AdamW's two moments; zero1 and fsdp: 8 P / dp
+    working_weights  2 P                     bf16 copies cast once per step (bf16, m g > 1, not fsdp)
+    fsdp_gathered    fsdp only               unsharded (working-dtype) parameters and fp32 grads:
+                                             pp = 1: two units (the one computing and the one
+                                             prefetched / reduce-scattering), a unit = one block
+                                             or the tied table; pp > 1: the whole stage, gathered
+                                             once per flush, its grads kept until the reduce-scatter
+    activations      the simulated peak of the executor's meter on this rank
+    step_transients  what the end of the step adds over the activations (they are freed by then):
+                     dp gradient buckets: `GradReducer` keeps every bucket's flattened copy until
+                         GR's wait, so 4 P, not one 25 MiB bucket (dp > 1, s != fsdp)
+                     ZeRO-1 broadcast: `ZeroOneSharding.broadcast_updated` flattens every owner's
+                         parameters at once: 4 P (s = zero1)
+                     optimizer temporaries: foreach AdamW (CPU) allocates sqrt(v) for the owned
+                         parameters: 4 P / (dp if sharded); fused AdamW (CUDA) none
+    baseline         host runs only: the interpreter, torch, the data and tokenizer (`HOST_BASELINE_BYTES`)
+
+Start-up (stage-local construction, `parallel.parallelize.build_parallel_model`): a rank builds
+on meta and materialises only its pp / tp shard, one parameter at a time: baseline + 4 P + the
+largest single parameter (fsdp shards the built stage afterwards, so it starts from the same).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.config import ModelConfig
+from models.m2m100 import BlockKind, block_specs
+
+# Peak RSS of a one-process trainer.train run of a d_model 64 model on the built-in corpus
+# (bench_memory's data: 3000 examples, SentencePiece trained on them), measured on this
+# 2-core x86-64 host with torch 2.13 CPU: `import torch, transformers` alone is 245 MiB, the
+# trainer's imports 308 MiB; data, tokenizer and gloo bring the run to this.
+HOST_BASELINE_BYTES = 430 * 2**20
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """What the memory model needs of one pp rank: its parameters and their largest pieces."""
+
+    params: int  # on this rank (its stages, its tp shard)
+    largest_param: int  # the largest single tensor (start-up holds one extra)
+    largest_unit: int  # the largest fsdp unit: one block, or the tied table
+
+
+def largest_pieces(mc: ModelConfig, blocks: list[int], params_block: list[int], table: int,
+                   uses_table: bool, tp: int) -> tuple[int, int]:  # fmt: skip
+    """(largest single parameter, largest fsdp unit) among `blocks` on one tp rank."""
+    kinds = {block_specs(mc)[i].kind for i in blocks}
+    d = mc.d_model
+    largest = 0
+    if BlockKind.ENC_LAYER in kinds:
+        largest = max(largest, d * mc.encoder_ffn_dim // tp, d * d // tp)
+    if BlockKind.DEC_LAYER in kinds:
+        largest = max(largest, d * mc.decoder_ffn_dim // tp, d * d // tp)
+    if uses_table:
+        largest = max(largest, table)
+    unit = max([params_block[i] for i in blocks] + [table if uses_table else 0])
+    return largest, unit
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """The memory model's knobs besides the layout (from the planner's options and device)."""
+
+    bf16: bool
+    host_baseline_bytes: float = 0.0  # the process's own bytes: runs on this host's CPU only
+    foreach_optimizer: bool = False  # CPU AdamW (foreach) keeps a sqrt(v) temporary; CUDA is fused
+
+
+def rank_memory(
+    rank: RankShape, activations: float, sharding: str, dp: int, steps_in_flush: int, pp: int,
+    settings: MemorySettings,
+) -> tuple[dict[str, float], dict[str, float]]:  # fmt: skip
+    """(the peak's terms, which sum to it; the step transients by cause) of one rank (module docstring).
+
+    steps_in_flush: m x g, micro-batches per optimizer step (bf16 working copies pay off above 1).
+    """
+    p = float(rank.params)
+    fsdp = sharding == "fsdp" and dp > 1
+    shard = dp if fsdp else 1
+    moments = dp if sharding in ("zero1", "fsdp") else 1
+    e = 2.0 if settings.bf16 else 4.0
+    gathered_params = gathered_grads = 0.0
+    if fsdp:
+        gathered_params = e * (p if pp > 1 else 2.0 * rank.largest_unit)
+        gathered_grads = 4.0 * (p if pp > 1 or steps_in_flush > 1 else 2.0 * rank.largest_unit)
+    transients = {
+        "grad_buckets": 4.0 * p if dp > 1 and not fsdp else 0.0,
+        "zero1_broadcast": 4.0 * p if dp > 1 and sharding == "zero1" else 0.0,
+        "optimizer_temporaries": 4.0 * p / moments if settings.foreach_optimizer else 0.0,
+    }
+    during_backward = activations + gathered_grads
+    terms = {
+        "parameters": 4.0 * p / shard,
+        "gradients": 4.0 * p / shard,
+        "optimizer": 8.0 * p / moments,
+        "working_weights": 2.0 * p if settings.bf16 and steps_in_flush > 1 and not fsdp else 0.0,
+        "fsdp_gathered": gathered_params + gathered_grads,
+        "activations": activations,
+        "step_transients": max(0.0, max(transients.values()) - during_backward),
+        "baseline": settings.host_baseline_bytes,
+    }
+    return terms, transients
+
+
+def startup_memory(rank: RankShape, settings: MemorySettings) -> float:
+    """Bytes one rank peaks at while its model is built: baseline + its fp32 shard + one parameter."""
+    return settings.host_baseline_bytes + 4.0 * (rank.params + rank.largest_param)
