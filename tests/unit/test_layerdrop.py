@@ -28,9 +28,7 @@ def test_draw_is_keyed_by_seed_and_step_and_follows_the_probabilities():
 def _batch() -> Seq2SeqBatch:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, 50, (2, 5), generator=g)
-    return Seq2SeqBatch(
-        input_ids=ids, attention_mask=torch.ones_like(ids), decoder_input_ids=ids, labels=ids
-    )
+    return Seq2SeqBatch(input_ids=ids, attention_mask=torch.ones_like(ids), decoder_input_ids=ids, labels=ids)
 
 
 def test_a_skipped_layer_is_the_identity_in_training_and_runs_in_eval():
