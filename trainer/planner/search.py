@@ -28,7 +28,7 @@ from trainer.planner.cost import (
     lower_bound,
     predict_step,
 )
-from trainer.planner.hardware import GIB, LinkModel, device_spec
+from trainer.planner.hardware import GIB, DeviceSpec, LinkModel, device_spec
 from trainer.planner.layout import Family, Layout, describe, layout_args
 from trainer.planner.measure import CostSource, measure_link, measure_optimizer_s_per_param, measure_overheads
 from trainer.planner.memory import HOST_BASELINE_BYTES
@@ -70,16 +70,9 @@ def plan(cfg: JobConfig, base_args: list[str], opts: PlanOptions) -> dict[str, A
     world, gpn = opts.world_size, opts.gpus_per_node or opts.world_size
     device = device_spec(opts.device, cfg.training.bf16) if opts.device else None
     source = CostSource(cfg, opts, device)
-    link = device.link if device else _local_link(opts)
     memory_gib = opts.device_memory_gib or (device.memory_gib if device else None)
-    on_host_cpu = device is None and not torch.cuda.is_available()
-    baseline = HOST_BASELINE_BYTES if on_host_cpu else 0.0
-    ctx = CostContext(
-        source.mc, link, gpn, cfg.training.bf16, cfg.parallel.sequence_parallel,
-        28.0 / device.hbm_bytes_per_s if device else measure_optimizer_s_per_param(source.mc),
-        host_baseline_bytes=baseline if opts.host_baseline_gib is None else opts.host_baseline_gib * GIB,
-        foreach_optimizer=on_host_cpu,
-    )  # fmt: skip
+    ctx = cost_context(cfg, opts, source, device)
+    link = ctx.link
     calibrating, why_not = should_calibrate(opts, measured_here=device is None)
     if device is None and not calibrating:  # what the block profile misses, on a one-rank mesh
         logger.info("no calibration runs (%s): executor overheads from a one-rank run", why_not)
@@ -149,6 +142,30 @@ def _simulate_best(
             heapq.heappop(best)
     out.sort(key=lambda c: (c.prediction.step_time_s, c.prediction.peak_memory_bytes))
     return out, pruned
+
+
+def cost_context(
+    cfg: JobConfig, opts: PlanOptions, source: CostSource, device: DeviceSpec | None
+) -> CostContext:
+    """The cost model's context: links, optimizer speed, and the memory model's host terms
+    (the process baseline and foreach AdamW's temporary when costing this host's CPU)."""
+    on_host_cpu = device is None and not torch.cuda.is_available()
+    baseline = HOST_BASELINE_BYTES if on_host_cpu else 0.0
+    return CostContext(
+        source.mc, device.link if device else _local_link(opts), opts.gpus_per_node or opts.world_size,
+        cfg.training.bf16, cfg.parallel.sequence_parallel,
+        28.0 / device.hbm_bytes_per_s if device else measure_optimizer_s_per_param(source.mc),
+        host_baseline_bytes=baseline if opts.host_baseline_gib is None else opts.host_baseline_gib * GIB,
+        foreach_optimizer=on_host_cpu,
+    )  # fmt: skip
+
+
+def predict_config(cfg: JobConfig, base_args: list[str], opts: PlanOptions) -> Candidate | str:
+    """The prediction for the config's own layout alone (no search, no calibration), or why it cannot run."""
+    device = device_spec(opts.device, cfg.training.bf16) if opts.device else None
+    source = CostSource(cfg, opts, device)
+    ctx = cost_context(cfg, opts, source, device)
+    return own_layout(cfg, base_args, source, ctx, opts.world_size, opts.gpus_per_node or opts.world_size)
 
 
 class TrainerCheck:
