@@ -60,11 +60,11 @@ class CostContext:
     action_overhead_s: float = 0.0  # per F and per B (or I) action of a stage on one micro-batch
     step_overhead_s: float = 0.0  # per optimizer step: barrier, clip, scheduler, bookkeeping
     host_baseline_bytes: float = 0.0  # the process's own bytes, on runs costed for this host's CPU
-    foreach_optimizer: bool = False  # CPU AdamW: foreach, with a sqrt(v) temporary
+    host_cpu: bool = False  # costed for this host's CPU (`trainer.planner.memory.MemorySettings`)
 
     @property
     def memory_settings(self) -> MemorySettings:
-        return MemorySettings(self.bf16, self.host_baseline_bytes, self.foreach_optimizer)
+        return MemorySettings(self.bf16, self.host_baseline_bytes, self.host_cpu)
 
 
 @dataclass

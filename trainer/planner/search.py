@@ -156,7 +156,7 @@ def cost_context(
         cfg.training.bf16, cfg.parallel.sequence_parallel,
         28.0 / device.hbm_bytes_per_s if device else measure_optimizer_s_per_param(source.mc),
         host_baseline_bytes=baseline if opts.host_baseline_gib is None else opts.host_baseline_gib * GIB,
-        foreach_optimizer=on_host_cpu,
+        host_cpu=on_host_cpu,
     )  # fmt: skip
 
 
