@@ -3,6 +3,7 @@ against the planner's prediction (`trainer.planner.memory`).
 
     python scripts/bench_memory.py                      # the 361M model, every layout
     python scripts/bench_memory.py --model small --layouts one,pp4   # a ~50M quick check
+    python scripts/bench_memory.py --model 100m --layouts one,pp4,pp2_tp2   # a ~105M check
 
 Each layout runs configs/bench_memory_361m.yaml (2 optimizer steps, a small fixed batch) with its
 mesh flags under torch.distributed.run, and its measured peaks are the run's own
@@ -11,7 +12,7 @@ peak (before the final checkpoint), the whole run's, and the start-up peak (mode
 built). The prediction is `trainer.planner.search.predict_config` on the same flags: the most
 loaded rank's steady peak and its start-up peak, the host baseline included.
 
-Writes <output>.json and <output>.md (default benchmarks/memory_cpu, or memory_cpu_small).
+Writes <output>.json and <output>.md (default benchmarks/memory_cpu, or memory_cpu_<model>).
 A layout this checkout cannot run (an option the trainer rejects, or data_parallel_sharding
 fsdp without parallel/fsdp.py) fails with its reason before anything is launched; a run that
 fails or passes --timeout is killed and reported. The exit status is 1 if any layout failed.
@@ -41,6 +42,9 @@ MODELS: dict[str, list[str]] = {
     "small": ["--d_model", "512", "--encoder_layers", "6", "--decoder_layers", "6",
               "--encoder_attention_heads", "8", "--decoder_attention_heads", "8",
               "--encoder_ffn_dim", "2048", "--decoder_ffn_dim", "2048"],
+    "100m": ["--d_model", "768", "--encoder_layers", "6", "--decoder_layers", "6",
+             "--encoder_attention_heads", "12", "--decoder_attention_heads", "12",
+             "--encoder_ffn_dim", "3072", "--decoder_ffn_dim", "3072"],
 }  # fmt: skip
 # name -> (world size, flags)
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
@@ -105,7 +109,9 @@ def run(args: list[str], world: int, out: Path, timeout: float) -> dict[str, Any
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     log = out.with_suffix(".log")
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -121,7 +127,12 @@ def run(args: list[str], world: int, out: Path, timeout: float) -> dict[str, Any
 
 def measure(model: str, name: str, root: Path, timeout: float) -> dict[str, Any]:
     world, args = layout_args(model, name)
-    row: dict[str, Any] = {"layout": name, "world": world, "args": args, "before_mib": BEFORE_MIB.get(name) if model == "361m" else None}
+    row: dict[str, Any] = {
+        "layout": name,
+        "world": world,
+        "args": args,
+        "before_mib": BEFORE_MIB.get(name) if model == "361m" else None,
+    }
     why = unsupported(args, world)
     if why:
         return {**row, "error": why}
@@ -173,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", choices=sorted(MODELS), default="361m")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {list(LAYOUTS)}")
     ap.add_argument("--timeout", type=float, default=1200, help="Seconds per run before it is killed.")
-    ap.add_argument("--output", default=None, help="Path stem of the .json and .md (default benchmarks/memory_cpu[_small]).")
+    ap.add_argument(
+        "--output",
+        default=None,
+        help="Path stem of the .json and .md (default benchmarks/memory_cpu[_small]).",
+    )
     ap.add_argument("--workdir", default=None, help="Where the runs write (default: a temporary directory).")
     opts = ap.parse_args(argv)
     names = [x for x in opts.layouts.replace(" ", "").split(",") if x]

@@ -77,6 +77,11 @@ def test_plan_json_ranks_valid_candidates(tiny_plan: dict) -> None:
         assert lay["microbatch"] * lay["m"] * lay["g"] * lay["dp"] == 16  # the config's global batch
         assert lay["remat"] in ("none", "full")
     assert {(r["layout"]["pp"], r["layout"]["tp"]) for r in rows} == {(1, 1), (2, 1), (1, 2)}
+    # dp > 1: every data_parallel_sharding mode is costed and written into the flags
+    dp2 = {r["layout"]["sharding"] for r in rows if r["layout"]["dp"] == 2}
+    assert dp2 == {"none", "zero1", "fsdp"}
+    for r in rows:
+        assert r["args"][r["args"].index("--data_parallel_sharding") + 1] == r["layout"]["sharding"]
     # interleaved 1F1B needs m % p == 0: the trainer's own check dropped those, with its message
     reasons = [x["reason"] for x in tiny_plan["rejected"]]
     assert any("trainer rejects it" in x and "multiple of pipeline_parallel_size" in x for x in reasons)

@@ -1,0 +1,122 @@
+"""The planner's memory model (`trainer.planner.memory`): what each `data_parallel_sharding` mode
+keeps per rank, the step's transients, the start-up term and the rejection it leads to, and
+the sharding modes the search writes into the trainer's flags.
+
+The model's figures against measured runs are scripts/bench_memory.py's (benchmarks/memory_cpu*.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from models.config import ModelConfig
+from models.m2m100 import M2M100Translation
+from parallel.simulate import StageCosts
+from trainer.planner import search
+from trainer.planner.blocks import block_param_counts
+from trainer.planner.cost import CostContext, predict_step
+from trainer.planner.hardware import GIB, LinkModel
+from trainer.planner.layout import Layout, layout_args
+from trainer.planner.memory import MemorySettings, RankShape, rank_memory, startup_memory
+from trainer.planner.options import PlanOptions, parse_args
+from trainer.planner.space import sharding_space
+
+MC = ModelConfig(vocab_size=1000, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                 decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256)  # fmt: skip
+N_BLOCKS = 8  # src embed, 2 encoder layers, encoder norm, tgt embed, 2 decoder layers, head
+ACT = 1000.0  # activation bytes per stage and micro-batch: small next to the parameters
+
+
+def _predict(
+    sharding: str,
+    dp: int,
+    pp: int = 1,
+    host_cpu: bool = False,
+    m: int = 1,
+    baseline: float = 0.0,
+    mc: ModelConfig = MC,
+):  # type: ignore[no-untyped-def]
+    ctx = CostContext(mc, LinkModel(1e-5, 1e9, 1e-5, 1e9), 8, False, False, 1e-9,
+                      host_baseline_bytes=baseline, host_cpu=host_cpu)  # fmt: skip
+    n_blocks = mc.encoder_layers + mc.decoder_layers + 4
+    balance = (n_blocks,) if pp == 1 else (n_blocks // 2, n_blocks - n_blocks // 2)
+    layout = Layout(pp, 1, dp, m, 1, 2, "1f1b", 1, "none", "uniform", balance, sharding=sharding)
+    sc = StageCosts([0.01] * pp, [0.02] * pp, [0.0] * pp, 1e-4, [ACT] * pp)
+    return layout, sc, ctx, predict_step(layout, sc, ctx)
+
+
+def test_fsdp_holds_less_than_zero1_less_than_none_per_rank() -> None:
+    p = MC.num_parameters()
+    *_, none = _predict("none", 4)
+    *_, zero1 = _predict("zero1", 4)
+    *_, fsdp = _predict("fsdp", 4)
+    assert fsdp.peak_memory_bytes < zero1.peak_memory_bytes < none.peak_memory_bytes
+    assert none.memory["optimizer"] == 8 * p and zero1.memory["optimizer"] == 8 * p / 4
+    assert zero1.memory["parameters"] == zero1.memory["gradients"] == 4 * p
+    assert fsdp.memory["parameters"] == fsdp.memory["gradients"] == fsdp.memory["optimizer"] / 2 == p
+    # pp = 1, one micro-batch: two units (a decoder layer is the largest here) gathered, fp32 params + grads
+    per_block, table = block_param_counts(MC)
+    assert max(per_block) > table
+    assert fsdp.memory["fsdp_gathered"] == 2 * 2 * 4 * max(per_block)
+    *_, staged = _predict("fsdp", 4, pp=2, m=2)  # pp > 1: the whole stage, once per flush
+    assert staged.memory["fsdp_gathered"] == 2 * 4 * max(staged.params_per_pp_rank)
+    assert all(v >= 0 for pred in (none, zero1, fsdp, staged) for v in pred.memory.values())
+
+
+def test_step_transients_by_mode_and_host() -> None:
+    p = MC.num_parameters()
+    *_, alone = _predict("none", 1)
+    assert alone.transients == {"grad_buckets": 0.0, "zero1_broadcast": 0.0, "optimizer_temporaries": 0.0}
+    assert alone.memory["step_transients"] == 0.0
+    *_, none = _predict("none", 4)  # every bucket's flat copy lives until GR's wait: 4 P, not 25 MiB
+    assert none.transients["grad_buckets"] == 4 * p and none.transients["zero1_broadcast"] == 0.0
+    assert none.memory["step_transients"] == 4 * p - ACT  # the activations are freed by then
+    *_, zero1 = _predict("zero1", 4)
+    assert zero1.transients["zero1_broadcast"] == 4 * p
+    *_, zero1_host = _predict("zero1", 4, host_cpu=True)  # glibc keeps the buckets under the broadcast
+    assert zero1_host.transients["zero1_broadcast"] == 8 * p
+    assert zero1_host.transients["optimizer_temporaries"] == 4 * p / 4  # foreach sqrt(v), owned share
+    *_, fsdp = _predict("fsdp", 4, host_cpu=True)  # no dp buckets: the reduce-scatter writes the shard
+    assert fsdp.transients["grad_buckets"] == 0.0 and fsdp.transients["optimizer_temporaries"] == p
+    *_, host = _predict("none", 1, host_cpu=True, baseline=123.0)
+    assert host.memory["baseline"] == 123.0 and host.transients["optimizer_temporaries"] == 4 * p
+
+
+def test_startup_is_the_shard_plus_its_largest_parameter() -> None:
+    rank = RankShape(params=1000, largest_param=300, largest_unit=400)
+    assert startup_memory(rank, MemorySettings(False, host_baseline_bytes=50.0)) == 50 + 4 * 1300
+    terms, _ = rank_memory(rank, 0.0, "none", 1, 1, 1, MemorySettings(False))
+    assert sum(terms.values()) == 16 * 1000  # params, grads, two moments
+    *_, pred = _predict("none", 1, baseline=7.0)
+    table = MC.vocab_size * MC.d_model  # the largest tensor of a rank that holds the tied table
+    assert pred.startup_memory_bytes == 7.0 + 4 * (MC.num_parameters() + table)
+    held = sum(x.numel() for x in M2M100Translation(MC).parameters())
+    assert pred.params_per_pp_rank == [held]
+
+
+def test_a_layout_whose_start_up_does_not_fit_is_rejected_with_the_reason() -> None:
+    """fsdp over 8 replicas needs ~1/8 of the model in steady state, but the stage is built whole."""
+    deep = replace(MC, encoder_layers=12, decoder_layers=12)
+    layout, sc, ctx, pred = _predict("fsdp", 8, mc=deep)
+    assert pred.startup_memory_bytes > sum(pred.memory.values())
+    assert pred.peak_memory_bytes == pred.startup_memory_bytes
+    opts = PlanOptions(config="x", world_size=8, memory_headroom=1.0)
+    limit_gib = (pred.startup_memory_bytes + sum(pred.memory.values())) / 2 / GIB  # between the two
+    rejected: list[dict[str, str]] = []
+    fits, _ = search._simulate_best([(0.0, layout, sc, ctx)], limit_gib, opts, rejected)
+    assert fits == [] and "at start-up" in rejected[0]["reason"] and "sharding=fsdp" in rejected[0]["layout"]
+    fits, _ = search._simulate_best([(0.0, layout, sc, ctx)], limit_gib * 2, opts, [])
+    assert len(fits) == 1
+
+
+def test_sharding_is_searched_where_dp_is_above_one_and_written_as_a_flag() -> None:
+    assert sharding_space(1) == ["none"]
+    assert sharding_space(4) == ["none", "zero1", "fsdp"]
+    assert sharding_space(4, ["fsdp"]) == ["fsdp"]
+    layout = Layout(1, 1, 4, 1, 1, 2, "1f1b", 1, "none", "uniform", (N_BLOCKS,), sharding="zero1")
+    args = layout_args(layout, ["--config", "c.yaml"])
+    assert args[args.index("--data_parallel_sharding") + 1] == "zero1"
+    with pytest.raises(SystemExit):
+        parse_args(["--config", "c.yaml", "--world_size", "4", "--sharding", "zero3"])
