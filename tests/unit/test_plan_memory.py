@@ -14,8 +14,8 @@ import pytest
 from models.config import ModelConfig
 from models.m2m100 import M2M100Translation
 from parallel.simulate import StageCosts
-from trainer.planner import search
-from trainer.planner.blocks import block_param_counts
+from trainer.planner import blocks, search
+from trainer.planner.blocks import Shape, block_param_counts, measure_kind_costs
 from trainer.planner.cost import CostContext, predict_step
 from trainer.planner.hardware import GIB, LinkModel
 from trainer.planner.layout import Layout, layout_args
@@ -120,3 +120,20 @@ def test_sharding_is_searched_where_dp_is_above_one_and_written_as_a_flag() -> N
     assert args[args.index("--data_parallel_sharding") + 1] == "zero1"
     with pytest.raises(SystemExit):
         parse_args(["--config", "c.yaml", "--world_size", "4", "--sharding", "zero3"])
+
+
+def test_wide_models_activation_bytes_extrapolate_exactly_from_two_narrow_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the planner's device-table mode uses for M2M100-12B instead of a 1B-parameter one-layer copy."""
+    mc = replace(MC, d_model=128, encoder_ffn_dim=512, decoder_ffn_dim=512, vocab_size=1600)
+    shape = Shape(1, 9, 7)
+    direct = measure_kind_costs(mc, shape, "selective", bf16=False, timed=False)
+    monkeypatch.setattr(blocks, "WIDE_ONE_LAYER_PARAMS", 0)
+    monkeypatch.setattr(blocks, "NARROW_FACTORS", (2, 4))
+    narrow = blocks.activation_kind_costs(mc, shape, "selective")
+    for kind, ph in direct.items():
+        assert narrow[kind].activation_bytes == ph.activation_bytes, kind
+        assert narrow[kind].parts == ph.parts, kind
+    with pytest.raises(ValueError, match="d_model=128 is not a multiple of 3"):
+        blocks.narrow_config(mc, 3)

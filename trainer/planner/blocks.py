@@ -72,6 +72,54 @@ def measure_kind_costs(
     return {spec.kind: ph for spec, ph in zip(model.blocks, phases)}
 
 
+# A one-layer copy above this many parameters is not built: its activation bytes come from two narrow copies
+WIDE_ONE_LAYER_PARAMS = 200_000_000
+NARROW_FACTORS = (8, 16)
+
+
+def narrow_config(mc: ModelConfig, k: int) -> ModelConfig:
+    """The one-layer model with d_model, the FFNs and the vocabulary divided by k (heads kept)."""
+    for name in ("d_model", "encoder_ffn_dim", "decoder_ffn_dim", "vocab_size"):
+        if getattr(mc, name) % k:
+            raise ValueError(
+                f"{name}={getattr(mc, name)} is not a multiple of {k}: cannot narrow the model by {k}"
+            )
+    return replace(one_layer_config(mc), d_model=mc.d_model // k, encoder_ffn_dim=mc.encoder_ffn_dim // k,
+                   decoder_ffn_dim=mc.decoder_ffn_dim // k, vocab_size=mc.vocab_size // k)  # fmt: skip
+
+
+def activation_kind_costs(mc: ModelConfig, shape: Shape, remat: str) -> KindCosts:
+    """Activation bytes per block kind (times left 0), from the one-layer copy, or for a wide model
+    (`WIDE_ONE_LAYER_PARAMS`) extrapolated from two narrow copies (`narrow_config`).
+
+    Every saved tensor is either as wide as d_model, an FFN or the vocabulary (linear outputs,
+    logits) or of no width (ids, masks, attention probabilities over the kept heads), so each
+    byte count is A + B w in the width w = 1 / k: two narrow copies give A and B exactly, and
+    w = 1 the full model's, without allocating it.
+    """
+    if one_layer_config(mc).num_parameters() <= WIDE_ONE_LAYER_PARAMS:
+        return measure_kind_costs(mc, shape, remat, bf16=False, timed=False)
+    k1, k2 = NARROW_FACTORS
+    a = measure_kind_costs(narrow_config(mc, k1), shape, remat, bf16=False, timed=False)
+    b = measure_kind_costs(narrow_config(mc, k2), shape, remat, bf16=False, timed=False)
+
+    def full(n1: int, n2: int) -> int:  # A + B at w = 1 from (1/k1, n1), (1/k2, n2)
+        slope = (n1 - n2) / (1 / k1 - 1 / k2)
+        return round(n1 + slope * (1 - 1 / k1))
+
+    out: KindCosts = {}
+    for kind, pa in a.items():
+        pb = b[kind]
+        parts = None
+        if pa.parts is not None and pb.parts is not None:
+            pairs = lambda x, y: tuple((key, full(n, m)) for (key, n), (_, m) in zip(x, y))  # noqa: E731
+            parts = replace(pa.parts, own=full(pa.parts.own, pb.parts.own),
+                            inputs=pairs(pa.parts.inputs, pb.parts.inputs),
+                            outputs=pairs(pa.parts.outputs, pb.parts.outputs))  # fmt: skip
+        out[kind] = replace(pa, activation_bytes=full(pa.activation_bytes, pb.activation_bytes), parts=parts)
+    return out
+
+
 def block_forward_flops(mc: ModelConfig, kind: BlockKind, shape: Shape) -> tuple[float, float]:
     """(forward FLOPs, of which in Attention modules) of one block on one micro-batch.
 

@@ -22,7 +22,14 @@ from models.config import ModelConfig
 from models.m2m100 import M2M100Translation
 from parallel.profile import BlockPhases
 from trainer.config.schema import JobConfig
-from trainer.planner.blocks import KindCosts, Shape, measure_kind_costs, one_layer_config, table_kind_costs
+from trainer.planner.blocks import (
+    KindCosts,
+    Shape,
+    activation_kind_costs,
+    measure_kind_costs,
+    one_layer_config,
+    table_kind_costs,
+)
 from trainer.planner.cost import CostContext, block_costs, tp_shape
 from trainer.planner.hardware import DeviceSpec, LinkModel
 from trainer.planner.options import PlanOptions
@@ -133,7 +140,7 @@ class CostSource:
         """Activation bytes per block kind of one sentence, measured here in fp32 (table mode; times 0)."""
         key = (s, t, remat)
         if key not in self._acts:
-            self._acts[key] = measure_kind_costs(self.mc, Shape(1, s, t), remat, bf16=False, timed=False)
+            self._acts[key] = activation_kind_costs(self.mc, Shape(1, s, t), remat)
         return self._acts[key]
 
     def block_costs(self, shape: Shape, remat: str, tp: int, ctx: CostContext) -> list[BlockPhases]:
