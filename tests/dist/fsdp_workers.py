@@ -1,0 +1,114 @@
+"""Workers for the FSDP tests (module-level so spawn can pickle them)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from models.config import ModelConfig
+from models.m2m100 import M2M100Translation
+from parallel.mesh import ParallelDims, build_mesh
+from parallel.parallelize import ParallelModel, build_parallel_model
+from parallel.partition import uniform_partition
+from tests.dist.pipeline_workers import TINY, random_batch
+
+LR, MAX_NORM, BATCH = 1e-2, 0.5, 8
+
+
+def _adamw(params: list[torch.nn.Parameter]) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.01, foreach=True)
+
+
+def reference_run(steps: int, seed: int = 0) -> tuple[list[float], dict[str, Tensor], dict[str, Tensor]]:
+    """One process: (mean token loss per step, grads after the first step, params after the last)."""
+    cfg = ModelConfig(**TINY)
+    torch.manual_seed(seed)
+    model = M2M100Translation(cfg)
+    opt = _adamw(list(model.parameters()))
+    losses, first_grads = [], {}
+    for step in range(steps):
+        batch = random_batch(cfg, BATCH, seed=100 + step)
+        loss_sum, n = model.loss(batch)
+        (loss_sum / n).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        if step == 0:
+            first_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss_sum.detach()) / n)
+    return losses, first_grads, {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def full(pm: ParallelModel, name: str, t: Tensor) -> Tensor:
+    """The single-device tensor behind this rank's piece `t` of parameter `name` (collective)."""
+    out = pm.to_logical(name, t.detach())
+    return out.full_tensor() if isinstance(out, DTensor) else out
+
+
+def build(
+    world: int, pp: int, dp: int, tp: int, schedule: str, m: int, sharding: str = "fsdp", seed: int = 0, **kw: Any
+) -> ParallelModel:
+    cfg = ModelConfig(**TINY)
+    torch.manual_seed(seed)
+    model = M2M100Translation(cfg)
+    mesh = build_mesh(ParallelDims(pp=pp, dp=dp, tp=tp, world_size=world))
+    v = 2 if schedule in ("interleaved_1f1b", "zbv") else 1
+    balance = uniform_partition(len(model.blocks), pp * v)
+    return build_parallel_model(model, mesh, balance, m, schedule, v, "none", 0.0, dp_sharding=sharding, **kw)
+
+
+def train(pm: ParallelModel, steps: int, m: int, flushes: int = 1) -> tuple[list[float | None], dict[str, Tensor]]:
+    """`steps` optimizer steps on the reference's batches (this dp rank's share, split in
+    `flushes` flushes of m micro-batches); returns (loss per step on the last stage's ranks,
+    None elsewhere; first-step grads as single-device tensors)."""
+    cfg = pm.model.config
+    dp, dp_rank = pm.mesh.size("dp"), pm.mesh.dp_rank
+    opt = _adamw(pm.optimizer_params())
+    losses: list[float | None] = []
+    first: dict[str, Tensor] = {}
+    for step in range(steps):
+        batch = random_batch(cfg, BATCH, seed=100 + step)
+        share = batch.select(slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp))
+        rows = share.size // flushes
+        parts = [share.select(slice(i * rows, (i + 1) * rows)).split(m) for i in range(flushes)]
+        results = pm.train_step(parts, loss_scale=1.0 / batch.num_tokens())
+        pm.grads.clip_(MAX_NORM)
+        if step == 0:
+            first = {k: full(pm, k, p.grad) for k, p in pm.named_params().items()}
+        opt.step()
+        pm.after_optimizer_step()
+        opt.zero_grad(set_to_none=True)
+        sums = [r.loss_sum for r in results if r.loss_sum is not None]
+        if sums:
+            total = torch.stack(sums).sum()
+            dist.all_reduce(total, group=pm.mesh.group("dp"))
+            losses.append(float(total) / batch.num_tokens())
+        else:
+            losses.append(None)
+    return losses, first
+
+
+def fsdp_parity(rank: int, world: int, cases: list[tuple[int, int, int, str, int, int]], steps: int) -> list[Any]:
+    """For each (pp, dp, tp, schedule, m, flushes): this rank's (losses per step, max loss error,
+    worst first-step grad error, worst final param error, params are DTensors) vs one process."""
+    ref_losses, ref_grads, ref_params = reference_run(steps)
+    out = []
+    for pp, dp, tp, schedule, m, flushes in cases:
+        pm = build(world, pp, dp, tp, schedule, m)
+        losses, grads = train(pm, steps, m, flushes)
+        loss_err = max((abs(a - b) for a, b in zip(losses, ref_losses) if a is not None), default=None)
+        grad_err = max(_rel(grads[k], ref_grads[k]) for k in grads)
+        params = {k: full(pm, k, p) for k, p in pm.named_params().items()}
+        param_err = max(float((params[k] - ref_params[k]).abs().max()) for k in params)
+        sharded = all(isinstance(p, DTensor) for p in pm.params())
+        out.append(((pp, dp, tp, schedule, m, flushes), losses, loss_err, grad_err, param_err, sharded))
+    return out
+
+
+def _rel(got: Tensor, ref: Tensor) -> float:
+    return float((got - ref).norm() / ref.norm().clamp(min=1e-6))
