@@ -112,3 +112,54 @@ def fsdp_parity(rank: int, world: int, cases: list[tuple[int, int, int, str, int
 
 def _rel(got: Tensor, ref: Tensor) -> float:
     return float((got - ref).norm() / ref.norm().clamp(min=1e-6))
+
+
+def checkpoint_round_trip(
+    rank: int, world: int, tmp: str, meshes: list[tuple[int, int, int, str]]
+) -> list[tuple[float, int]]:
+    """Train one step on meshes[0], save with the trainer's DCP functions; load into each next
+    mesh (a fresh model of another seed), compare, train one step and save again. Each mesh is
+    (pp, dp, tp, dp_sharding). Returns per load (worst difference, tensors compared) over the
+    weights and AdamW moments, as single-device tensors, this rank holds on both meshes."""
+    from pathlib import Path
+
+    from trainer.checkpoint import load_checkpoint, save_checkpoint
+
+    worst: list[tuple[float, int]] = []
+    saved: dict[str, Tensor] = {}
+    for i, (pp, dp, tp, sharding) in enumerate(meshes):
+        pm = build(world, pp, dp, tp, "1f1b", 2, sharding=sharding, seed=i)
+        opt = _adamw(pm.optimizer_params())
+        if i > 0:
+            load_checkpoint(Path(tmp) / f"ckpt-{i - 1}", [pm.model], opt, to_logical=pm.to_logical)
+            now = _full_state(pm, opt)
+            both = [k for k in now if k in saved]
+            worst.append((max(float((now[k] - saved[k]).abs().max()) for k in both), len(both)))
+        _train_one(pm, opt, step=i)
+        saved = _full_state(pm, opt)
+        save_checkpoint(Path(tmp) / f"ckpt-{i}", [pm.model], opt, {"step": i}, to_logical=pm.to_logical)
+    return worst
+
+
+def _train_one(pm: ParallelModel, opt: torch.optim.Optimizer, step: int) -> None:
+    dp, dp_rank = pm.mesh.size("dp"), pm.mesh.dp_rank
+    batch = random_batch(pm.model.config, BATCH, seed=100 + step)
+    share = batch.select(slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp))
+    pm.train_step([share.split(2)], loss_scale=1.0 / batch.num_tokens())
+    pm.grads.clip_(MAX_NORM)
+    opt.step()
+    pm.after_optimizer_step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _full_state(pm: ParallelModel, opt: torch.optim.Optimizer) -> dict[str, Tensor]:
+    """Weights and AdamW moments of every parameter this rank holds, as single-device tensors
+    (collective; under ZeRO-1 only owners hold moments, so use none/fsdp meshes here)."""
+    out = {}
+    for name, p in sorted(pm.named_params().items()):
+        out[name] = full(pm, name, p)
+        st = opt.state.get(p)
+        for key in ("exp_avg", "exp_avg_sq"):
+            if st:
+                out[f"{name}.{key}"] = full(pm, name, st[key])
+    return out
