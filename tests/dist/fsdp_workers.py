@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from models.config import ModelConfig
-from models.m2m100 import M2M100Translation
+from models.m2m100 import M2M100Translation, Seq2SeqBatch
 from parallel.mesh import ParallelDims, build_mesh
 from parallel.parallelize import ParallelModel, build_parallel_model
 from parallel.partition import uniform_partition
@@ -62,21 +62,25 @@ def build(
     return build_parallel_model(model, mesh, balance, m, schedule, v, "none", 0.0, dp_sharding=sharding, **kw)
 
 
+def flushes_of(pm: ParallelModel, batch: Seq2SeqBatch, m: int, flushes: int) -> list[list[Seq2SeqBatch]]:
+    """This dp rank's share of `batch`, in `flushes` flushes of m micro-batches."""
+    dp, dp_rank = pm.mesh.size("dp"), pm.mesh.dp_rank
+    share = batch.select(slice(dp_rank * batch.size // dp, (dp_rank + 1) * batch.size // dp))
+    rows = share.size // flushes
+    return [share.select(slice(i * rows, (i + 1) * rows)).split(m) for i in range(flushes)]
+
+
 def train(pm: ParallelModel, steps: int, m: int, flushes: int = 1) -> tuple[list[float | None], dict[str, Tensor]]:
     """`steps` optimizer steps on the reference's batches (this dp rank's share, split in
     `flushes` flushes of m micro-batches); returns (loss per step on the last stage's ranks,
     None elsewhere; first-step grads as single-device tensors)."""
     cfg = pm.model.config
-    dp, dp_rank = pm.mesh.size("dp"), pm.mesh.dp_rank
     opt = _adamw(pm.optimizer_params())
     losses: list[float | None] = []
     first: dict[str, Tensor] = {}
     for step in range(steps):
         batch = random_batch(cfg, BATCH, seed=100 + step)
-        share = batch.select(slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp))
-        rows = share.size // flushes
-        parts = [share.select(slice(i * rows, (i + 1) * rows)).split(m) for i in range(flushes)]
-        results = pm.train_step(parts, loss_scale=1.0 / batch.num_tokens())
+        results = pm.train_step(flushes_of(pm, batch, m, flushes), loss_scale=1.0 / batch.num_tokens())
         pm.grads.clip_(MAX_NORM)
         if step == 0:
             first = {k: full(pm, k, p.grad) for k, p in pm.named_params().items()}
@@ -142,10 +146,8 @@ def checkpoint_round_trip(
 
 
 def _train_one(pm: ParallelModel, opt: torch.optim.Optimizer, step: int) -> None:
-    dp, dp_rank = pm.mesh.size("dp"), pm.mesh.dp_rank
     batch = random_batch(pm.model.config, BATCH, seed=100 + step)
-    share = batch.select(slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp))
-    pm.train_step([share.split(2)], loss_scale=1.0 / batch.num_tokens())
+    pm.train_step(flushes_of(pm, batch, 2, 1), loss_scale=1.0 / batch.num_tokens())
     pm.grads.clip_(MAX_NORM)
     opt.step()
     pm.after_optimizer_step()
@@ -162,4 +164,36 @@ def _full_state(pm: ParallelModel, opt: torch.optim.Optimizer) -> dict[str, Tens
         for key in ("exp_avg", "exp_avg_sq"):
             if st:
                 out[f"{name}.{key}"] = full(pm, name, st[key])
+    return out
+
+
+def comm_counts(rank: int, world: int, cases: list[tuple[int, int, str, int, int]]) -> list[tuple[int, int, int]]:
+    """For each (pp, dp, schedule, m, flushes): this rank's (FSDP parameter groups, all-gathers,
+    reduce-scatters) during one optimizer step."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+
+    counts = {"gather": 0, "reduce": 0}
+    real = {"gather": group_module.foreach_all_gather, "reduce": group_module.foreach_reduce}
+
+    def counting(kind: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[kind] += 1
+            return real[kind](*args, **kwargs)
+
+        return call
+
+    out = []
+    group_module.foreach_all_gather, group_module.foreach_reduce = counting("gather"), counting("reduce")
+    try:
+        for pp, dp, schedule, m, flushes in cases:
+            pm = build(world, pp, dp, 1, schedule, m)
+            assert pm.fsdp is not None
+            counts.update(gather=0, reduce=0)
+            batch = random_batch(pm.model.config, BATCH, seed=100)
+            pm.train_step(flushes_of(pm, batch, m, flushes), loss_scale=1.0 / batch.num_tokens())
+            state = pm.fsdp.root._get_fsdp_state()  # type: ignore[attr-defined]
+            groups = sum(len(s._fsdp_param_groups) for s in state._state_ctx.all_states)
+            out.append((groups, counts["gather"], counts["reduce"]))
+    finally:
+        group_module.foreach_all_gather, group_module.foreach_reduce = real["gather"], real["reduce"]
     return out
