@@ -53,6 +53,12 @@ def _shard_dim(param: nn.Parameter) -> Shard:
     return Shard(0)
 
 
+def _layers(model: nn.Module) -> list[nn.Module]:
+    """The encoder and decoder layers this rank holds (each one FSDP unit)."""
+    stacks = [getattr(model, name, None) for name in ("encoder", "decoder")]
+    return [layer for stack in stacks if stack is not None for layer in stack.layers.values()]
+
+
 class FullySharded:
     """This rank's model under FSDP2 on the dp axis, and the step's FSDP controls.
 
@@ -68,16 +74,20 @@ class FullySharded:
         self, model: nn.Module, mesh: ParallelMesh, param_dtype: torch.dtype | None, deferred: bool
     ) -> None:
         self.model, self.mesh, self.deferred = model, mesh, deferred
-        marks = {name: {k: getattr(p, k) for k in _MARKS if hasattr(p, k)} for name, p in model.named_parameters()}
+        marks = {
+            name: {k: getattr(p, k) for k in _MARKS if hasattr(p, k)} for name, p in model.named_parameters()
+        }
         policy = MixedPrecisionPolicy(
             param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype is not None else None
         )
-        dp_mesh = mesh["dp"]
-        kwargs = dict(mesh=dp_mesh, reshard_after_forward=not deferred, mp_policy=policy, shard_placement_fn=_shard_dim)
-        for stack in (getattr(model, "encoder", None), getattr(model, "decoder", None)):
-            for layer in stack.layers.values() if stack is not None else ():
-                fully_shard(layer, **kwargs)  # type: ignore[arg-type]
-        fully_shard(model, **kwargs)  # type: ignore[arg-type]
+        for module in [*_layers(model), model]:  # the root last: it takes what the layers left
+            fully_shard(
+                module,
+                mesh=mesh["dp"],
+                reshard_after_forward=not deferred,
+                mp_policy=policy,
+                shard_placement_fn=_shard_dim,
+            )
         for method in _FORWARD_METHODS:
             register_fsdp_forward_method(model, method)
         for name, p in model.named_parameters():
@@ -166,5 +176,10 @@ def logical(
     dp_place = Shard(dp_dim) if dp_dim != tp_dim else _StridedShard(dp_dim, split_factor=tp_size)
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(
-        piece, mesh["dp", "tp"], [dp_place, Shard(tp_dim)], run_check=False, shape=torch.Size(shape), stride=stride
+        piece,
+        mesh.device_mesh["dp", "tp"],
+        [dp_place, Shard(tp_dim)],
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=stride,
     )

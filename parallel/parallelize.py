@@ -26,9 +26,9 @@ from torch import Tensor, nn
 from models.loss import cross_entropy_sum
 from models.m2m100 import BlockSpec, M2M100Translation, Seq2SeqBatch
 from parallel.data_parallel import ZeroOneSharding
+from parallel.executor import FlushResult, LossFn, PipelineExecutor, PipelineTopology
 from parallel.fsdp import FullySharded
 from parallel.fsdp import logical as logical_fsdp
-from parallel.executor import FlushResult, LossFn, PipelineExecutor, PipelineTopology
 from parallel.grads import StepGradients
 from parallel.memory import meter_for
 from parallel.mesh import ParallelMesh
