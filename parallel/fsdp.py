@@ -53,10 +53,19 @@ def _shard_dim(param: nn.Parameter) -> Shard:
     return Shard(0)
 
 
-def _layers(model: nn.Module) -> list[nn.Module]:
-    """The encoder and decoder layers this rank holds (each one FSDP unit)."""
+def _units(model: nn.Module, param_dtype: torch.dtype | None) -> list[tuple[nn.Module, MixedPrecisionPolicy]]:
+    """The FSDP units, inner first: each encoder/decoder layer this rank holds, then the root
+    (what the layers leave: embedding, final norms). Under bf16, layer norms are units of their
+    own that keep fp32 weights (as `parallel.mixed_precision` does: the residual stream stays
+    fp32, and CPU layer norm rejects bf16 weights on fp32 input). Inputs are not cast: autocast,
+    on under bf16, casts activations at each matmul (and FSDP cannot rebuild a batch dataclass)."""
+    fp32 = MixedPrecisionPolicy(cast_forward_inputs=False)
+    low = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)] if param_dtype is not None else []
     stacks = [getattr(model, name, None) for name in ("encoder", "decoder")]
-    return [layer for stack in stacks if stack is not None for layer in stack.layers.values()]
+    layers = [layer for stack in stacks if stack is not None for layer in stack.layers.values()]
+    policy = low if param_dtype is not None else fp32
+    return [(m, fp32) for m in norms] + [(m, policy) for m in [*layers, model]]
 
 
 class FullySharded:
@@ -77,10 +86,7 @@ class FullySharded:
         marks = {
             name: {k: getattr(p, k) for k in _MARKS if hasattr(p, k)} for name, p in model.named_parameters()
         }
-        policy = MixedPrecisionPolicy(
-            param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype is not None else None
-        )
-        for module in [*_layers(model), model]:  # the root last: it takes what the layers left
+        for module, policy in _units(model, param_dtype):  # children before the units holding them
             fully_shard(
                 module,
                 mesh=mesh["dp"],

@@ -197,3 +197,44 @@ def comm_counts(rank: int, world: int, cases: list[tuple[int, int, str, int, int
     finally:
         group_module.foreach_all_gather, group_module.foreach_reduce = real["gather"], real["reduce"]
     return out
+
+
+def bf16_sequence_parallel(rank: int, world: int, steps: int) -> tuple[list[float | None], float, bool]:
+    """(2, 2, 2) with bf16 (FSDP's MixedPrecisionPolicy) and sequence parallelism: (this rank's
+    losses, reference losses, largest difference between tp ranks of a sequence-parallel
+    gradient shard, whether master weights and gradients stayed fp32)."""
+    ref_losses, _, _ = reference_run(steps)
+    pm = build(world, 2, 2, 2, "1f1b", 2, autocast_dtype=torch.bfloat16, sequence_parallel=True)
+    cfg = pm.model.config
+    opt = _adamw(pm.optimizer_params())
+    losses: list[float | None] = []
+    worst, fp32 = 0.0, True
+    for step in range(steps):
+        batch = random_batch(cfg, BATCH, seed=100 + step)
+        results = pm.train_step(flushes_of(pm, batch, 2, 1), loss_scale=1.0 / batch.num_tokens())
+        for p in pm.params():
+            fp32 = fp32 and p.dtype == torch.float32 and (p.grad is None or p.grad.dtype == torch.float32)
+            if getattr(p, "sequence_parallel", False) and p.grad is not None:
+                mine = p.grad.to_local().clone()
+                other = mine.clone()
+                dist.broadcast(other, src=dist.get_global_rank(pm.mesh.group("tp"), 0), group=pm.mesh.group("tp"))
+                worst = max(worst, float((mine - other).abs().max()))
+        pm.grads.clip_(MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sums = [r.loss_sum for r in results if r.loss_sum is not None]
+        if sums:
+            total = torch.stack(sums).sum().float()
+            dist.all_reduce(total, group=pm.mesh.group("dp"))
+            losses.append(float(total) / batch.num_tokens() - ref_losses[step])
+        else:
+            losses.append(None)
+    return losses, worst, fp32
+
+
+def bad_sharding(rank: int, world: int) -> str:
+    try:
+        build(world, 1, 1, 1, "1f1b", 1, sharding="zero3")
+    except ValueError as e:
+        return str(e)
+    return "no error"

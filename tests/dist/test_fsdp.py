@@ -90,3 +90,27 @@ def test_fsdp_checkpoint_reshards_to_and_from_other_meshes(tmp_path) -> None:
         assert len(loads) == len(meshes) - 1
         for (worst, compared), mesh in zip(loads, meshes[1:]):
             assert compared > 0 and worst == 0.0, f"rank {rank} loading into {mesh}: {compared} tensors, worst {worst}"
+
+
+@pytest.mark.dist
+def test_fsdp_bf16_sequence_parallel() -> None:
+    """bf16 under FSDP (MixedPrecisionPolicy: bf16 gathered weights, fp32 reduce and masters,
+    fp32 layer-norm units) with sequence parallelism on (2, 2, 2): the loss stays within bf16
+    rounding of the fp32 single process, sequence-parallel gradient shards agree over tp, and
+    master weights and gradients are fp32."""
+    from tests.dist.fsdp_workers import bf16_sequence_parallel
+
+    for rank, (diffs, tp_diff, fp32) in enumerate(run_distributed(bf16_sequence_parallel, 8, args=(STEPS,))):
+        assert fp32, f"rank {rank}: a master weight or gradient is not fp32"
+        assert tp_diff == 0.0, f"rank {rank}: sequence-parallel gradients differ over tp by {tp_diff}"
+        for d in diffs:
+            assert d is None or abs(d) <= 5e-3, f"rank {rank}: bf16 loss differs from fp32 by {diffs}"
+        assert (rank >= 4) == all(d is not None for d in diffs)  # the last stage's ranks hold the loss
+
+
+@pytest.mark.dist
+def test_unknown_dp_sharding_is_named() -> None:
+    from tests.dist.fsdp_workers import bad_sharding
+
+    (message,) = run_distributed(bad_sharding, 1, timeout=60)
+    assert "'zero3'" in message and "fsdp" in message, message
