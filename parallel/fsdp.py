@@ -30,6 +30,7 @@ the rank's shard (a plain tensor aliasing it) for the gradient work in
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -129,6 +130,21 @@ class FullySharded:
             for group in unit_state._fsdp_param_groups:
                 group.post_backward()
         state._root_post_backward_final_callback()
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Within: every unit's full parameters, kept between forwards (generation reads the
+        layers' weights outside `forward`: per-stage KV caches). Collective over dp: every dp
+        replica enters it the same number of times."""
+        for unit in self.units:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                unit.set_reshard_after_forward(not self.deferred and unit is not self.root, recurse=False)
+            self.reshard()
 
     def reshard(self) -> None:
         """Free every gathered parameter (after evaluation in deferred mode, whose forward

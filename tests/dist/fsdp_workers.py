@@ -238,3 +238,37 @@ def bad_sharding(rank: int, world: int) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def generate_after_training(rank: int, world: int, pp: int, tp: int) -> tuple[list[tuple[list, list]], float]:
+    """One fsdp training step on (pp, world / (pp tp), tp), then greedy and beam search on this
+    replica's own sources, against `models.generate.generate` on the same single-device weights,
+    then one more training step. Returns (this rank's (got, want) per search on the last
+    stage's ranks, empty elsewhere; worst weight error after the second step)."""
+    from models.generate import SearchSettings, generate
+
+    dp = world // (pp * tp)
+    pm = build(world, pp, dp, tp, "1f1b", 2)
+    opt = _adamw(pm.optimizer_params())
+    _train_one(pm, opt, step=0)
+    _, _, ref_params = reference_run(1)
+    base = M2M100Translation(pm.model.config)
+    base.load_state_dict(ref_params, strict=False)
+    base.eval()
+    pm.model.eval()
+    batch = random_batch(pm.model.config, 4, seed=7 + pm.mesh.dp_rank)
+    ids, mask = batch.input_ids, batch.attention_mask
+    out = []
+    for beams in (1, 3):
+        from parallel.generate import pipeline_generate
+
+        got = pipeline_generate(pm, ids, mask, 5, SearchSettings(num_beams=beams, max_length=8))
+        if got is not None:
+            with torch.no_grad():
+                want = generate(base, ids, mask, 5, num_beams=beams, max_length=8)
+            out.append((got.tolist(), want.tolist()))
+    pm.model.train()
+    _train_one(pm, opt, step=1)  # the gathered weights are gone: training goes on from the shards
+    _, _, ref_after = reference_run(2)
+    after = max(float((full(pm, k, p) - ref_after[k]).abs().max()) for k, p in pm.named_params().items())
+    return out, after

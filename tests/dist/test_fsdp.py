@@ -114,3 +114,17 @@ def test_unknown_dp_sharding_is_named() -> None:
 
     (message,) = run_distributed(bad_sharding, 1, timeout=60)
     assert "'zero3'" in message and "fsdp" in message, message
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(("pp", "tp"), [(2, 1), (1, 2)])
+def test_fsdp_generation_then_training(pp: int, tp: int) -> None:
+    """`pipeline_generate` under FSDP (weights gathered for the call) gives the single-device
+    tokens; training afterwards goes on from the shards and matches one process."""
+    from tests.dist.fsdp_workers import generate_after_training
+
+    for rank, (searches, after) in enumerate(run_distributed(generate_after_training, 4, args=(pp, tp))):
+        for got, want in searches:
+            assert got == want, f"rank {rank}: {got} != {want}"
+        assert after <= PARAM_TOL, f"rank {rank}: weights after generation and a step differ by {after}"
+        assert searches or rank < 2  # the last stage's ranks searched
