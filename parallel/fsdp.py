@@ -9,8 +9,10 @@ plain local shards, so FSDP shards each tp shard over dp. As in torchtitan, the
 pipeline decides when FSDP communicates:
 
     pp == 1, full backward     memory-lean: reshard after forward, reduce-scatter after
-    ("lean")                   each backward (autograd's hooks); never all unsharded
-                               parameters and gradients alive at once
+    ("lean")                   each backward (autograd's hooks); one layer's unsharded
+                               parameters and gradients alive at a time, besides the
+                               root's (the tied embedding, used first and last: FSDP keeps
+                               the root gathered from its forward to its backward)
     pp > 1 or split backward   gather once per flush (no reshard between micro-batches),
     ("deferred")               accumulate unsharded gradients, reduce-scatter once per step
                                at GR (`reduce_scatter`), after the last W of zero bubble
@@ -20,7 +22,9 @@ pipeline decides when FSDP communicates:
 Gradients are dp *sums* (divide factor 1): the trainer scales the loss by
 1 / tokens(global batch), as for `parallel.data_parallel`. `bf16` maps to FSDP's
 `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: bf16 gathered working
-weights, fp32 gradient accumulation, reduction and master shards.
+weights, fp32 gradient accumulation, reduction and master shards (layer norms: fp32
+units of their own, as `parallel.mixed_precision` keeps them). Generation reads
+weights outside `forward` and runs inside `gathered`.
 
 After `fully_shard` every parameter is a `DTensor` sharded over dp; `local` gives
 the rank's shard (a plain tensor aliasing it) for the gradient work in

@@ -5,6 +5,7 @@
       -> tensor parallel (tp)               swap linears/embedding/head for Megatron-style modules
       -> rematerialisation                  wrap layers / attention in torch.utils.checkpoint
       -> regional compilation               torch.compile each layer (torch_compile: true)
+      -> fully sharded dp (dp_sharding=fsdp) FSDP2 units on the dp axis (parallel.fsdp)
       -> zero-bubble weight-grad deferral   (zero_bubble and zbv: schedules with split backward)
       -> executor                           walks this rank's schedule; dp + tied-embedding reduce at GR
 
@@ -303,7 +304,8 @@ def build_parallel_model(
         remat: activation_checkpointing policy.
         label_smoothing: epsilon of the loss.
         dp_sharding: "none", "zero1" (optimizer state sharded over dp) or "fsdp" (parameters,
-            gradients and optimizer state sharded over dp: `parallel.fsdp`).
+            gradients and optimizer state sharded over dp: `parallel.fsdp`; nothing to shard,
+            and no FSDP, when dp is 1).
         saved_tensor_meter: measure activation memory with saved-tensor hooks even on
             CUDA (a profiling switch; CPUs always use them).
         compile_layers: `torch.compile` each encoder/decoder layer (`parallel.compile`).

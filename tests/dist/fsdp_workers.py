@@ -51,7 +51,16 @@ def full(pm: ParallelModel, name: str, t: Tensor) -> Tensor:
 
 
 def build(
-    world: int, pp: int, dp: int, tp: int, schedule: str, m: int, sharding: str = "fsdp", seed: int = 0, **kw: Any
+    world: int,
+    pp: int,
+    dp: int,
+    tp: int,
+    schedule: str,
+    m: int,
+    sharding: str = "fsdp",
+    seed: int = 0,
+    remat: str = "none",
+    **kw: Any,
 ) -> ParallelModel:
     cfg = ModelConfig(**TINY)
     torch.manual_seed(seed)
@@ -59,7 +68,7 @@ def build(
     mesh = build_mesh(ParallelDims(pp=pp, dp=dp, tp=tp, world_size=world))
     v = 2 if schedule in ("interleaved_1f1b", "zbv") else 1
     balance = uniform_partition(len(model.blocks), pp * v)
-    return build_parallel_model(model, mesh, balance, m, schedule, v, "none", 0.0, dp_sharding=sharding, **kw)
+    return build_parallel_model(model, mesh, balance, m, schedule, v, remat, 0.0, dp_sharding=sharding, **kw)
 
 
 def flushes_of(pm: ParallelModel, batch: Seq2SeqBatch, m: int, flushes: int) -> list[list[Seq2SeqBatch]]:
@@ -97,20 +106,20 @@ def train(pm: ParallelModel, steps: int, m: int, flushes: int = 1) -> tuple[list
     return losses, first
 
 
-def fsdp_parity(rank: int, world: int, cases: list[tuple[int, int, int, str, int, int]], steps: int) -> list[Any]:
-    """For each (pp, dp, tp, schedule, m, flushes): this rank's (losses per step, max loss error,
-    worst first-step grad error, worst final param error, params are DTensors) vs one process."""
+def fsdp_parity(rank: int, world: int, cases: list[tuple[Any, ...]], steps: int) -> list[Any]:
+    """For each (pp, dp, tp, schedule, m, flushes[, remat]): this rank's (losses per step, max loss
+    error, worst first-step grad error, worst final param error, params are DTensors) vs one process."""
     ref_losses, ref_grads, ref_params = reference_run(steps)
     out = []
-    for pp, dp, tp, schedule, m, flushes in cases:
-        pm = build(world, pp, dp, tp, schedule, m)
+    for pp, dp, tp, schedule, m, flushes, *remat in cases:
+        pm = build(world, pp, dp, tp, schedule, m, remat=remat[0] if remat else "none")
         losses, grads = train(pm, steps, m, flushes)
         loss_err = max((abs(a - b) for a, b in zip(losses, ref_losses) if a is not None), default=None)
         grad_err = max(_rel(grads[k], ref_grads[k]) for k in grads)
         params = {k: full(pm, k, p) for k, p in pm.named_params().items()}
         param_err = max(float((params[k] - ref_params[k]).abs().max()) for k in params)
         sharded = all(isinstance(p, DTensor) for p in pm.params())
-        out.append(((pp, dp, tp, schedule, m, flushes), losses, loss_err, grad_err, param_err, sharded))
+        out.append(((pp, dp, tp, schedule, m, flushes, *remat), losses, loss_err, grad_err, param_err, sharded))
     return out
 
 
