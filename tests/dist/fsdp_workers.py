@@ -108,8 +108,14 @@ def train(pm: ParallelModel, steps: int, m: int, flushes: int = 1) -> tuple[list
 
 def fsdp_parity(rank: int, world: int, cases: list[tuple[Any, ...]], steps: int) -> list[Any]:
     """For each (pp, dp, tp, schedule, m, flushes[, remat]): this rank's (losses per step, max loss
-    error, worst first-step grad error, worst final param error, params are DTensors) vs one process."""
+    error, worst first-step grad error, worst final param error, params are DTensors, eval-loss
+    error after training on the last stage's ranks or None) vs one process."""
     ref_losses, ref_grads, ref_params = reference_run(steps)
+    ref_model = M2M100Translation(ModelConfig(**TINY))
+    ref_model.load_state_dict(ref_params, strict=False)
+    held_out = random_batch(ref_model.config, 4, seed=999)
+    with torch.no_grad():
+        ref_sum, ref_tokens = ref_model.loss(held_out)
     out = []
     for pp, dp, tp, schedule, m, flushes, *remat in cases:
         pm = build(world, pp, dp, tp, schedule, m, remat=remat[0] if remat else "none")
@@ -119,7 +125,10 @@ def fsdp_parity(rank: int, world: int, cases: list[tuple[Any, ...]], steps: int)
         params = {k: full(pm, k, p) for k, p in pm.named_params().items()}
         param_err = max(float((params[k] - ref_params[k]).abs().max()) for k in params)
         sharded = all(isinstance(p, DTensor) for p in pm.params())
-        out.append(((pp, dp, tp, schedule, m, flushes, *remat), losses, loss_err, grad_err, param_err, sharded))
+        eval_sum, eval_tokens = pm.eval_loss(held_out.split(2))
+        eval_err = abs(eval_sum / eval_tokens - float(ref_sum) / ref_tokens) if eval_tokens else None
+        case = (pp, dp, tp, schedule, m, flushes, *remat)
+        out.append((case, losses, loss_err, grad_err, param_err, sharded, eval_err))
     return out
 
 

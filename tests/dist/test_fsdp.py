@@ -24,7 +24,7 @@ def _check_parity(world: int, cases: list[tuple[object, ...]]) -> None:
     results = run_distributed(fsdp_parity, world, args=(cases, STEPS), timeout=300)
     for rank, rows in enumerate(results):
         assert len(rows) == len(cases)
-        for case, losses, loss_err, grad_err, param_err, sharded in rows:
+        for case, losses, loss_err, grad_err, param_err, sharded, eval_err in rows:
             where = f"rank {rank} (pp, dp, tp, schedule, m, flushes)={case}"
             assert sharded, f"{where}: parameters are not FSDP DTensors"
             assert len(losses) == STEPS
@@ -32,6 +32,8 @@ def _check_parity(world: int, cases: list[tuple[object, ...]]) -> None:
                 assert loss_err <= LOSS_TOL, f"{where}: loss error {loss_err:.2e}, losses {losses}"
             assert grad_err <= GRAD_TOL, f"{where}: first-step grad error {grad_err:.2e}"
             assert param_err <= PARAM_TOL, f"{where}: final weight error {param_err:.2e}"
+            assert (eval_err is None) == (loss_err is None), f"{where}: eval loss on another stage"
+            assert eval_err is None or eval_err <= LOSS_TOL, f"{where}: eval loss error {eval_err:.2e}"
 
 
 @pytest.mark.dist
