@@ -33,6 +33,7 @@ WORLD4 = {
     "pp2-dp2-interleaved-m2": mesh(pp=2, dp=2, m=2, pipeline_schedule="interleaved_1f1b"),
     "tp2-sequence-parallel": mesh(tp=2, dp=2, sequence_parallel=True),
     "dp4-zero1": mesh(dp=4, data_parallel_sharding="zero1"),
+    "pp2-dp2-zbv-fsdp": mesh(pp=2, dp=2, m=2, pipeline_schedule="zbv", data_parallel_sharding="fsdp"),
     "pp2-tp2-zbv-m4-selective": mesh(
         pp=2, tp=2, m=4, pipeline_schedule="zbv", activation_checkpointing="selective"
     ),
@@ -47,6 +48,8 @@ WORLD8 = {
         pp=2, dp=2, tp=2, m=4, pipeline_schedule="zero_bubble", activation_checkpointing="stage"
     ),
     "tp4-dp2-zero1": mesh(tp=4, dp=2, data_parallel_sharding="zero1"),
+    "3d-2x2x2-fsdp": mesh(pp=2, dp=2, tp=2, m=2, data_parallel_sharding="fsdp"),
+    "3d-1x4x2-fsdp": mesh(pp=1, dp=4, tp=2, data_parallel_sharding="fsdp"),
 }
 
 
@@ -106,6 +109,9 @@ def test_resume_same_and_other_meshes(reference, tmp_path) -> None:
         "resume-4x1x2": mesh(pp=4, dp=1, tp=2, m=2, resume_from_checkpoint=ckpt),
         "resume-1x4x2-zero1": mesh(
             pp=1, dp=4, tp=2, data_parallel_sharding="zero1", resume_from_checkpoint=ckpt
+        ),
+        "resume-2x2x2-fsdp": mesh(
+            pp=2, dp=2, tp=2, m=2, data_parallel_sharding="fsdp", resume_from_checkpoint=ckpt
         ),
     }
     cases = {**first, **resumed}
