@@ -122,12 +122,6 @@ SEARCHES = ((1, 12), (3, 12), (3, 6))  # (num_beams, max_length); the last cuts 
 ROWS = 5
 
 
-def source_batch(cfg: Any, words: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    from trainer.evaluate import pad_batch
-
-    return pad_batch([[TAGS["en"], *w, cfg.eos_token_id] for w in words], cfg.pad_token_id)
-
-
 def out_lengths(out: torch.Tensor) -> list[int]:
     return [len([t for t in row if t != 1]) for row in out.tolist()]
 
@@ -139,7 +133,8 @@ def pick_rows(base: Any, dp_rank: int) -> tuple[list[list[int]], list[int]]:
 
     pool = random_sources(48, seed=100 + dp_rank, max_len=7)
     tags = [TAGS["fr"] if i % 2 else TAGS["de"] for i in range(len(pool))]
-    ids, mask = source_batch(base.config, pool)
+    batch = copy_batch(base.config, pool, tags)  # its sources: `__en__ w.. </s>`, padded
+    ids, mask = batch.input_ids, batch.attention_mask
     with torch.no_grad():
         greedy, beam = (generate(base, ids, mask, torch.tensor(tags), k, n) for k, n in SEARCHES[:2])
     lengths, beam_lengths = out_lengths(greedy), out_lengths(beam)
@@ -157,8 +152,11 @@ def token_parity(base: Any, pm: Any, rows: tuple[list[list[int]], list[int]]) ->
     """Greedy and beam search on this replica's own batch: 3D ids vs `generate` (leader ranks)."""
     from models.generate import SearchSettings, generate
     from parallel.generate import pipeline_generate
+    from trainer.evaluate import pad_batch
 
-    ids, mask = source_batch(base.config, rows[0])
+    cfg = base.config
+    words = rows[0]
+    ids, mask = pad_batch([[TAGS["en"], *w, cfg.eos_token_id] for w in words], cfg.pad_token_id)
     tags = torch.tensor(rows[1])
     out = []
     for num_beams, max_length in SEARCHES:
