@@ -56,10 +56,10 @@ def test_fsdp_holds_less_than_zero1_less_than_none_per_rank() -> None:
     assert none.memory["optimizer"] == 8 * p and zero1.memory["optimizer"] == 8 * p / 4
     assert zero1.memory["parameters"] == zero1.memory["gradients"] == 4 * p
     assert fsdp.memory["parameters"] == fsdp.memory["gradients"] == fsdp.memory["optimizer"] / 2 == p
-    # pp = 1, one micro-batch: two units (a decoder layer is the largest here) gathered, fp32 params + grads
+    # pp = 1 (lean): the root (tied table, norms) and two layers gathered, fp32 params + grads
     per_block, table = block_param_counts(MC)
-    assert max(per_block) > table
-    assert fsdp.memory["fsdp_gathered"] == 2 * 2 * 4 * max(per_block)
+    root = table + sum(per_block) - 2 * per_block[1] - 2 * per_block[5]  # less 2 encoder, 2 decoder layers
+    assert fsdp.memory["fsdp_gathered"] == 2 * 4 * (root + 2 * max(per_block))
     *_, staged = _predict("fsdp", 4, pp=2, m=2)  # pp > 1: the whole stage, once per flush
     assert staged.memory["fsdp_gathered"] == 2 * 4 * max(staged.params_per_pp_rank)
     assert all(v >= 0 for pred in (none, zero1, fsdp, staged) for v in pred.memory.values())
@@ -85,9 +85,9 @@ def test_step_transients_by_mode_and_host() -> None:
 
 
 def test_startup_is_the_shard_plus_its_largest_parameter() -> None:
-    rank = RankShape(params=1000, largest_param=300, largest_unit=400)
+    rank = RankShape(params=1000, largest_param=300, largest_layer=200, root=400)
     assert startup_memory(rank, MemorySettings(False, host_baseline_bytes=50.0)) == 50 + 4 * 1300
-    terms, _ = rank_memory(rank, 0.0, "none", 1, 1, 1, MemorySettings(False))
+    terms, _ = rank_memory(rank, 0.0, "none", 1, 1, False, MemorySettings(False))
     assert sum(terms.values()) == 16 * 1000  # params, grads, two moments
     *_, pred = _predict("none", 1, baseline=7.0)
     table = MC.vocab_size * MC.d_model  # the largest tensor of a rank that holds the tied table

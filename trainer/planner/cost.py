@@ -41,8 +41,8 @@ from parallel.schedule import Action, build_schedule, placement_for
 from parallel.simulate import StageCosts, simulate
 from trainer.planner.blocks import KindCosts, Shape, block_param_counts
 from trainer.planner.hardware import LinkModel
-from trainer.planner.layout import Layout
-from trainer.planner.memory import MemorySettings, RankShape, largest_pieces, rank_memory, startup_memory
+from trainer.planner.layout import SPLIT_BACKWARD, Layout
+from trainer.planner.memory import MemorySettings, RankShape, rank_memory, rank_shape, startup_memory
 
 
 @dataclass
@@ -252,7 +252,8 @@ def predict_step(layout: Layout, sc: StageCosts, ctx: CostContext) -> Prediction
     ranks, grad_reduce, optimizer, data = _outside_pipeline(layout, ctx)
     step = layout.g * sim.makespan + grad_reduce + optimizer + data
     settings = ctx.memory_settings
-    mems = [rank_memory(r, a, layout.sharding, layout.dp, m * layout.g, p, settings)
+    deferred = p > 1 or layout.schedule in SPLIT_BACKWARD  # parallel.fsdp's deferred mode
+    mems = [rank_memory(r, a, layout.sharding, layout.dp, m * layout.g, deferred, settings)
             for r, a in zip(ranks, sim.peak_activation_bytes)]  # fmt: skip
     worst = max(range(p), key=lambda r: sum(mems[r][0].values()))
     startup = max(startup_memory(r, settings) for r in ranks)
@@ -273,10 +274,7 @@ def _rank_shapes(params_block: list[int], table: int, layout: Layout, mc: ModelC
         stages = placement_for(layout.schedule, layout.pp, layout.v).stages_of(r)
         blocks = [i for s in stages for i in range(sum(layout.balance[:s]), sum(layout.balance[: s + 1]))]
         uses_table = any(specs[i].uses_shared_embedding for i in blocks)
-        largest, unit = largest_pieces(mc, blocks, params_block, table, uses_table, layout.tp)
-        out.append(
-            RankShape(sum(params_block[i] for i in blocks) + (table if uses_table else 0), largest, unit)
-        )
+        out.append(rank_shape(mc, blocks, params_block, table, uses_table, layout.tp))
     return out
 
 

@@ -7,11 +7,14 @@ With P the rank's parameters (its pp stages on its tp shard), dp the data-parall
     gradients        4 P                     fp32, freed after the step; fsdp: 4 P / dp (the shard)
     optimizer        8 P                     AdamW's two moments; zero1 and fsdp: 8 P / dp
     working_weights  2 P                     bf16 copies cast once per step (bf16, m g > 1, not fsdp)
-    fsdp_gathered    fsdp only               unsharded (working-dtype) parameters and fp32 grads:
-                                             pp = 1: two units (the one computing and the one
-                                             prefetched / reduce-scattering), a unit = one block
-                                             or the tied table; pp > 1: the whole stage, gathered
-                                             once per flush, its grads kept until the reduce-scatter
+    fsdp_gathered    fsdp only               unsharded (working-dtype) parameters and fp32 grads
+                                             (`parallel.fsdp`): lean (pp = 1, full backward): the
+                                             root unit (tied table, norms: gathered from its
+                                             forward to its backward) and two layer units (the one
+                                             computing, the one prefetched / reduce-scattering);
+                                             deferred (pp > 1 or a split backward): the whole
+                                             stage, gathered once per flush, its grads kept
+                                             unsharded until the reduce-scatter at GR
     activations      the simulated peak of the executor's meter on this rank
     step_transients  what the end of the step adds over the activations (they are freed by then):
                      dp gradient buckets: `GradReducer` keeps every bucket's flattened copy until
@@ -53,13 +56,15 @@ class RankShape:
 
     params: int  # on this rank (its stages, its tp shard)
     largest_param: int  # the largest single tensor (start-up holds one extra)
-    largest_unit: int  # the largest fsdp unit: one block, or the tied table
+    largest_layer: int  # the largest encoder / decoder layer (an fsdp unit)
+    root: int  # what its layers leave (the tied table, embeddings' and final norms): fsdp's root unit
 
 
-def largest_pieces(mc: ModelConfig, blocks: list[int], params_block: list[int], table: int,
-                   uses_table: bool, tp: int) -> tuple[int, int]:  # fmt: skip
-    """(largest single parameter, largest fsdp unit) among `blocks` on one tp rank."""
-    kinds = {block_specs(mc)[i].kind for i in blocks}
+def rank_shape(mc: ModelConfig, blocks: list[int], params_block: list[int], table: int,
+               uses_table: bool, tp: int) -> RankShape:  # fmt: skip
+    """The `RankShape` of a pp rank holding `blocks` (and the tied table if `uses_table`) on one tp rank."""
+    specs = block_specs(mc)
+    kinds = {specs[i].kind for i in blocks}
     d = mc.d_model
     largest = 0
     if BlockKind.ENC_LAYER in kinds:
@@ -68,8 +73,9 @@ def largest_pieces(mc: ModelConfig, blocks: list[int], params_block: list[int], 
         largest = max(largest, d * mc.decoder_ffn_dim // tp, d * d // tp)
     if uses_table:
         largest = max(largest, table)
-    unit = max([params_block[i] for i in blocks] + [table if uses_table else 0])
-    return largest, unit
+    layers = [params_block[i] for i in blocks if specs[i].kind in (BlockKind.ENC_LAYER, BlockKind.DEC_LAYER)]
+    params = sum(params_block[i] for i in blocks) + (table if uses_table else 0)
+    return RankShape(params, largest, max(layers, default=0), params - sum(layers))
 
 
 @dataclass(frozen=True)
@@ -82,12 +88,13 @@ class MemorySettings:
 
 
 def rank_memory(
-    rank: RankShape, activations: float, sharding: str, dp: int, steps_in_flush: int, pp: int,
+    rank: RankShape, activations: float, sharding: str, dp: int, steps_in_flush: int, deferred: bool,
     settings: MemorySettings,
 ) -> tuple[dict[str, float], dict[str, float]]:  # fmt: skip
     """(the peak's terms, which sum to it; the step transients by cause) of one rank (module docstring).
 
     steps_in_flush: m x g, micro-batches per optimizer step (bf16 working copies pay off above 1).
+    deferred: fsdp gathers the stage once per flush (pp > 1 or a split backward), else per layer.
     """
     p = float(rank.params)
     fsdp = sharding == "fsdp" and dp > 1
@@ -96,8 +103,8 @@ def rank_memory(
     e = 2.0 if settings.bf16 else 4.0
     gathered_params = gathered_grads = 0.0
     if fsdp:
-        gathered_params = e * (p if pp > 1 else 2.0 * rank.largest_unit)
-        gathered_grads = 4.0 * (p if pp > 1 or steps_in_flush > 1 else 2.0 * rank.largest_unit)
+        unsharded = p if deferred else min(p, rank.root + 2.0 * rank.largest_layer)
+        gathered_params, gathered_grads = e * unsharded, 4.0 * unsharded
     buckets = 4.0 * p if dp > 1 and not fsdp else 0.0
     broadcast = 4.0 * p if dp > 1 and sharding == "zero1" else 0.0
     transients = {
