@@ -82,6 +82,8 @@ def _row(rank: int, c: Candidate, best: Candidate | None, memory_gib: float | No
         "predicted_time_split_s": {"pipeline": p.makespan_s * c.layout.g, "grad_reduce": p.grad_reduce_s,
                                    "optimizer": p.optimizer_s, "data": p.data_s, "p2p_message": p.link_s},
         "predicted_memory_bytes": p.memory,
+        "predicted_startup_memory_bytes": p.startup_memory_bytes,
+        "predicted_step_transients_bytes": p.transients,
         "predicted_peak_activation_bytes_per_pp_rank": p.peak_activation_bytes_per_pp_rank,
         "parameters_per_pp_rank": p.params_per_pp_rank,
         "reason": _reason(c, best, memory_gib) if best else "",
@@ -98,7 +100,7 @@ def format_table(result: dict[str, Any], top: int) -> str:
         f"plan for {result['config']} on {result['world_size']} ranks ({result['gpus_per_node']} per node), "
         f"costs {result['costs']}",
         f"{'#':>3} {'pp':>2} {'tp':>2} {'dp':>2} {'m':>3} {'g':>2} {'mb':>5}  {'schedule':<19} {'remat':<9} "
-        f"{'partition':<10} {'step s':>9} {'bubble':>6} {'peak GiB':>8}  why",
+        f"{'partition':<10} {'dp shard':<8} {'step s':>9} {'bubble':>6} {'peak GiB':>8} {'start GiB':>9}  why",
     ]
     for row in result["candidates"][:top]:
         lay = row["layout"]
@@ -106,8 +108,9 @@ def format_table(result: dict[str, Any], top: int) -> str:
         lines.append(
             f"{row['rank']:>3} {lay['pp']:>2} {lay['tp']:>2} {lay['dp']:>2} {lay['m']:>3} {lay['g']:>2} "
             f"{lay['microbatch']:>5}  {sched:<19} {lay['remat']:<9} {lay['partition']:<10} "
-            f"{row['predicted_step_time_s']:>9.4g} {row['predicted_bubble_fraction']:>6.1%} "
-            f"{row['predicted_peak_memory_bytes'] / GIB:>8.2f}  {row['reason']}"
+            f"{lay.get('sharding', 'none'):<8} {row['predicted_step_time_s']:>9.4g} "
+            f"{row['predicted_bubble_fraction']:>6.1%} {row['predicted_peak_memory_bytes'] / GIB:>8.2f} "
+            f"{row['predicted_startup_memory_bytes'] / GIB:>9.2f}  {row['reason']}"
         )
     own = result["config_layout"]
     if "error" in own:
@@ -116,7 +119,7 @@ def format_table(result: dict[str, Any], top: int) -> str:
         lay = own["layout"]
         lines.append(
             f"the config's own layout (pp={lay['pp']} tp={lay['tp']} dp={lay['dp']} m={lay['m']} "
-            f"{lay['schedule']} v={lay['v']} remat={lay['remat']}) would rank #{own['rank']}: "
+            f"{lay['schedule']} v={lay['v']} remat={lay['remat']} dp shard={lay.get('sharding', 'none')}) would rank #{own['rank']}: "
             f"{own['predicted_step_time_s']:.4g} s/step, bubble {own['predicted_bubble_fraction']:.1%}, "
             f"{own['predicted_peak_memory_bytes'] / GIB:.2f} GiB"
         )
