@@ -21,7 +21,6 @@ fails or passes --timeout is killed and reported. The exit status is 1 if any la
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import signal
@@ -77,7 +76,7 @@ def unsupported(args: list[str], world: int) -> str:
         validate_early(cfg, world)
     except (ValueError, SystemExit) as e:
         return f"the trainer rejects it: {e}"
-    if cfg.parallel.data_parallel_sharding == "fsdp" and importlib.util.find_spec("parallel.fsdp") is None:
+    if cfg.parallel.data_parallel_sharding == "fsdp" and not (ROOT / "parallel" / "fsdp.py").is_file():
         return "data_parallel_sharding=fsdp is not implemented in this checkout (no parallel/fsdp.py)"
     return ""
 
