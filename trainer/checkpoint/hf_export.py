@@ -174,10 +174,10 @@ def export(args: ExportArguments) -> Path:
     Raises:
         ExportError, CheckpointMismatchError, TokenizerError: bad input (nothing is written).
     """
+    dtype, max_bytes = export_options(args)
     ckpt = check_checkpoint(args.checkpoint)
     tok_dir = find_tokenizer_dir(ckpt, args.tokenizer)
     out = check_output(args.output, args.overwrite)
-    dtype, max_bytes = export_options(args)
     config = read_model_config(ckpt)
     tokenizer = Tokenizer.load(tok_dir)
     if tokenizer.vocab_size > config.vocab_size:
