@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from models.config import ModelConfig
-from models.m2m100 import M2M100Translation, Seq2SeqBatch
 from models.hf_save import EXPORT_DTYPES, parse_shard_size
+from models.m2m100 import M2M100Translation, Seq2SeqBatch
 from trainer.checkpoint.commit import COMMIT_MARKER
 from trainer.export import main
 from trainer.tokenizer.stock_m2m100 import run_layout

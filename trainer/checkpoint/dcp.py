@@ -230,24 +230,78 @@ def save_checkpoint(
         CheckpointWriteError: a write failed on some rank (every rank raises it; the
             partial directory is removed; older checkpoints are untouched).
     """
-    rank = _rank()
-    if rank == 0 and path.exists():
-        shutil.rmtree(path)  # an earlier incomplete attempt at this step
-    _barrier()
-    records: FileRecords = {}
-    failure: str | None = None
-    local: BaseException | None = None
+    begin_save(path)
+    rank, records, local = _rank(), {}, None
     try:
-        records = _write_rank_files(path, parts, optimizer, trainer_state, to_logical, rank)
-    except (Exception, CheckpointException) as e:  # agreed below: no rank may leave the others waiting
-        failure, local = describe_write_failure(path, e, rank), e
+        dcp.save(checkpoint_state(parts, optimizer, to_logical), checkpoint_id=str(path))
+        records = write_side_files(path, trainer_state, rank)
+    except (
+        Exception,
+        CheckpointException,
+    ) as e:  # agreed in finish_save: no rank may leave the others waiting
+        local = e
+    finish_save(path, int(trainer_state.get("step", -1)), records, local, save_total_limit, keep)
+
+
+def begin_save(path: Path) -> None:
+    """Rank 0 clears `path` (an earlier incomplete attempt at this step); collective."""
+    if _rank() == 0 and path.exists():
+        shutil.rmtree(path)
+    _barrier()
+
+
+def checkpoint_state(
+    parts: list[nn.Module], optimizer: torch.optim.Optimizer, to_logical: ToLogical = _identity
+) -> dict[str, Any]:
+    """What DCP saves: {"model": {fqn: tensor}, "optim": {fqn: {exp_avg, exp_avg_sq, step}}}."""
+    params = named_trainable(parts)
+    return {"model": model_state(parts, to_logical), "optim": optimizer_state(optimizer, params, to_logical)}
+
+
+def write_side_files(path: Path, trainer_state: dict[str, Any], rank: int) -> FileRecords:
+    """This rank's RNG file and (rank 0) trainer_state.json, beside the DCP shards; their records."""
+    rng_dir = path / "rng"
+    rng_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(_rng_state(), rng_dir / f"rank-{rank}.pt")
+    names = [f"rng/rank-{rank}.pt"]
+    if rank == 0:
+        (path / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+        names.append("trainer_state.json")
+    return hash_files(path, names)
+
+
+def finish_save(
+    path: Path,
+    step: int,
+    records: FileRecords,
+    local: BaseException | None,
+    save_total_limit: int | None = None,
+    keep: Path | None = None,
+) -> None:
+    """The commit of a save whose files are written (collective; see `save_checkpoint`).
+
+    Args:
+        path: the checkpoint directory.
+        step: the checkpoint's step (in the marker).
+        records: this rank's side files (`write_side_files`); its DCP shards are hashed here.
+        local: what this rank's writing raised, or None.
+        save_total_limit, keep: rotation after a commit (`rotation_victims`).
+
+    Raises:
+        CheckpointWriteError: a write failed on some rank (every rank raises it; `path` is removed).
+    """
+    rank = _rank()
+    failure = describe_write_failure(path, local, rank) if local is not None else None
+    if failure is None:
+        try:
+            records = {**records, **hash_files(path, files_of_rank(path, rank))}
+        except OSError as e:
+            failure, local = describe_write_failure(path, e, rank), e
     gathered = _all_gather((records, failure, _failed_here(local, rank)))
     failure = _first_failure([(f, own) for _, f, own in gathered])
     if failure is None and rank == 0:
         try:
-            _commit(
-                path, int(trainer_state.get("step", -1)), {k: v for r, _, _ in gathered for k, v in r.items()}
-            )
+            _commit(path, step, {k: v for r, _, _ in gathered for k, v in r.items()})
         except OSError as e:
             failure, local = describe_write_failure(path, e, rank), e
     failure = _agreed(failure)
@@ -267,28 +321,6 @@ def _first_failure(reports: list[tuple[str | None, bool]]) -> str | None:
     own = [f for f, mine in reports if f and mine]
     other = [f for f, _ in reports if f]
     return (own or other)[0] if other else None
-
-
-def _write_rank_files(
-    path: Path,
-    parts: list[nn.Module],
-    optimizer: torch.optim.Optimizer,
-    trainer_state: dict[str, Any],
-    to_logical: ToLogical,
-    rank: int,
-) -> FileRecords:
-    """DCP shards (collective), this rank's RNG file, rank 0's trainer_state.json; their records."""
-    params = named_trainable(parts)
-    state = {"model": model_state(parts, to_logical), "optim": optimizer_state(optimizer, params, to_logical)}
-    dcp.save(state, checkpoint_id=str(path))
-    rng_dir = path / "rng"
-    rng_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(_rng_state(), rng_dir / f"rank-{rank}.pt")
-    names = files_of_rank(path, rank)
-    if rank == 0:
-        (path / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-        names.append("trainer_state.json")
-    return hash_files(path, names)
 
 
 def _commit(path: Path, step: int, records: FileRecords) -> None:
