@@ -134,6 +134,7 @@ MAY_CHANGE = (
     "eval_steps",
     "do_eval",
     "save_steps",
+    "async_save",  # how checkpoints are written, not what
     "save_total_limit",
     "resume_from_checkpoint",
     "bf16",
