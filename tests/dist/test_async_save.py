@@ -37,7 +37,7 @@ def async_story(rank: int, world: int, base: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from trainer.checkpoint.commit import COMMIT_MARKER, verify_checkpoint
-    from trainer.checkpoint.dcp import list_checkpoints
+    from trainer.checkpoint.commit import list_checkpoints
     from trainer.config.parse import load_config_dict
     from trainer.run.guard import Preempted
     from trainer.run.loop import run

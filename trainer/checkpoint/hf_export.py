@@ -1,8 +1,9 @@
 """Export a training checkpoint as a Hugging Face directory (the library of `python -m trainer.export`).
 
-Reads the DCP checkpoint in one process, writes config.json, model.safetensors,
-generation_config.json and the tokenizer files into a temporary directory renamed at the
-end; the usage and the layout are in `trainer/export.py`.
+Reads the DCP checkpoint in one process a shard at a time (`export_weights`: planned from
+DCP's metadata, each output shard's tensors loaded alone), writes config.json, the
+safetensors shards (`models.hf_save`), generation_config.json and the tokenizer files into
+a temporary directory renamed at the end; the usage and the layout are in `trainer/export.py`.
 """
 
 from __future__ import annotations
@@ -30,8 +31,7 @@ from models.hf_save import (
     write_shards,
 )
 from models.m2m100 import M2M100Translation
-from trainer.checkpoint.commit import COMMIT_MARKER, verify_checkpoint
-from trainer.checkpoint.dcp import is_complete, list_checkpoints
+from trainer.checkpoint.commit import COMMIT_MARKER, is_complete, list_checkpoints, verify_checkpoint
 from trainer.tokenizer.stock_m2m100 import (
     StockLayout,
     permute_tensor,
