@@ -242,7 +242,10 @@ def checkpoint_state(
 ) -> dict[str, Any]:
     """What DCP saves: {"model": {fqn: tensor}, "optim": {fqn: {exp_avg, exp_avg_sq, step}}}."""
     params = named_trainable(parts)
-    return {"model": model_state(parts, to_logical), "optim": optimizer_state(optimizer, params, to_logical)}
+    # template: a parameter not updated yet (LayerDrop skipped it every step so far) saves
+    # AdamW's initial zeros, so every mesh's load finds every key.
+    optim = optimizer_state(optimizer, params, to_logical, template=True)
+    return {"model": model_state(parts, to_logical), "optim": optim}
 
 
 def write_side_files(path: Path, trainer_state: dict[str, Any], rank: int) -> FileRecords:

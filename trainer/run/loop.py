@@ -146,6 +146,7 @@ def train_loop(
             step,
             timed=log_now or step == timeline_step,
             guard=guard,
+            seed=args.seed,
         )
         flops = step_flops(ctx.mc, *ctx.sampler.example_lengths(gb)) if window.peak_flops else 0.0
         window.add(st, time.perf_counter() - start, flops)

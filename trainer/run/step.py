@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from models.m2m100 import layerdrop_skips
 from parallel import watchdog
 from parallel.executor import FlushResult
 from parallel.parallelize import ParallelModel
@@ -96,11 +97,13 @@ def train_step(
     step: int,
     timed: bool = False,
     guard: StepGuard | None = None,
+    seed: int = 0,
 ) -> StepStats:
     """One optimizer step on `global_batch` (collective over the whole mesh).
 
     `timed` marks the clock around every pipeline action and starts with a barrier
     (a common start, so per-rank wall times measure the pipeline, not skew).
+    `seed` keys LayerDrop's per-step draw (`models.m2m100.layerdrop_skips`; none without LayerDrop).
     `guard` decides, after the gradients and before the optimizer, whether the update
     is applied (the step's one device read); None applies it unchecked (benchmarks).
 
@@ -111,7 +114,8 @@ def train_step(
     if timed and dist.is_initialized():
         with watchdog.waiting(watchdog.collective(f"barrier that starts step {step}", None)):
             dist.barrier()
-    results = pm.train_step(flushes, loss_scale=1.0 / global_batch.num_tokens, timed=timed)
+    skips = layerdrop_skips(pm.model.config, seed, step)
+    results = pm.train_step(flushes, loss_scale=1.0 / global_batch.num_tokens, timed=timed, skip_layers=skips)
     grad_norm = pm.grads.clip_(max_grad_norm)
     sums = [r.loss_sum for r in results if r.loss_sum is not None]
     loss_sum = torch.stack(sums).sum() if sums else None
