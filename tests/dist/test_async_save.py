@@ -12,7 +12,9 @@ One spawned group runs the story in order (spawning and set-up dominate the cost
    step 2), both ranks raise the same CheckpointWriteError, and checkpoint-1 is gone, no
    marker left;
 4. SIGTERM on rank 0 at step 3 (TRAINER_FAULT_INJECT=term) while checkpoint-2 is in flight:
-   the run exits Preempted only after checkpoint-2 and checkpoint-3 are both committed.
+   the run exits Preempted only after checkpoint-2 and checkpoint-3 are both committed;
+5. with FSDP over dp=2 (DTensor parameters and moments sharded over dp), an async run and
+   its resume from checkpoint-2 log the synchronous run's losses.
 """
 
 from __future__ import annotations
@@ -88,6 +90,16 @@ def async_story(rank: int, world: int, base: dict[str, Any]) -> dict[str, Any]:
     finally:
         del os.environ["TRAINER_FAULT_INJECT"]
     res["preempt_committed"] = committed("preempt")
+
+    # 5. FSDP over dp=2: parameters and AdamW moments are DTensors sharded over dp
+    fsdp = mesh_overrides(dp=2, data_parallel_sharding="fsdp")
+    res["fsdp_sync"] = train("fsdp-sync", max_steps=4, save_steps=2, **fsdp)
+    res["fsdp_async"] = train("fsdp-async", max_steps=4, save_steps=2, async_save=True, **fsdp)
+    ckpt2 = str(root / "fsdp-async" / "checkpoint-2")
+    res["fsdp_resumed"] = train(
+        "fsdp-async", max_steps=4, save_steps=2, async_save=True, resume_from_checkpoint=ckpt2, **fsdp
+    )
+    res["fsdp_committed"] = committed("fsdp-async")
     return res
 
 
@@ -124,3 +136,12 @@ def test_preemption_waits_for_the_save_in_flight(story: list[dict[str, Any]]) ->
     r0, r1 = story
     assert r0["preempted"].startswith("SIGTERM at step 3: saved") and r1["preempted"] == r0["preempted"]
     assert r0["preempt_committed"] == {"checkpoint-2": None, "checkpoint-3": None}
+
+
+def test_async_save_under_fsdp_resumes_exactly(story: list[dict[str, Any]]) -> None:
+    r0 = story[0]
+    sync = dict(r0["fsdp_sync"])
+    assert [s for s, _ in r0["fsdp_async"]] == [1, 2, 3, 4] and [s for s, _ in r0["fsdp_resumed"]] == [3, 4]
+    for step, loss in r0["fsdp_async"] + r0["fsdp_resumed"]:
+        assert loss == pytest.approx(sync[step], rel=1e-6, abs=1e-7), (step, loss, sync[step])
+    assert r0["fsdp_committed"] == {"checkpoint-2": None, "checkpoint-4": None}
