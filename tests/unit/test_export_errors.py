@@ -245,3 +245,30 @@ def test_mismatched_model_config_writes_nothing(
     assert main(["--checkpoint", str(run / "checkpoint-3"), "--output", str(tmp_path / "hf")]) == 2
     assert "does not fit" in _error_line(capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_vocab_padding_rows_are_cut(run_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint whose shared embedding carries padding rows past vocab_size (a tp-padded
+    vocabulary) exports the same files as one without them."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    padded = tmp_path / "run"
+    shutil.copytree(run_dir, padded)
+    ckpt = padded / "checkpoint-3"
+    for f in ckpt.glob("*distcp"):
+        f.unlink()
+    (ckpt / ".metadata").unlink()
+    state = torch.load(run_dir / "reference.pt")
+    state["shared.weight"] = torch.cat(
+        [state["shared.weight"], torch.full((3, state["shared.weight"].shape[1]), 9.0)]
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": state}, checkpoint_id=str(ckpt), no_dist=True)
+    outs = []
+    for name, run in (("plain", run_dir), ("padded", padded)):
+        outs.append(tmp_path / name)
+        assert main(["--checkpoint", str(run / "checkpoint-3"), "--output", str(outs[-1])]) == 0
+    plain, cut = (load_file(str(o / "model.safetensors")) for o in outs)
+    assert plain.keys() == cut.keys() and all(torch.equal(plain[k], cut[k]) for k in plain)
