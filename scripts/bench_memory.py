@@ -9,7 +9,9 @@ Each layout runs configs/bench_memory_361m.yaml (2 optimizer steps, a small fixe
 mesh flags under torch.distributed.run, and its measured peaks are the run's own
 run_summary.json `memory` fields (every rank's ru_maxrss, trainer.run.memory): the training
 peak (before the final checkpoint), the whole run's, and the start-up peak (model and optimizer
-built). The prediction is `trainer.planner.search.predict_config` on the same flags: the most
+built). Each layout runs under glibc as shipped and under glibc returning freed chunks of 1 MiB
+or more (`--malloc`): the first is what a job gets, the second the live bytes the planner
+models (glibc keeps freed heap chunks resident: trainer.planner.memory's docstring). The prediction is `trainer.planner.search.predict_config` on the same flags: the most
 loaded rank's steady peak and its start-up peak, the host baseline included.
 
 Writes <output>.json and <output>.md (default benchmarks/memory_cpu, or memory_cpu_<model>).
@@ -96,7 +98,15 @@ def predict(args: list[str], world: int) -> dict[str, float]:
     return {"steady": sum(p.memory.values()), "startup": p.startup_memory_bytes, **p.memory}
 
 
-def run(args: list[str], world: int, out: Path, timeout: float) -> dict[str, Any]:
+# The allocators a layout runs under: glibc as shipped, and glibc returning every chunk of 1 MiB or
+# more to the system on free (its peak RSS is then the live bytes the planner predicts)
+MALLOCS: dict[str, dict[str, str]] = {
+    "stock": {},
+    "returning": {"MALLOC_MMAP_THRESHOLD_": str(2**20)},
+}
+
+
+def run(args: list[str], world: int, out: Path, timeout: float, malloc_env: dict[str, str]) -> dict[str, Any]:
     """Train `args` on `world` CPU ranks into `out`; the run_summary.json memory fields.
 
     Raises:
@@ -105,7 +115,13 @@ def run(args: list[str], world: int, out: Path, timeout: float) -> dict[str, Any
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
     cmd = [*(launcher if world > 1 else [sys.executable]), "-m", "trainer.train", *args,
            "--output_dir", str(out), "--dist_timeout_s", str(int(timeout))]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "disabled",
+        **malloc_env,
+    }
     log = out.with_suffix(".log")
     with log.open("w") as f:
         proc = subprocess.Popen(
@@ -124,57 +140,69 @@ def run(args: list[str], world: int, out: Path, timeout: float) -> dict[str, Any
     return json.loads((out / "run_summary.json").read_text())["memory"]
 
 
-def measure(model: str, name: str, root: Path, timeout: float) -> dict[str, Any]:
+def measure(model: str, name: str, root: Path, timeout: float, mallocs: list[str]) -> dict[str, Any]:
+    """One layout: the prediction, then a run under each allocator (MiB, max over ranks)."""
     world, args = layout_args(model, name)
     row: dict[str, Any] = {
         "layout": name,
         "world": world,
         "args": args,
         "before_mib": BEFORE_MIB.get(name) if model == "361m" else None,
+        "error": None,
     }
     why = unsupported(args, world)
     if why:
         return {**row, "error": why}
     try:
-        row["predicted"] = predict(args, world)
-        t0 = time.perf_counter()
-        row["measured"] = run(args, world, root / name, timeout)
-        row["wall_s"] = time.perf_counter() - t0
+        pred = predict(args, world)
+        row["predicted"] = pred
+        row["predicted_peak_mib"] = max(pred["steady"], pred["startup"]) / MIB
+        row["predicted_startup_mib"] = pred["startup"] / MIB
+        for malloc in mallocs:
+            t0 = time.perf_counter()
+            mem = run(args, world, root / f"{name}_{malloc}", timeout, MALLOCS[malloc])
+            row[malloc] = {
+                "memory": mem,
+                "wall_s": time.perf_counter() - t0,
+                "train_peak_mib": max(mem["train_peak_host_bytes"]) / MIB,
+                "run_peak_mib": max(mem["peak_host_bytes"]) / MIB,
+                "startup_mib": max(mem["startup_peak_host_bytes"]) / MIB,
+            }
     except RuntimeError as e:
         return {**row, "error": str(e)}
-    mem, pred = row["measured"], row["predicted"]
-    row["measured_train_peak_mib"] = max(mem["train_peak_host_bytes"]) / MIB
-    row["measured_peak_mib"] = max(mem["peak_host_bytes"]) / MIB
-    row["measured_startup_mib"] = max(mem["startup_peak_host_bytes"]) / MIB
-    row["predicted_peak_mib"] = max(pred["steady"], pred["startup"]) / MIB
-    row["predicted_startup_mib"] = pred["startup"] / MIB
-    row["error"] = None
     return row
 
 
-def table(rows: list[dict[str, Any]], model: str) -> str:
+def table(rows: list[dict[str, Any]], model: str, mallocs: list[str]) -> str:
+    """Measured train peak per allocator, its ratio to one process, the prediction and its error."""
     one = next((r for r in rows if r["layout"] == "one" and not r["error"]), None)
+    head = ["layout", "ranks", "before (issue)"]
+    for m in mallocs:
+        head += [f"{m}: train peak", f"{m}: x one", f"{m}: run peak", f"error vs {m}"]
+    head += ["predicted", "start-up measured", "start-up predicted", "error"]
     lines = [
-        f"Peak host memory per rank (max over ranks, MiB), model {model}, CPU gloo, 2 steps; "
-        "train = before the final checkpoint, run = whole run.",
+        f"Peak host memory per rank (max over ranks, MiB), model {model}, CPU gloo, 2 steps. train = "
+        "before the final checkpoint, run = whole run; stock = glibc as shipped, returning = "
+        "MALLOC_MMAP_THRESHOLD_=1 MiB (freed chunks go back to the system: the live bytes the planner "
+        "predicts). error = predicted / measured - 1.",
         "",
-        "| layout | ranks | before (issue) | measured train | measured run | x one process | predicted "
-        "| error | start-up measured | start-up predicted | error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
     ]
     for r in rows:
+        cells = [r["layout"], str(r["world"]), r["before_mib"] or "-"]
         if r["error"]:
-            lines.append(f"| {r['layout']} | {r['world']} | {r['before_mib'] or '-'} | failed: "
-                         f"{r['error'].splitlines()[0]} |||||||")  # fmt: skip
+            lines.append("| " + " | ".join(cells + [f"failed: {r['error'].splitlines()[0]}"]) + " |")
             continue
-        ratio = f"{r['measured_train_peak_mib'] / one['measured_train_peak_mib']:.2f}" if one else "-"
-        err = r["predicted_peak_mib"] / r["measured_train_peak_mib"] - 1
-        s_err = r["predicted_startup_mib"] / r["measured_startup_mib"] - 1
-        lines.append(
-            f"| {r['layout']} | {r['world']} | {r['before_mib'] or '-'} | {r['measured_train_peak_mib']:.0f} "
-            f"| {r['measured_peak_mib']:.0f} | {ratio} | {r['predicted_peak_mib']:.0f} | {err:+.1%} "
-            f"| {r['measured_startup_mib']:.0f} | {r['predicted_startup_mib']:.0f} | {s_err:+.1%} |"
-        )
+        for m in mallocs:
+            got = r[m]
+            ratio = got["train_peak_mib"] / one[m]["train_peak_mib"] if one else None
+            cells += [f"{got['train_peak_mib']:.0f}", f"{ratio:.2f}" if ratio else "-", f"{got['run_peak_mib']:.0f}",
+                      f"{r['predicted_peak_mib'] / got['train_peak_mib'] - 1:+.1%}"]  # fmt: skip
+        start = r[mallocs[-1]]["startup_mib"]
+        cells += [f"{r['predicted_peak_mib']:.0f}", f"{start:.0f}", f"{r['predicted_startup_mib']:.0f}",
+                  f"{r['predicted_startup_mib'] / start - 1:+.1%}"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -186,7 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--output",
         default=None,
-        help="Path stem of the .json and .md (default benchmarks/memory_cpu[_small]).",
+        help="Path stem of the .json and .md (default benchmarks/memory_cpu[_<model>]).",
+    )
+    ap.add_argument(
+        "--malloc",
+        default="stock,returning",
+        help=f"comma list of {list(MALLOCS)}: each layout runs under each.",
     )
     ap.add_argument("--workdir", default=None, help="Where the runs write (default: a temporary directory).")
     opts = ap.parse_args(argv)
@@ -194,15 +227,18 @@ def main(argv: list[str] | None = None) -> int:
     bad = sorted(set(names) - set(LAYOUTS))
     if bad or not names:
         ap.error(f"--layouts {bad or names} unknown; choose from {list(LAYOUTS)}")
+    mallocs = [x for x in opts.malloc.replace(" ", "").split(",") if x]
+    if not mallocs or set(mallocs) - set(MALLOCS):
+        ap.error(f"--malloc {mallocs} unknown; choose from {list(MALLOCS)}")
     stem = Path(opts.output or f"benchmarks/memory_cpu{'' if opts.model == '361m' else '_' + opts.model}")
     root = Path(opts.workdir or tempfile.mkdtemp(prefix="bench_memory_"))
     root.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in names:  # one at a time: the host's memory is shared
         print(f"[bench_memory] {name} ...", flush=True)
-        rows.append(measure(opts.model, name, root, opts.timeout))
+        rows.append(measure(opts.model, name, root, opts.timeout, mallocs))
         print(f"[bench_memory] {name}: {rows[-1]['error'] or 'ok'}", flush=True)
-    text = table(rows, opts.model)
+    text = table(rows, opts.model, mallocs)
     print(text)
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps({"model": opts.model, "rows": rows}, indent=1))

@@ -20,16 +20,18 @@ With P the rank's parameters (its pp stages on its tp shard), dp the data-parall
                      dp gradient buckets: `GradReducer` keeps every bucket's flattened copy until
                          GR's wait, so 4 P, not one 25 MiB bucket (dp > 1, s != fsdp)
                      ZeRO-1 broadcast: `ZeroOneSharding.broadcast_updated` flattens every owner's
-                         parameters at once: 4 P (s = zero1). On a host CPU it adds to the
-                         buckets: glibc serves the 25 MiB buckets from the heap (its mmap
-                         threshold rises to 32 MiB after the first free) and keeps them resident;
-                         the owners' flats (4 P / dp each, larger) are fresh mmaps. Measured on the
-                         50M bench model, dp=4 zero1: 1350 MiB, 1155 MiB with MALLOC_MMAP_THRESHOLD_
-                         fixed at 1 MiB, 1144 MiB predicted without the retention
+                         parameters at once: 4 P (s = zero1)
                      optimizer temporaries: foreach AdamW (host CPU) allocates sqrt(v) for the owned
                          parameters: 4 P / (dp if sharded), tensor by tensor (it reuses the heap);
                          fused AdamW (CUDA) none
     baseline         host runs only: the interpreter, torch, the data and tokenizer (`HOST_BASELINE_BYTES`)
+
+These are live bytes. A host CPU's glibc keeps freed chunks below its mmap threshold (which
+rises to 32 MiB after the first large free) resident in the heap, so a run's peak RSS can exceed
+them where such chunks churn: measured on scripts/bench_memory.py's 50M model, dp=4 zero1 1348 MiB
+(1155 with MALLOC_MMAP_THRESHOLD_=1 MiB, predicted 1144: the 25 MiB dp buckets stay resident
+under the broadcast) and dp=4 fsdp 1245 MiB (774 with the threshold fixed, predicted 789: the
+per-layer gathers). The bench reports both allocators.
 
 Start-up (stage-local construction, `parallel.parallelize.build_parallel_model`): a rank builds
 on meta and materialises only its pp / tp shard, one parameter at a time: baseline + 4 P + the
@@ -87,7 +89,7 @@ class MemorySettings:
 
     bf16: bool
     host_baseline_bytes: float = 0.0  # the process's own bytes: runs on this host's CPU only
-    host_cpu: bool = False  # costed for this host's CPU: foreach AdamW's temporary, glibc's heap
+    host_cpu: bool = False  # costed for this host's CPU: foreach AdamW's temporary, start-up baseline
 
 
 def rank_memory(
@@ -112,7 +114,7 @@ def rank_memory(
     broadcast = 4.0 * p if dp > 1 and sharding == "zero1" else 0.0
     transients = {
         "grad_buckets": buckets,
-        "zero1_broadcast": broadcast + (buckets if settings.host_cpu and broadcast else 0.0),
+        "zero1_broadcast": broadcast,
         "optimizer_temporaries": 4.0 * p / moments if settings.host_cpu else 0.0,
     }
     during_backward = activations + gathered_grads
