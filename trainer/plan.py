@@ -6,13 +6,15 @@
 
     enumerate   meshes (pp, tp, dp) that `ParallelDims` accepts for the world and node size;
                 cuts of the config's global batch (micro-batch x m x g x dp = const);
-                schedules x virtual stages (`SCHEDULE_SPACE`), remat policies, partitions;
+                schedules x virtual stages (`SCHEDULE_SPACE`), remat policies, partitions,
+                data_parallel_sharding where dp > 1 (`SHARDING_SPACE`);
                 each candidate's trainer flags must pass `trainer.run.preflight.validate_early`
     cost        `trainer.planner.cost`: per-block costs measured here (or from a device
                 table), the simulator on the schedule's action lists, a link model
     calibrate   where the world runs here: one short trainer run per mesh and backward kind
                 fits a compute scale and step offset (`trainer.planner.calibrate`)
-    rank        drop what does not fit in device memory; best predicted step first
+    rank        drop what does not fit in device memory (steady peak or start-up,
+                `trainer.planner.memory`); best predicted step first
     validate    run the top K with trainer.train for a few steps; predicted vs measured
 
 Everything rejected is listed with its reason (in plan.json and counted in the printout).
