@@ -8,6 +8,7 @@ The model's figures against measured runs are scripts/bench_memory.py's (benchma
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,7 @@ from trainer.planner.memory import MemorySettings, RankShape, rank_memory, start
 from trainer.planner.options import PlanOptions, parse_args
 from trainer.planner.space import sharding_space
 
+ROOT = Path(__file__).resolve().parents[2]
 MC = ModelConfig(vocab_size=1000, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                  decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256)  # fmt: skip
 N_BLOCKS = 8  # src embed, 2 encoder layers, encoder norm, tgt embed, 2 decoder layers, head
@@ -137,3 +139,32 @@ def test_wide_models_activation_bytes_extrapolate_exactly_from_two_narrow_copies
         assert narrow[kind].parts == ph.parts, kind
     with pytest.raises(ValueError, match="d_model=128 is not a multiple of 3"):
         blocks.narrow_config(mc, 3)
+
+
+def test_the_12b_config_runs_the_planned_mesh_on_2x8_and_4x8() -> None:
+    from trainer.config.parse import parse_config
+    from trainer.run.preflight import validate_early
+
+    for world, dp in ((16, 4), (32, 8)):
+        cfg = parse_config(["--config", str(ROOT / "configs" / "m2m100_12b.yaml")])
+        dims = validate_early(cfg, world)
+        assert (dims.pp, dims.tp, dims.dp) == (4, 1, dp)
+        assert cfg.parallel.data_parallel_sharding == "zero1" and cfg.parallel.pipeline_schedule == "zbv"
+    mc = cfg.model.model_config(cfg.model.vocab_size, {})
+    assert (
+        round(mc.num_parameters() / 1e9, 1) == 11.8 and mc.encoder_layerdrop == mc.decoder_layerdrop == 0.05
+    )
+
+
+def test_bench_memory_refuses_a_layout_before_launching_it() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_memory", ROOT / "scripts" / "bench_memory.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    world, args = bench.layout_args("small", "pp2_tp2")
+    assert bench.unsupported(args, world) == ""
+    assert "the trainer rejects it" in bench.unsupported([*args, "--tensor_parallel_size", "3"], world)
+    with pytest.raises(SystemExit):
+        bench.main(["--layouts", "pp3"])
