@@ -186,9 +186,12 @@ class ParallelModel:
         return dict(self.model.named_parameters())
 
     def train_step(
-        self, flushes: Sequence[Sequence[Seq2SeqBatch]], loss_scale: float, timed: bool = False
+        self, flushes: Sequence[Sequence[Seq2SeqBatch]], loss_scale: float | Tensor, timed: bool = False
     ) -> list[FlushResult]:
         """Forward+backward over `gradient_accumulation_steps` flushes; grads are final after it.
+
+        `loss_scale` multiplies each micro-batch's loss sum before its backward: 1 / tokens, or
+        (fp16) S / tokens as a 0-d device tensor.
 
         Every micro-batch of the step is copied to the device first (pinned, asynchronous),
         so the copies overlap the compute instead of waiting inside the flush.
