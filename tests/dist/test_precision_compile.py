@@ -2,7 +2,8 @@
 
 - `bf16: true` (bf16 working weights cast once per step over fp32 masters, fp32
   gradient accumulation over two micro-batches) tracks the fp32 losses within 3%
-  over 30 steps.
+  over 30 steps; so does `fp16: true` (fp16 working weights, dynamic loss scaling
+  from the default 65536).
 - `torch_compile: true` (each encoder/decoder layer compiled) gives the eager fp32
   losses within 1e-4 over 5 steps, alone, with full rematerialisation, under tensor
   parallelism and in a pipeline.
@@ -37,17 +38,40 @@ def test_bf16_tracks_fp32_over_30_steps(fp32_reference, tmp_path) -> None:
     assert got[-1][1] < got[0][1] * 0.9, "bf16 training does not learn"
 
 
+def test_fp16_tracks_fp32_over_30_steps(fp32_reference, tmp_path) -> None:
+    ref, tok = fp32_reference
+    base = base_config(str(tmp_path), tok, max_steps=30)
+    [[got]] = run_distributed(train_cases, 1, args=(base, [mesh(m=2, fp16=True)]), timeout=400)
+    assert [s for s, _, _ in got] == [s for s, _, _ in ref]
+    worst = max(abs(g[1] - r[1]) / r[1] for g, r in zip(got, ref))
+    final = abs(got[-1][1] - ref[-1][1]) / ref[-1][1]
+    print(
+        f"fp16 vs fp32 loss over 30 steps: final {got[-1][1]:.6f} vs {ref[-1][1]:.6f} (relative {final:.2e}), "
+        f"worst step {worst:.2e}"
+    )
+    assert final <= 0.03 and worst <= 0.03, (
+        f"fp16 vs fp32 loss: final {final:.3e}, worst {worst:.3e} over 30 steps"
+    )
+    assert got[-1][1] < got[0][1] * 0.9, "fp16 training does not learn"
+
+
 def test_torch_compile_equals_eager(fp32_reference, tmp_path) -> None:
     _, tok = fp32_reference
     single = base_config(str(tmp_path / "one"), tok)
-    [[ref, got]] = run_distributed(train_cases, 1, args=(single, [mesh(), mesh(torch_compile=True)]), timeout=600)
+    [[ref, got]] = run_distributed(
+        train_cases, 1, args=(single, [mesh(), mesh(torch_compile=True)]), timeout=600
+    )
     cases = [
         mesh(tp=2, torch_compile=True, activation_checkpointing="full"),
         mesh(pp=2, m=2, torch_compile=True, activation_checkpointing="selective"),
     ]
     two = base_config(str(tmp_path / "two"), tok)
     runs = run_distributed(train_cases, 2, args=(two, cases), timeout=900)[0]
-    for name, hist in [("compile", got), ("compile tp2 full remat", runs[0]), ("compile pp2 selective", runs[1])]:
+    for name, hist in [
+        ("compile", got),
+        ("compile tp2 full remat", runs[0]),
+        ("compile pp2 selective", runs[1]),
+    ]:
         if hist is None:  # this rank does not log (pp2: the last stage logs)
             continue
         for (step, loss, norm), (_, r_loss, r_norm) in zip(hist, ref):
