@@ -27,6 +27,8 @@ class ModelConfig:
     dropout: float = 0.1
     attention_dropout: float = 0.1
     activation_dropout: float = 0.0
+    encoder_layerdrop: float = 0.0  # LayerDrop (Fan et al. 2019): a layer skipped per step with p
+    decoder_layerdrop: float = 0.0
     max_position_embeddings: int = 1024
     scale_embedding: bool = True
     init_std: float = 0.02
@@ -65,7 +67,13 @@ class ModelConfig:
             raise ValueError(
                 f"activation_function={self.activation_function!r} is unknown; valid: {sorted(ACTIVATIONS)}"
             )
-        for name in ("dropout", "attention_dropout", "activation_dropout"):
+        for name in (
+            "dropout",
+            "attention_dropout",
+            "activation_dropout",
+            "encoder_layerdrop",
+            "decoder_layerdrop",
+        ):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"{name}={p} must be in [0, 1)")

@@ -40,6 +40,8 @@ _CONFIG_KEYS = (
     "dropout",
     "attention_dropout",
     "activation_dropout",
+    "encoder_layerdrop",
+    "decoder_layerdrop",
     "max_position_embeddings",
     "scale_embedding",
     "init_std",
@@ -62,8 +64,6 @@ def to_hf_config(config: ModelConfig) -> Any:
     return M2M100Config(
         **kw,
         tie_word_embeddings=True,
-        encoder_layerdrop=0.0,
-        decoder_layerdrop=0.0,
         use_cache=True,
         is_encoder_decoder=True,
     )

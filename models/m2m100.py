@@ -327,6 +327,7 @@ class M2M100Translation(nn.Module):
         self.decoder = Stack((DecoderLayer(c) for _ in range(c.decoder_layers)), c.d_model)
         self.lm_head: nn.Module | None = LMHead()
         self.blocks: list[BlockSpec] = block_specs(c)
+        self.skip_layers: frozenset[str] = frozenset()  # LayerDrop: block names skipped this step
         self.reset_parameters(seed)
 
     # --- construction helpers
@@ -403,6 +404,8 @@ class M2M100Translation(nn.Module):
         drop = self.config.dropout
         if spec.kind is BlockKind.SRC_EMBED:
             return {"hidden": F.dropout(self.embed(batch.input_ids), drop, self.training)}
+        if self.training and spec.name in self.skip_layers:  # LayerDrop: the layer is the identity
+            return dict(state)
         if spec.kind is BlockKind.ENC_LAYER:
             return {"hidden": self.encoder.layers[str(spec.index)](state["hidden"], src_mask)}
         if spec.kind is BlockKind.ENC_NORM:
@@ -449,3 +452,20 @@ class M2M100Translation(nn.Module):
             ],
         )
         return state["encoder_out"]
+
+
+def layerdrop_skips(config: ModelConfig, seed: int, step: int) -> frozenset[str]:
+    """The encoder / decoder layers LayerDrop skips at optimizer step `step` (block names).
+
+    One draw per step and layer from a generator keyed by (seed, step): the same on every
+    rank, pipeline stage and micro-batch, so a step drops the same layers as one forward of
+    the unsplit global batch would (HF draws per forward call; under gradient accumulation
+    that would differ between micro-batches).
+    """
+    drop = {BlockKind.ENC_LAYER: config.encoder_layerdrop, BlockKind.DEC_LAYER: config.decoder_layerdrop}
+    if not any(drop.values()):
+        return frozenset()
+    g = torch.Generator().manual_seed((seed * 1_000_003 + step) % (1 << 63))
+    layers = [s for s in block_specs(config) if s.kind in drop]
+    draws = torch.rand(len(layers), generator=g).tolist()
+    return frozenset(s.name for s, u in zip(layers, draws) if u < drop[s.kind])

@@ -219,7 +219,8 @@ def pipeline_generate(
 
     Args:
         pm: this rank's parallel model (sequence parallelism, if on, is suspended for the
-            call: one token per step cannot be split along T).
+            call: one token per step cannot be split along T; FSDP parameters are gathered
+            for it, a collective over dp: every dp replica calls as often).
         input_ids: (B, S) `__src__ tokens </s>` right-padded.
         attention_mask: (B, S) 1 on real tokens.
         forced_bos_token_id: one tag, one per row, or None (see `generate`).
@@ -236,7 +237,8 @@ def pipeline_generate(
     special = special_tokens(pm.model.config, forced_bos_token_id, b, k, pm.device)
     ids, mask = input_ids.to(pm.device), attention_mask.to(pm.device)
     sp = pm.tp_info is not None and pm.tp_info.sequence_parallel
-    with sequence_parallel_suspended(pm.model) if sp else nullcontext():
+    gathered = pm.fsdp.gathered() if pm.fsdp is not None else nullcontext()
+    with gathered, sequence_parallel_suspended(pm.model) if sp else nullcontext():
         return _generate(pm, ids, mask, special, settings)
 
 

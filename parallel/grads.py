@@ -9,6 +9,11 @@ backward of an optimizer step and the optimizer.
     after the flush
       clip_(max_norm)                    global norm over the whole mesh, grads scaled
 
+Under FSDP (`parallel.fsdp`) the dp reduce is FSDP's reduce-scatter (at GR, or in
+autograd's hooks in lean mode), and every gradient is the rank's dp shard: the
+sums over tp and pp run on the local shards (same dp coordinate, same piece), and
+the norm sums the shards' squares over dp too.
+
 Order matters in one place only: overlapped dp buckets are copied back into
 `.grad` when they finish, so the sums over other axes (tp for sequence-parallel
 norms, pp for the tied embedding) follow the dp reduce. Sums over different axes
@@ -31,6 +36,7 @@ from torch.distributed import ProcessGroup
 
 from parallel import watchdog
 from parallel.data_parallel import GradReducer
+from parallel.fsdp import FullySharded, local, local_grads
 from parallel.mesh import ParallelMesh
 from parallel.tp.comm import _size
 from parallel.tp.layers import is_sequence_parallel_param, is_tp_sharded
@@ -57,14 +63,15 @@ class StepGradients:
         tied_ranks: Sequence[int],
         sequence_parallel: bool = False,
         overlap_dp: bool = True,
+        fsdp: FullySharded | None = None,
     ) -> None:
-        self.mesh, self.sequence_parallel = mesh, sequence_parallel
+        self.mesh, self.sequence_parallel, self.fsdp = mesh, sequence_parallel, fsdp
         # The fp32 parameters, held here: inside a bf16 step the modules hold working copies.
         self.params = list(model.parameters())
         self.shared: nn.Parameter | None = getattr(getattr(model, "shared", None), "weight", None)
         self.reducer = GradReducer(
-            stage_params,
-            mesh.group("dp") if mesh.size("dp") > 1 else None,
+            stage_params if fsdp is None else [],
+            mesh.group("dp") if mesh.size("dp") > 1 and fsdp is None else None,
             overlap=overlap_dp,
             exclude=[self.shared] if self.shared is not None else [],
         )
@@ -77,6 +84,8 @@ class StepGradients:
 
     def reduce(self) -> None:
         """At GR of the step's last flush: dp, then sequence-parallel tp, then tied-embedding sums."""
+        if self.fsdp is not None:
+            self.fsdp.reduce_scatter()
         self.reducer.all_reduce()
         if self.sequence_parallel:
             sync_sequence_parallel_grads(self.params, self.mesh.group("tp"))
@@ -84,19 +93,24 @@ class StepGradients:
             if self.shared.grad is None:
                 self.shared.grad = torch.zeros_like(self.shared)
             with watchdog.waiting(watchdog.collective("tied-embedding all-reduce", self.tied_group)):
-                dist.all_reduce(self.shared.grad, group=self.tied_group)
+                dist.all_reduce(local(self.shared.grad), group=self.tied_group)
 
     def norm(self) -> Tensor:
         """Global L2 norm of the gradients (a device scalar; collective over tp and pp).
 
         Each logical parameter counts once: tp shards are summed over tp, tp-replicated
         parameters counted once, the tied embedding only on the first pp rank holding
-        it; dp replicas hold equal gradients after the reduce, so no dp sum.
+        it; dp replicas hold equal gradients after the reduce, so no dp sum (FSDP: each
+        holds a shard, and the shards' squares are summed over dp).
         """
         tied_copy = self.shared is not None and self.mesh.pp_rank != self.tied_ranks[0]
         params = [p for p in self.params if not (tied_copy and p is self.shared)]
         tp_group = self.mesh.group("tp") if self.mesh.size("tp") > 1 else None
         total = grad_sq_over_tp(params, tp_group)
+        if self.fsdp is not None and self.mesh.size("dp") > 1:
+            dp_group = self.mesh.group("dp")
+            with watchdog.waiting(watchdog.collective("dp all-reduce of the gradient norm", dp_group)):
+                dist.all_reduce(total, group=dp_group)
         if self.mesh.size("pp") > 1:
             pp_group = self.mesh.group("pp")
             with watchdog.waiting(watchdog.collective("pp all-reduce of the gradient norm", pp_group)):
@@ -107,7 +121,7 @@ class StepGradients:
         """Scale every gradient so the global norm is at most `max_norm` (if > 0); returns the norm."""
         norm = self.norm()
         if max_norm > 0:
-            grads = [p.grad for p in self.params if p.grad is not None]
+            grads = local_grads(self.params)
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, coef)
         return norm
@@ -116,8 +130,8 @@ class StepGradients:
 def grad_sq_over_tp(params: Sequence[nn.Parameter], tp_group: ProcessGroup | None) -> Tensor:
     """Squared L2 norm of the parameters' gradients over the tp group (an fp32 device scalar,
     identical on all tp ranks): tp shards summed over ranks, replicated parameters counted once."""
-    sharded = [p.grad for p in params if p.grad is not None and is_tp_sharded(p)]
-    replicated = [p.grad for p in params if p.grad is not None and not is_tp_sharded(p)]
+    sharded = local_grads([p for p in params if is_tp_sharded(p)])
+    replicated = local_grads([p for p in params if not is_tp_sharded(p)])
     device = next(iter(params)).device
     sq_sharded = _sum_sq(sharded, device)
     if tp_group is not None and _size(tp_group) > 1:
@@ -141,7 +155,7 @@ def sync_sequence_parallel_grads(params: Sequence[nn.Parameter], tp_group: Proce
     reduction / grad-norm; a no-op without sequence parallelism. One flat
     all-reduce, in the order of `params` (the model's, identical on all tp ranks).
     """
-    grads = [p.grad for p in params if is_sequence_parallel_param(p) and p.grad is not None]
+    grads = local_grads([p for p in params if is_sequence_parallel_param(p)])
     if not grads or _size(tp_group) == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

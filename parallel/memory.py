@@ -90,7 +90,9 @@ class SavedTensorMeter(_Ledger):
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        from parallel.fsdp import local  # FSDP parameters: the rank's shards
+
+        self.param_ptrs = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
         self.ignored: set[int] = set()
 
     def _charge_tensor(self, key: Any, seen: set[int], t: Tensor) -> None:

@@ -7,6 +7,7 @@
       -> materialise (meta models)          this rank's shard only, keyed init or HF slices (parallel.materialize)
       -> rematerialisation                  wrap layers / attention in torch.utils.checkpoint
       -> regional compilation               torch.compile each layer (torch_compile: true)
+      -> fully sharded dp (dp_sharding=fsdp) FSDP2 units on the dp axis (parallel.fsdp)
       -> zero-bubble weight-grad deferral   (zero_bubble and zbv: schedules with split backward)
       -> executor                           walks this rank's schedule; dp + tied-embedding reduce at GR
 
@@ -31,6 +32,8 @@ from models.loss import cross_entropy_sum
 from models.m2m100 import BlockSpec, M2M100Translation, Seq2SeqBatch
 from parallel.data_parallel import ZeroOneSharding
 from parallel.executor import FlushResult, LossFn, PipelineExecutor, PipelineTopology
+from parallel.fsdp import FullySharded
+from parallel.fsdp import logical as logical_fsdp
 from parallel.grads import StepGradients
 from parallel.materialize import Fill, is_meta, keyed_init_fill, materialize, pretrained_fill
 from parallel.memory import meter_for
@@ -108,6 +111,9 @@ def make_plan(
     return PipelinePlan(cuts, p, v, m, schedule_name, build_schedule(schedule_name, p, m, v))
 
 
+DP_SHARDINGS = ("none", "zero1", "fsdp")
+
+
 class ParallelModel:
     """This rank's stages, their executor, and the step's gradient work (`grads`)."""
 
@@ -124,6 +130,12 @@ class ParallelModel:
         saved_tensor_meter: bool = False,
     ) -> None:
         self.model, self.plan, self.mesh, self.tp_info = model, plan, mesh, tp_info
+        if dp_sharding not in DP_SHARDINGS:
+            raise ValueError(f"dp_sharding {dp_sharding!r} is not one of {DP_SHARDINGS}")
+        self.fsdp: FullySharded | None = None
+        if dp_sharding == "fsdp" and mesh.size("dp") > 1:  # before anything holds the parameters
+            deferred = plan.p > 1 or plan.split_backward  # see parallel.fsdp
+            self.fsdp = FullySharded(model, mesh, autocast_dtype, deferred=deferred)
         pp_rank = mesh.pp_rank
         self.stages = {
             s: PipelineStage(model, plan.stage_blocks[s], s, plan.n_stages, remat_stage=remat_stage)
@@ -144,6 +156,7 @@ class ParallelModel:
             plan.shared_embedding_ranks(),
             sequence_parallel=tp_info is not None and tp_info.sequence_parallel,
             overlap_dp=not plan.split_backward,  # deferred W writes grads without hooks
+            fsdp=self.fsdp,
         )
         self.wgrad_store = WeightGradStore()
         if plan.split_backward:
@@ -151,7 +164,8 @@ class ParallelModel:
         self.loss_fn, self.autocast_dtype = loss_fn, autocast_dtype
         self.meter = meter_for(model, self.device, saved_tensors=saved_tensor_meter)
         # Mixed precision: low-precision working weights, cast once per step (parallel.mixed_precision).
-        self.working = WorkingWeights(model, autocast_dtype) if autocast_dtype is not None else None
+        # Under FSDP its MixedPrecisionPolicy gathers bf16 working weights instead.
+        self.working = WorkingWeights(model, autocast_dtype) if autocast_dtype and not self.fsdp else None
         self.clock = clock_for(self.device)
         self.executor = self._executor(plan.schedule[pp_rank], self.grads)
 
@@ -174,7 +188,8 @@ class ParallelModel:
         return list(self.model.parameters())
 
     def optimizer_params(self) -> list[nn.Parameter]:
-        """What this rank's optimizer updates: all parameters, or its ZeRO-1 share."""
+        """What this rank's optimizer updates: all parameters (FSDP: their dp shards, as
+        DTensors), or its ZeRO-1 share."""
         return self.zero.owned() if self.zero is not None else self.params()
 
     def after_optimizer_step(self) -> None:
@@ -186,7 +201,11 @@ class ParallelModel:
         return dict(self.model.named_parameters())
 
     def train_step(
-        self, flushes: Sequence[Sequence[Seq2SeqBatch]], loss_scale: float | Tensor, timed: bool = False
+        self,
+        flushes: Sequence[Sequence[Seq2SeqBatch]],
+        loss_scale: float | Tensor,
+        timed: bool = False,
+        skip_layers: frozenset[str] = frozenset(),
     ) -> list[FlushResult]:
         """Forward+backward over `gradient_accumulation_steps` flushes; grads are final after it.
 
@@ -195,8 +214,27 @@ class ParallelModel:
 
         Every micro-batch of the step is copied to the device first (pinned, asynchronous),
         so the copies overlap the compute instead of waiting inside the flush.
+        `skip_layers`: the layers LayerDrop skips in this step (`models.m2m100.layerdrop_skips`,
+        the same on every rank); their parameters end the step without gradients, as in one
+        process, so AdamW leaves them untouched (the dp reduce fills zeros, removed here).
         """
+        self.model.skip_layers = skip_layers
+        try:
+            results = self._run_flushes(flushes, loss_scale, timed)
+        finally:
+            self.model.skip_layers = frozenset()
+        if skip_layers:
+            for name, p in self.model.named_parameters():
+                if ".".join(name.split(".")[:3]) in skip_layers:  # encoder.layers.<i>.*
+                    p.grad = None
+        return results
+
+    def _run_flushes(
+        self, flushes: Sequence[Sequence[Seq2SeqBatch]], loss_scale: float | Tensor, timed: bool
+    ) -> list[FlushResult]:
         on_device = [self._prepare(microbatches) for microbatches in flushes]
+        if self.fsdp is not None:
+            self.fsdp.begin_step()
         # One micro-batch per step reads each weight once: autocast's cast per use is then the
         # same single cast, and measured faster on an H100 (1.2B, m=1: 0.225 vs 0.241 s/step),
         # so the working copies are made only when several micro-batches share them.
@@ -222,7 +260,13 @@ class ParallelModel:
         """The tensor (a parameter or its optimizer state) as DCP should see it: single-device
         shape, tp shards wrapped as `DTensor` on the tp sub-mesh (vocab padding cut off)."""
         param = self._params_by_name.get(name)
-        if param is None or self.tp_info is None or not getattr(param, "tp_sharded", False):
+        info = self.tp_info
+        # rows [start, end) of the padded vocabulary: keep the real ones
+        real = max(0, min(info.vocab_end, info.vocab_size) - info.vocab_start) if info is not None else 0
+        if param is not None and self.fsdp is not None:  # a DTensor on the (dp, tp) sub-mesh
+            vocab = (real, info.vocab_size) if info is not None and name == "shared.weight" else None
+            return logical_fsdp(tensor, param, self.mesh, self.mesh.size("tp"), vocab)
+        if param is None or info is None or not getattr(param, "tp_sharded", False):
             return tensor
         from torch.distributed.tensor import DTensor, Shard
 
@@ -248,6 +292,8 @@ class ParallelModel:
         batches = self._prepare(batches)
         actions = forward_only(self.plan.placement, len(batches))[self.mesh.pp_rank]
         res = self._executor(actions, grads=None).run_flush(batches, 1.0, last_flush=False, timed=False)
+        if self.fsdp is not None:
+            self.fsdp.reshard()
         return (0.0 if res.loss_sum is None else float(res.loss_sum)), res.num_tokens
 
 
@@ -297,7 +343,9 @@ def build_parallel_model(
         m: micro-batches per flush; schedule: schedule name; v: stages per rank.
         remat: activation_checkpointing policy.
         label_smoothing: epsilon of the loss.
-        dp_sharding: "none" or "zero1" (optimizer state sharded over dp).
+        dp_sharding: "none", "zero1" (optimizer state sharded over dp) or "fsdp" (parameters,
+            gradients and optimizer state sharded over dp: `parallel.fsdp`; nothing to shard,
+            and no FSDP, when dp is 1).
         saved_tensor_meter: measure activation memory with saved-tensor hooks even on
             CUDA (a profiling switch; CPUs always use them).
         compile_layers: `torch.compile` each encoder/decoder layer (`parallel.compile`).

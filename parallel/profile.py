@@ -102,6 +102,12 @@ def profile_blocks_by_kind(
     return [c[0] for c in per_block], [c[1] for c in per_block], [c[2] for c in per_block]
 
 
+def param_counts_per_block(model: M2M100Translation) -> list[int]:
+    """Parameters of each block of `model` (the tied table counted once, at the source embedding);
+    works on a meta-device model (shapes only)."""
+    return [sum(p.numel() for p in _block_params(model, spec)) for spec in model.blocks]
+
+
 def _block_params(model: M2M100Translation, spec: BlockSpec) -> list[torch.nn.Parameter]:
     """The block's parameters; the tied table counts once, at the source embedding."""
     params = model.block_parameters([spec])

@@ -124,3 +124,32 @@ def test_resume_same_and_other_meshes(reference, tmp_path) -> None:
         if err > TOL:
             bad.append((name, err))
     assert not bad, bad
+
+
+LAYERDROP = {"encoder_layerdrop": 0.4, "decoder_layerdrop": 0.4}
+
+
+def test_layerdrop_same_layers_on_every_mesh(reference, tmp_path) -> None:
+    """LayerDrop: one draw per step (seed, step) on every rank, so pp x dp x tp with gradient
+    accumulation trains as one process does; skipped layers get no update (no dp zeros)."""
+    from models.config import ModelConfig
+    from models.m2m100 import layerdrop_skips
+
+    ref_plain, _, tokenizer = reference
+    base = base_config(str(tmp_path), tokenizer)
+    layers = ModelConfig(
+        vocab_size=64,
+        encoder_layers=base["encoder_layers"],
+        decoder_layers=base["decoder_layers"],
+        **LAYERDROP,
+    )
+    skipped = [layerdrop_skips(layers, base.get("seed", 42), s) for s in range(1, 6)]
+    assert any(skipped) and not all(len(s) == 0 for s in skipped), skipped  # the test drops layers
+    [hists] = run_distributed(train_cases, 1, args=(base, [mesh(**LAYERDROP)]), timeout=300)
+    ref = hists[0]
+    assert any(abs(a[1] - b[1]) > 1e-4 for a, b in zip(ref, ref_plain)), "LayerDrop changed nothing"
+    cases = {
+        "layerdrop-pp2-dp2-m2-gas2": mesh(pp=2, dp=2, m=2, gas=2, **LAYERDROP),
+        "layerdrop-tp2-dp2-zero1": mesh(tp=2, dp=2, data_parallel_sharding="zero1", **LAYERDROP),
+    }
+    _assert_matches(ref, _run(4, cases, str(tmp_path), tokenizer))

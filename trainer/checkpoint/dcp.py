@@ -279,7 +279,10 @@ def _write_rank_files(
 ) -> FileRecords:
     """DCP shards (collective), this rank's RNG file, rank 0's trainer_state.json; their records."""
     params = named_trainable(parts)
-    state = {"model": model_state(parts, to_logical), "optim": optimizer_state(optimizer, params, to_logical)}
+    # template: a parameter not updated yet (LayerDrop skipped it every step so far) saves
+    # AdamW's initial zeros, so every mesh's load finds every key.
+    optim = optimizer_state(optimizer, params, to_logical, template=True)
+    state = {"model": model_state(parts, to_logical), "optim": optim}
     dcp.save(state, checkpoint_id=str(path))
     rng_dir = path / "rng"
     rng_dir.mkdir(parents=True, exist_ok=True)

@@ -64,6 +64,14 @@ class ModelArguments:
     dropout: float = field(default=0.1, metadata={"help": "Residual/embedding dropout."})
     attention_dropout: float = field(default=0.1, metadata={"help": "Attention-probability dropout."})
     activation_dropout: float = field(default=0.0, metadata={"help": "Dropout after the FFN activation."})
+    encoder_layerdrop: float = field(
+        default=0.0,
+        metadata={"help": "LayerDrop: each encoder layer skipped with this probability, one draw per step."},
+    )
+    decoder_layerdrop: float = field(
+        default=0.0,
+        metadata={"help": "LayerDrop: each decoder layer skipped with this probability, one draw per step."},
+    )
     max_position_embeddings: int = field(default=1024, metadata={"help": "Longest sequence."})
     scale_embedding: bool = field(default=True, metadata={"help": "Multiply embeddings by sqrt(d_model)."})
     init_std: float = field(default=0.02, metadata={"help": "Std of the normal init."})

@@ -233,24 +233,19 @@ def load_on_mesh(
 ) -> ParallelModel:
     """This rank's pipeline stage and tp shard of the HF weights at `path`, on `device`, in eval mode.
 
-    Host memory briefly holds the whole model, randomly initialised, before it is cut to
-    this rank's blocks; only those blocks' tensors are then read from the safetensors
-    files (`models.hf.load_hf_into`), split over tp on the host, and moved to `device`,
-    which thus never holds more than this rank's shard. The pipeline schedule is unused
-    by decoding (GPipe, one micro-batch).
+    Built stage-local (`parallel.materialize`): the model is created on the meta device,
+    cut to this rank's blocks and tp-sharded there, and only this rank's slice of each
+    tensor is read from the HF files (`models.hf.read_hf_slices`, a tensor at a time), so
+    neither the host nor `device` ever holds more than this rank's shard. The pipeline
+    schedule is unused by decoding (GPipe, one micro-batch).
 
     Raises:
         CheckpointMismatchError: a tensor of this rank's blocks is absent or misshapen.
     """
-    from models.hf import load_hf_into
     from parallel.parallelize import build_parallel_model
 
-    def load_stage(stage_model: M2M100Translation) -> None:
-        load_hf_into(stage_model, path)
-
-    model = M2M100Translation(config)
     pm = build_parallel_model(
-        model, mesh, balance, 1, "gpipe", 1, "none", 0.0, before_tp=load_stage, device=device
+        config, mesh, balance, 1, "gpipe", 1, "none", 0.0, device=device, pretrained=path
     )
     pm.model.eval()
     return pm

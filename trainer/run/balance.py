@@ -1,8 +1,14 @@
 """Choose the pipeline partition: by rule, by parameters, or by measured time / memory.
 
-Measuring runs on rank 0 only and the result is broadcast, so every rank cuts the
-model the same way (timings differ between processes; a split that differed
-would hang the pipeline).
+What each method costs at start-up (no rank ever builds the whole model):
+
+    explicit list / uniform    nothing is built or measured
+    parameters                 counted on a model built on the meta device (shapes only)
+    time / memory              one block of each kind measured on rank 0
+                               (`parallel.profile.profile_blocks_by_kind`), the result
+                               broadcast, so every rank cuts the model the same way
+                               (timings differ between processes; a split that differed
+                               would hang the pipeline)
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from models.config import ModelConfig
 from models.m2m100 import M2M100Translation, block_specs
 from parallel.mesh import ParallelMesh
 from parallel.partition import format_partition, resolve_partition
-from parallel.profile import profile_blocks
+from parallel.profile import param_counts_per_block, profile_blocks_by_kind
 from trainer.config.schema import JobConfig
 
 
@@ -27,17 +33,15 @@ def choose_partition(
     n_stages = mesh.size("pp") * cfg.parallel.virtual_stages
     names = [b.name for b in block_specs(mc)]
     method = cfg.parallel.partition_balance() or cfg.parallel.partition_method
+    if not isinstance(method, str) or method in ("uniform", "parameters"):
+        counts = _param_counts(mc) if method == "parameters" else None
+        balance = resolve_partition(method, names, n_stages, param_counts=counts)
+        return balance, format_partition(balance, names)
     payload: list[object] = [None]
     if dist.get_rank() == 0:
-        times = mems = None
-        counts = None
-        if method in ("time", "memory", "parameters") or n_stages > 1:
-            # A sample micro-batch from a copy of the sampler (the real one's position is untouched).
-            # Profiling builds the whole model on rank 0: it must fit one device.
-            sample = copy.deepcopy(sampler)
-            batch = next(sample).shard(0)[0][0].to(device)
-            torch.manual_seed(cfg.training.seed)
-            times, mems, counts = profile_blocks(M2M100Translation(mc).to(device), batch)
+        # A sample micro-batch from a copy of the sampler (the real one's position is untouched).
+        batch = next(copy.deepcopy(sampler)).shard(0)[0][0].to(device)
+        times, mems, counts = profile_blocks_by_kind(mc, batch, device, seed=cfg.training.seed)
         balance = resolve_partition(
             method, names, n_stages, param_counts=counts, time_costs=times, mem_costs=mems
         )
@@ -45,3 +49,10 @@ def choose_partition(
     dist.broadcast_object_list(payload, src=0)
     chosen: tuple[list[int], str] = payload[0]  # type: ignore[assignment]
     return list(chosen[0]), str(chosen[1])
+
+
+def _param_counts(mc: ModelConfig) -> list[int]:
+    """Parameters per block (the tied table counted once), from a meta model: no memory, no init."""
+    with torch.device("meta"):
+        model = M2M100Translation(mc)
+    return param_counts_per_block(model)

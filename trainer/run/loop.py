@@ -145,6 +145,7 @@ def train_loop(
             step,
             timed=log_now or step == timeline_step,
             guard=guard,
+            seed=args.seed,
             scaler=ctx.loss_scale,
         )
         flops = step_flops(ctx.mc, *ctx.sampler.example_lengths(gb)) if window.peak_flops else 0.0

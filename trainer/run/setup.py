@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from models.config import ModelConfig
-from models.m2m100 import M2M100Translation
 from parallel.loss_scale import DynamicLossScale
 from parallel.mesh import ParallelDims, ParallelMesh, build_mesh, coords_to_rank
 from parallel.parallelize import ParallelModel, build_parallel_model
@@ -144,20 +143,15 @@ def build_loss_scale(args: TrainingArguments, device: torch.device) -> DynamicLo
 def build_model(
     cfg: JobConfig, mc: ModelConfig, mesh: ParallelMesh, balance: list[int], device: torch.device
 ) -> ParallelModel:
-    """The full model, identically initialised on every rank, cut and sharded for this rank."""
-    torch.manual_seed(cfg.training.seed)
-    model = M2M100Translation(mc).to(device)
+    """This rank's share of the model, built stage-local: created on the meta device, cut and
+    tp-sharded there, then only its blocks' shards get memory on `device`, drawn from the
+    keyed init of `seed` (equal on every mesh to the one-process model's) or read slice by
+    slice from `model_name_or_path`. No rank ever holds the whole model."""
+    torch.manual_seed(cfg.training.seed)  # the global RNG (dropout) starts the same on every rank
     path = cfg.model.model_name_or_path
-
-    def load_pretrained(stage_model: M2M100Translation) -> None:
-        from models.hf import load_hf_into
-
-        assert path is not None
-        load_hf_into(stage_model, path)  # only this stage's tensors are read
-
     p = cfg.parallel
     return build_parallel_model(
-        model,
+        mc,
         mesh,
         balance,
         p.num_microbatches,
@@ -167,8 +161,10 @@ def build_model(
         cfg.training.label_smoothing_factor,
         autocast_dtype=working_dtype(cfg.training),
         sequence_parallel=p.sequence_parallel,
-        before_tp=load_pretrained if path else None,
         dp_sharding=p.data_parallel_sharding,
+        device=device,
+        seed=None if path else cfg.training.seed,
+        pretrained=path or None,
         compile_layers=cfg.training.torch_compile,
         saved_tensor_meter=p.profile_activation_memory,
     )

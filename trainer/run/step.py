@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from models.m2m100 import layerdrop_skips
 from parallel import watchdog
 from parallel.executor import FlushResult
 from parallel.loss_scale import DynamicLossScale
@@ -102,12 +103,14 @@ def train_step(
     step: int,
     timed: bool = False,
     guard: StepGuard | None = None,
+    seed: int = 0,
     scaler: DynamicLossScale | None = None,
 ) -> StepStats:
     """One optimizer step on `global_batch` (collective over the whole mesh).
 
     `timed` marks the clock around every pipeline action and starts with a barrier
     (a common start, so per-rank wall times measure the pipeline, not skew).
+    `seed` keys LayerDrop's per-step draw (`models.m2m100.layerdrop_skips`; none without LayerDrop).
     `guard` decides, after the gradients and before the optimizer, whether the update
     is applied (the step's one device read); None applies it unchecked (benchmarks).
     `scaler` (fp16) scales the loss by S, unscales the gradients before clipping and
@@ -123,8 +126,9 @@ def train_step(
     if timed and dist.is_initialized():
         with watchdog.waiting(watchdog.collective(f"barrier that starts step {step}", None)):
             dist.barrier()
+    skips = layerdrop_skips(pm.model.config, seed, step)
     loss_scale = (1.0 if scaler is None else scaler.scale) / global_batch.num_tokens
-    results = pm.train_step(flushes, loss_scale=loss_scale, timed=timed)
+    results = pm.train_step(flushes, loss_scale=loss_scale, timed=timed, skip_layers=skips)
     # Unscale before clipping: the norm and the clip threshold are in true-gradient units.
     found = scaler.unscale_(p.grad for p in pm.params()) if scaler is not None else None
     grad_norm = pm.grads.clip_(max_grad_norm)

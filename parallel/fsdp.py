@@ -1,0 +1,211 @@
+"""Fully sharded data parallelism (FSDP2, `torch.distributed.fsdp.fully_shard`) over the dp axis.
+
+Parameters, gradients and optimizer state are sharded over dp (ZeRO stage 3,
+Rajbhandari et al. 2020): each encoder/decoder layer and the rank's model root
+(embedding, final norms) are one `fully_shard` unit on the 1-D dp sub-mesh, so a
+layer's parameters are all-gathered just before it runs and its gradients
+reduce-scattered after. Tensor parallelism composes underneath: our tp layers hold
+plain local shards, so FSDP shards each tp shard over dp. As in torchtitan, the
+pipeline decides when FSDP communicates:
+
+    pp == 1, full backward     memory-lean: reshard after forward, reduce-scatter after
+    ("lean")                   each backward (autograd's hooks); one layer's unsharded
+                               parameters and gradients alive at a time, besides the
+                               root's (the tied embedding, used first and last: FSDP keeps
+                               the root gathered from its forward to its backward)
+    pp > 1 or split backward   gather once per flush (no reshard between micro-batches),
+    ("deferred")               accumulate unsharded gradients, reduce-scatter once per step
+                               at GR (`reduce_scatter`), after the last W of zero bubble
+                               wrote its deferred weight grads: as torch's own
+                               `pipelining.stage.PipelineStage.perform_reduce_grad`
+
+Gradients are dp *sums* (divide factor 1): the trainer scales the loss by
+1 / tokens(global batch), as for `parallel.data_parallel`. `bf16` maps to FSDP's
+`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: bf16 gathered working
+weights, fp32 gradient accumulation, reduction and master shards (layer norms: fp32
+units of their own, as `parallel.mixed_precision` keeps them). Generation reads
+weights outside `forward` and runs inside `gathered`.
+
+After `fully_shard` every parameter is a `DTensor` sharded over dp; `local` gives
+the rank's shard (a plain tensor aliasing it) for the gradient work in
+`parallel.grads`, and `logical` the DCP view of a tensor on the (dp, tp) sub-mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor, Shard
+
+from parallel.mesh import ParallelMesh
+
+# Marks parallel.tp puts on parameters; fully_shard makes new Parameters, which must keep them.
+_MARKS = ("tp_sharded", "tp_shard_dim", "sequence_parallel")
+# Methods that run blocks without `forward` (pipeline stages call run_blocks).
+_FORWARD_METHODS = ("run_blocks",)
+
+
+def _shard_dim(param: nn.Parameter) -> Shard:
+    """dp shards dim 0, or dim 1 where tp already splits dim 0 (column-parallel weights, the
+    vocab-parallel embedding), so each rank's piece is a plain (dp, tp) block of the logical
+    tensor that DCP can address (`logical`). 1-D column-parallel biases stay on dim 0."""
+    if getattr(param, "tp_sharded", False) and param.tp_shard_dim == 0 and param.dim() > 1:  # type: ignore[attr-defined]
+        return Shard(1)
+    return Shard(0)
+
+
+def _units(model: nn.Module, param_dtype: torch.dtype | None) -> list[tuple[nn.Module, MixedPrecisionPolicy]]:
+    """The FSDP units, inner first: each encoder/decoder layer this rank holds, then the root
+    (what the layers leave: embedding, final norms). Under bf16, layer norms are units of their
+    own that keep fp32 weights (as `parallel.mixed_precision` does: the residual stream stays
+    fp32, and CPU layer norm rejects bf16 weights on fp32 input). Inputs are not cast: autocast,
+    on under bf16, casts activations at each matmul (and FSDP cannot rebuild a batch dataclass)."""
+    fp32 = MixedPrecisionPolicy(cast_forward_inputs=False)
+    low = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)] if param_dtype is not None else []
+    stacks = [getattr(model, name, None) for name in ("encoder", "decoder")]
+    layers = [layer for stack in stacks if stack is not None for layer in stack.layers.values()]
+    policy = low if param_dtype is not None else fp32
+    return [(m, fp32) for m in norms] + [(m, policy) for m in [*layers, model]]
+
+
+class FullySharded:
+    """This rank's model under FSDP2 on the dp axis, and the step's FSDP controls.
+
+    Args:
+        model: the rank's pruned (and tp-sharded) model, on its device.
+        mesh: the (pp, dp, tp) mesh.
+        param_dtype: working dtype of the gathered weights (bf16), or None for fp32.
+        deferred: gather once per flush and reduce-scatter once per step at GR (pp > 1 or
+            split backward); False: memory-lean FSDP (reshard after forward, reduce per backward).
+    """
+
+    def __init__(
+        self, model: nn.Module, mesh: ParallelMesh, param_dtype: torch.dtype | None, deferred: bool
+    ) -> None:
+        self.model, self.mesh, self.deferred = model, mesh, deferred
+        marks = {
+            name: {k: getattr(p, k) for k in _MARKS if hasattr(p, k)} for name, p in model.named_parameters()
+        }
+        for module, policy in _units(model, param_dtype):  # children before the units holding them
+            fully_shard(
+                module,
+                mesh=mesh["dp"],
+                reshard_after_forward=not deferred,
+                mp_policy=policy,
+                shard_placement_fn=_shard_dim,
+            )
+        for method in _FORWARD_METHODS:
+            register_fsdp_forward_method(model, method)
+        for name, p in model.named_parameters():
+            for k, v in marks[name].items():
+                setattr(p, k, v)
+        self.units: list[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for unit in self.units:
+            # dp sum, not mean (see the module docstring), as a plain SUM (gloo has no PREMUL_SUM)
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+        self.root: FSDPModule = model  # type: ignore[assignment]
+
+    def begin_step(self) -> None:
+        """Before a step's first backward: in deferred mode, only accumulate until GR."""
+        self.reshard()
+        if self.deferred:
+            self.root.set_is_last_backward(False)
+            self.root.set_reshard_after_backward(False)
+            self.root.set_requires_gradient_sync(False)
+
+    def reduce_scatter(self) -> None:
+        """At GR of the step's last flush (deferred mode): every unit's post-backward, now
+        with gradient sync: the accumulated unsharded gradients (the deferred weight grads
+        of zero bubble included, written by W before GR) are reduce-scattered into the
+        sharded `.grad`, and the parameters resharded. Lean mode: autograd's hooks did it."""
+        if not self.deferred:
+            return
+        self.root.set_is_last_backward(True)
+        self.root.set_reshard_after_backward(True)
+        self.root.set_requires_gradient_sync(True)
+        state = fully_shard.state(self.model)  # type: ignore[attr-defined]
+        for unit_state in state._state_ctx.all_states:
+            for group in unit_state._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Within: every unit's full parameters, kept between forwards (generation reads the
+        layers' weights outside `forward`: per-stage KV caches). Collective over dp: every dp
+        replica enters it the same number of times."""
+        for unit in self.units:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                unit.set_reshard_after_forward(not self.deferred and unit is not self.root, recurse=False)
+            self.reshard()
+
+    def reshard(self) -> None:
+        """Free every gathered parameter (after evaluation in deferred mode, whose forward
+        keeps them: the optimizer then updates the shards, and stale gathered copies must go)."""
+        for unit in self.units:
+            unit.reshard()
+
+
+def is_fsdp_param(p: Tensor) -> bool:
+    return isinstance(p, DTensor)
+
+
+def local(t: Tensor) -> Tensor:
+    """The rank's shard of an FSDP tensor (aliasing it), or `t` itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t  # type: ignore[attr-defined]
+
+
+def local_grads(params: Iterator[nn.Parameter] | list[nn.Parameter]) -> list[Tensor]:
+    """The rank's shards of the parameters' gradients (those that have one)."""
+    return [local(p.grad) for p in params if p.grad is not None]
+
+
+def logical(
+    tensor: Tensor, param: Tensor, mesh: ParallelMesh, tp_size: int, vocab: tuple[int, int] | None = None
+) -> Tensor:
+    """`tensor` (an FSDP parameter or its optimizer state: a DTensor sharded over dp) as DCP
+    should see it: the single-device tensor, as a DTensor on the (dp, tp) sub-mesh whose local
+    piece aliases the rank's shard (so DCP loads in place).
+
+    Args:
+        tensor: a DTensor on the dp sub-mesh (FSDP's layout of `param`).
+        param: the parameter (its tp marks say whether, and on which dim, tp splits it).
+        mesh: the (pp, dp, tp) mesh.
+        tp_size: the tp axis size.
+        vocab: for the vocab-parallel embedding, (real rows of this tp rank's shard, vocabulary
+            size): the padding rows are cut off, as in the non-fsdp layout; else None.
+    """
+    if not isinstance(tensor, DTensor) or tp_size == 1 or not getattr(param, "tp_sharded", False):
+        return tensor  # dp-sharded only: FSDP's DTensor is already the logical tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    tp_dim = int(param.tp_shard_dim)  # type: ignore[attr-defined]
+    dp_dim = tensor.placements[0].dim  # type: ignore[attr-defined]
+    piece = local(tensor)
+    shape = list(tensor.shape)  # the tp shard's shape
+    shape[tp_dim] *= tp_size
+    if vocab is not None:  # rows of the padded vocabulary: keep the real ones (dp splits dim 1)
+        piece, shape[0] = piece.narrow(0, 0, vocab[0]), vocab[1]
+    # dp splits a different dim: a plain block; the same dim (1-D column-parallel biases):
+    # dp splits each tp piece, DTensor's strided sharding (as FSDP2 over DTensor tp).
+    dp_place = Shard(dp_dim) if dp_dim != tp_dim else _StridedShard(dp_dim, split_factor=tp_size)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(
+        piece,
+        mesh.device_mesh["dp", "tp"],
+        [dp_place, Shard(tp_dim)],
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=stride,
+    )
