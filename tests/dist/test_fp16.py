@@ -9,8 +9,9 @@ same decision and holds the same scale.
 One spawned 4-rank group trains twice: straight through 12 steps (saving at 4, 8, 12) and
 resumed from checkpoint-4 into a fresh output_dir. The first steps overflow by themselves
 (`fp16_initial_scale` 2**20 is above what these gradients tolerate in fp16) and back off;
-at step 7 one gradient element of pp rank 0, tp rank 1 only is made inf before the
-unscale (as a local backward overflow would be). Every rank records, after each step,
+at step 5 one gradient element of pp rank 0, tp rank 1 only is made inf before the
+unscale (as a local backward overflow would be). A second group, pp=2 x dp=2 under ZeRO-1,
+does the same with the inf in one dp replica. Every rank records, after each step,
 whether it skipped, why, its scale and growth tracker, and its own (local) found-inf flag.
 """
 
@@ -26,19 +27,23 @@ from tests.dist.harness import run_distributed
 from tests.dist.train_workers import base_config, mesh_overrides
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
-INJECT_STEP = 7  # a step that does not overflow by itself (the growth at step 6 is survived)
+INJECT_STEP = 5  # a step that does not overflow by itself
 INITIAL, INTERVAL = 2.0**20, 4
 SMALL_DATA = {"builtin_size": 300, "max_train_samples": 128}  # set-up dominates a 12-step run
 
 
-def fp16_story(rank: int, world: int, base: dict[str, Any]) -> dict[str, Any]:
-    """Straight run, resumed run; per rank: step records, host reads of step 5, history."""
+def fp16_story(
+    rank: int, world: int, base: dict[str, Any], inject_at: tuple[int, int, int], resume: bool
+) -> dict[str, Any]:
+    """Straight run (and a resumed one); per rank: step records, local flags, host reads of step 4,
+    history. At INJECT_STEP the rank at mesh coordinates `inject_at` (pp, dp, tp) gets one inf."""
     import logging
 
     import datasets
     from torch.utils._python_dispatch import _disable_current_modes
 
     from parallel.dispatch_count import DispatchCounter
+    from parallel.fsdp import local
     from parallel.loss_scale import DynamicLossScale
     from parallel.parallelize import ParallelModel
     from trainer.config.parse import load_config_dict
@@ -61,7 +66,7 @@ def fp16_story(rank: int, world: int, base: dict[str, Any]) -> dict[str, Any]:
     def recording_step(*args: Any, **kwargs: Any) -> Any:
         step, scaler = args[6], kwargs["scaler"]
         current["step"] = step
-        if step != 5:
+        if step != 4:
             st = original_step(*args, **kwargs)
         else:  # the device reads of one whole fp16 step: the guard's, and nothing else
             optimizer = args[1]
@@ -83,11 +88,12 @@ def fp16_story(rank: int, world: int, base: dict[str, Any]) -> dict[str, Any]:
 
     def injecting_pm_step(pm: Any, *args: Any, **kwargs: Any) -> Any:
         results = original_pm_step(pm, *args, **kwargs)
-        if current["step"] == INJECT_STEP and (pm.mesh.pp_rank, pm.mesh.tp_rank) == (0, 1):
-            p = next(
-                q for q in pm.model.parameters() if q.grad is not None and getattr(q, "tp_sharded", False)
-            )
-            p.grad.view(-1)[0] = float("inf")  # scaled grads, before the trainer's unscale
+        if (
+            current["step"] == INJECT_STEP
+            and (pm.mesh.pp_rank, pm.mesh.dp_rank, pm.mesh.tp_rank) == inject_at
+        ):
+            p = next(q for q in pm.model.parameters() if q.grad is not None)
+            local(p.grad).view(-1)[0] = float("inf")  # scaled grads (FSDP: the dp shard), before the unscale
         return results
 
     loop.train_step = recording_step  # type: ignore[assignment]
@@ -100,6 +106,8 @@ def fp16_story(rank: int, world: int, base: dict[str, Any]) -> dict[str, Any]:
         out["reads"] = list(reads)
         out["local_found"] = {step: float(flag) for step, flag in local_found.items()}
         records.clear()
+        if not resume:
+            return out
         ckpt = Path(f"{base['output_dir']}-straight") / "checkpoint-4"
         resumed_cfg = {
             **base,
@@ -132,14 +140,31 @@ def story(tmp: Path) -> list[dict[str, Any]]:
         "fp16_initial_scale": INITIAL,
         "fp16_scale_growth_interval": INTERVAL,
     }
-    return run_distributed(fp16_story, 4, args=(base,), timeout=500, collective_timeout=120)
+    return run_distributed(fp16_story, 4, args=(base, (0, 0, 1), True), timeout=500, collective_timeout=120)
+
+
+@pytest.fixture(scope="module")
+def dp_story(tmp: Path) -> list[dict[str, Any]]:
+    """pp=2 x dp=2 with ZeRO-1: the inf lands in one dp replica's gradients only (after the dp
+    reduce), so a rank that applied the step would broadcast parameters the others never wrote."""
+    base = {
+        **base_config(str(tmp / "dp")),
+        **mesh_overrides(pp=2, dp=2, m=2),
+        **SMALL_DATA,
+        "data_parallel_sharding": "zero1",
+        "max_steps": 8,
+        "fp16": True,
+        "fp16_initial_scale": INITIAL,
+        "fp16_scale_growth_interval": INTERVAL,
+    }
+    return run_distributed(fp16_story, 4, args=(base, (0, 1, 0), False), timeout=500, collective_timeout=120)
 
 
 def _rows(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in history if "lr" in r]
 
 
-def test_every_rank_skips_the_same_steps_and_holds_the_same_scale(story) -> None:
+def _check_agreement(story: list[dict[str, Any]], injected_rank: int) -> None:
     records = [r["straight"][0] for r in story]
     for rank, rec in enumerate(records[1:], start=1):
         assert rec == records[0], f"rank {rank} disagrees with rank 0:\n{rec}\n{records[0]}"
@@ -159,14 +184,23 @@ def test_every_rank_skips_the_same_steps_and_holds_the_same_scale(story) -> None
             if tracker == INTERVAL:
                 scale, tracker = scale * 2, 0
         assert steps[step][2:] == (scale, tracker), f"step {step}: {steps}"
-    assert any(steps[s][2] > steps[s - 1][2] for s in steps if s > 1), f"the scale never grew: {steps}"
-
-
-def test_one_ranks_overflow_skips_the_step_on_every_rank(story) -> None:
+    # One rank's inf (its local flag alone is set) skips the step on every rank.
     local = [r["local_found"][INJECT_STEP] for r in story]
-    assert local == [0.0, 1.0, 0.0, 0.0], f"only pp 0 / tp 1 (rank 1) overflowed locally: {local}"
-    step = next(rec for rec in story[0]["straight"][0] if rec[0] == INJECT_STEP)
-    assert step[1:3] == (True, True), f"step {INJECT_STEP}: {step}"
+    assert local == [float(r == injected_rank) for r in range(len(story))], f"local flags: {local}"
+    assert steps[INJECT_STEP][:2] == (True, True), f"step {INJECT_STEP}: {steps}"
+
+
+def test_pp_tp_ranks_skip_the_same_steps_and_hold_the_same_scale(story) -> None:
+    _check_agreement(story, injected_rank=1)  # (pp, dp, tp) = (0, 0, 1)
+    steps = story[0]["straight"][0]
+    assert any(b[3] > a[3] for a, b in zip(steps, steps[1:])), f"the scale never grew: {steps}"
+
+
+def test_pp_dp_ranks_skip_the_same_steps_and_hold_the_same_scale(dp_story) -> None:
+    _check_agreement(dp_story, injected_rank=1)  # (pp, dp, tp) = (0, 1, 0)
+    rows = next(r["straight"][1] for r in dp_story if r["straight"][1])
+    losses = [row["loss"] for row in _rows(rows)]
+    assert losses[-1] < losses[0] - 0.1, f"fp16 + ZeRO-1 does not learn: {losses}"
 
 
 def test_metrics_log_the_scale_and_the_overflow_count(story) -> None:
