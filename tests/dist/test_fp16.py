@@ -242,3 +242,38 @@ def test_checkpoint_holds_the_scale_and_growth_tracker(story, tmp: Path) -> None
     state = json.loads((tmp / "run-straight" / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["loss_scale"] == {"scale": at_4[3], "growth_tracker": at_4[4]}
     assert at_4[4] > 0, "the checkpoint should fall mid-interval, so the tracker's restore matters"
+
+
+def fsdp_fp16_step(rank: int, world: int) -> tuple[float, float, float, bool]:
+    """FSDP (dp=2) with fp16 working weights (its MixedPrecisionPolicy) and the loss scale, below
+    the trainer: one step at S = 2**10 against the one-process fp32 step, then S = 2**40.
+    Returns (worst relative first-step grad error, found-inf at 2**10, at 2**40, grads are DTensors)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from parallel.loss_scale import DynamicLossScale
+    from tests.dist.fsdp_workers import MAX_NORM, _rel, build, flushes_of, full, reference_run
+    from tests.dist.pipeline_workers import random_batch
+
+    _, ref_grads, _ = reference_run(1)
+    pm = build(world, 1, 2, 1, "1f1b", 2, sharding="fsdp", autocast_dtype=torch.float16)
+    batch = random_batch(pm.model.config, 8, seed=100)
+    found = []
+    for scale in (2.0**10, 2.0**40):
+        scaler = DynamicLossScale(pm.device, init_scale=scale)
+        pm.train_step(flushes_of(pm, batch, 2, 1), loss_scale=scaler.scale / batch.num_tokens())
+        found.append(float(scaler.unscale_(p.grad for p in pm.params())))
+        if scale == 2.0**10:
+            pm.grads.clip_(MAX_NORM)
+            grads = {k: full(pm, k, p.grad) for k, p in pm.named_params().items()}
+            err = max(_rel(grads[k], ref_grads[k]) for k in grads)
+            sharded = all(isinstance(p.grad, DTensor) for p in pm.params() if p.grad is not None)
+        pm.model.zero_grad(set_to_none=True)
+    return err, found[0], found[1], sharded
+
+
+def test_fsdp_fp16_gradients_unscale_to_the_fp32_ones() -> None:
+    for err, clean, huge, sharded in run_distributed(fsdp_fp16_step, 2, timeout=300):
+        assert sharded, "FSDP gradients are DTensors: the unscale must reach their dp shards"
+        assert (clean, huge) == (0.0, 1.0), f"found-inf at 2**10: {clean}, at 2**40: {huge}"
+        assert err < 1e-2, f"fp16 + FSDP unscaled grads vs fp32: worst relative error {err:.3e}"
