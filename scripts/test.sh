@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv if missing, install with test extras, then lint, type-check and run every test.
 #   scripts/test.sh                 # everything (CPU; gloo multi-process tests included)
-#   scripts/test.sh -m "not dist"   # extra args go to pytest
+#   scripts/test.sh -m "not slow"   # quick tier (extra args go to pytest)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

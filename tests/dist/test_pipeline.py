@@ -5,6 +5,7 @@ micro-batches of different (trimmed) sequence lengths, each rank's gradients
 (tied embedding included, after its first/last-stage reduce) equal the
 single-device gradients of the whole batch. Interleaved runs v=2 (m % p == 0); ZB-V
 (v=2 in a V) has its own test with the eval loss and a tied embedding on one rank.
+All 2-rank workers run in turn on one spawned group, all 4-rank ones on another.
 """
 
 from __future__ import annotations
@@ -17,19 +18,72 @@ from tests.dist.pipeline_workers import pipeline_grad_parity
 SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved_1f1b")
 REMATS = ("none", "full", "stage", "selective")
 TOL = 1e-5
+ZBV_CASES = [
+    (1, "none", None),
+    (4, "none", None),
+    (8, "stage", None),
+    (4, "selective", None),
+    (4, "full", [1, 3, 1, 5]),
+]
 
 
-@pytest.mark.dist
-@pytest.mark.parametrize("p", [2, 4])
-def test_pipeline_gradients_equal_unsplit_batch(p: int) -> None:
-    cases = [
+def grad_cases(p: int) -> list[tuple[int, str, str]]:
+    return [
         (m, s, r)
         for m in (1, 4, 8)
         for s in SCHEDULES
         for r in REMATS
         if not (s == "interleaved_1f1b" and m % p)
     ]
-    results = run_distributed(pipeline_grad_parity, p, args=(cases, {"interleaved_1f1b": 2}), timeout=240)
+
+
+def in_one_group(rank: int, world: int, calls: list[tuple]) -> list:
+    """Several workers in turn on one spawned group (each seeds itself and builds its own mesh)."""
+    return [fn(rank, world, *args) for fn, args in calls]
+
+
+def _group(world: int, calls: dict[str, tuple], timeout: float) -> dict[str, list]:
+    """{name: results by rank} for every call, from one spawned group: spawning dominates the cost."""
+    results = run_distributed(in_one_group, world, args=(list(calls.values()),), timeout=timeout)
+    return {name: [r[i] for r in results] for i, name in enumerate(calls)}
+
+
+@pytest.fixture(scope="module")
+def ranks2() -> dict[str, list]:
+    from tests.dist.pipeline_workers import (
+        bf16_sequence_parallel_grads,
+        dp_overlap,
+        zbv_parity,
+        zero_bubble_defers_weight_grads,
+    )
+
+    calls = {
+        "parity": (pipeline_grad_parity, (grad_cases(2), {"interleaved_1f1b": 2})),
+        "zbv": (zbv_parity, (ZBV_CASES,)),
+        "zb-defers": (zero_bubble_defers_weight_grads, ()),
+        "overlap-1-1f1b": (dp_overlap, (1, "1f1b")),
+        "bf16-sp": (bf16_sequence_parallel_grads, ()),
+    }
+    return _group(2, calls, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def ranks4() -> dict[str, list]:
+    from tests.dist.pipeline_workers import dp_overlap
+
+    calls = {
+        "parity": (pipeline_grad_parity, (grad_cases(4), {"interleaved_1f1b": 2})),
+        "overlap-2-1f1b": (dp_overlap, (2, "1f1b")),
+        "overlap-2-zero_bubble": (dp_overlap, (2, "zero_bubble")),
+    }
+    return _group(4, calls, timeout=480)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("p", [2, 4])
+def test_pipeline_gradients_equal_unsplit_batch(p: int, request: pytest.FixtureRequest) -> None:
+    cases = grad_cases(p)
+    results = request.getfixturevalue(f"ranks{p}")["parity"]
     for rank, rows in enumerate(results):
         assert len(rows) == len(cases)
         for m, schedule, remat, rel_norm, worst_param in rows:
@@ -39,26 +93,16 @@ def test_pipeline_gradients_equal_unsplit_batch(p: int) -> None:
 
 
 @pytest.mark.dist
-def test_zbv_gradients_equal_unsplit_batch() -> None:
+def test_zbv_gradients_equal_unsplit_batch(ranks2: dict[str, list]) -> None:
     """ZB-V on 2 ranks (stages 0 and 3 on rank 0, 1 and 2 on rank 1): gradients and the
     forward-only eval loss equal the unsplit batch's, with m below 2p - 1 (dropped slots)
     and above, under each remat policy; weight grads really wait for W. The balance
     [1, 3, 1, 5] puts src_embed (stage 0) and tgt_embed + head (stage 3) all on rank 0:
     the tied embedding's gradient is then summed by autograd alone (a tied group of one
     rank, no all-reduce), and still equals the reference."""
-    from tests.dist.pipeline_workers import zbv_parity
-
-    cases = [
-        (1, "none", None),
-        (4, "none", None),
-        (8, "stage", None),
-        (4, "selective", None),
-        (4, "full", [1, 3, 1, 5]),
-    ]
-    results = run_distributed(zbv_parity, 2, args=(cases,), timeout=240)
-    for rank, rows in enumerate(results):
-        assert len(rows) == len(cases)
-        for (m, remat, balance), row in zip(cases, rows):
+    for rank, rows in enumerate(ranks2["zbv"]):
+        assert len(rows) == len(ZBV_CASES)
+        for (m, remat, balance), row in zip(ZBV_CASES, rows):
             _, _, rel_norm, worst_param, loss_err, tied, queued, pending = row
             where = f"rank {rank} m={m} zbv/{remat} balance={balance}"
             assert rel_norm <= TOL and worst_param <= TOL, (
@@ -73,12 +117,8 @@ def test_zbv_gradients_equal_unsplit_batch() -> None:
 
 
 @pytest.mark.dist
-def test_zero_bubble_really_defers_weight_grads() -> None:
-    from tests.dist.pipeline_workers import zero_bubble_defers_weight_grads
-
-    for rank, (queued, pending, same) in enumerate(
-        run_distributed(zero_bubble_defers_weight_grads, 2, timeout=120)
-    ):
+def test_zero_bubble_really_defers_weight_grads(ranks2: dict[str, list]) -> None:
+    for rank, (queued, pending, same) in enumerate(ranks2["zb-defers"]):
         assert same, f"rank {rank}: executor uses another WeightGradStore than the model's linears"
         assert queued > 0, f"rank {rank}: no weight-gradient closure was deferred to W"
         assert pending == 0, f"rank {rank}: {pending} deferred weight grads never ran"
@@ -86,22 +126,17 @@ def test_zero_bubble_really_defers_weight_grads() -> None:
 
 @pytest.mark.dist
 @pytest.mark.parametrize("pp,schedule", [(1, "1f1b"), (2, "1f1b"), (2, "zero_bubble")])
-def test_dp_reduce_overlaps_last_backward(pp: int, schedule: str) -> None:
+def test_dp_reduce_overlaps_last_backward(pp: int, schedule: str, request: pytest.FixtureRequest) -> None:
     """Buckets are all-reduced while the last micro-batch's backward runs (not for zero bubble,
     whose deferred weight grads are written outside autograd), and gradients stay exact."""
-    from tests.dist.pipeline_workers import dp_overlap
-
-    for rank, (launched, err) in enumerate(
-        run_distributed(dp_overlap, 2 * pp, args=(pp, schedule), timeout=120)
-    ):
+    group = request.getfixturevalue(f"ranks{2 * pp}")
+    for rank, (launched, err) in enumerate(group[f"overlap-{pp}-{schedule}"]):
         assert err <= TOL, f"rank {rank}: ||dg||/||g|| = {err:.2e}"
         if schedule != "zero_bubble":
             assert launched >= 1, f"rank {rank}: no bucket was launched during the backward"
 
 
 @pytest.mark.dist
-def test_bf16_working_weights_keep_sequence_parallel_grad_sum() -> None:
-    from tests.dist.pipeline_workers import bf16_sequence_parallel_grads
-
-    for rank, worst in enumerate(run_distributed(bf16_sequence_parallel_grads, 2, timeout=120)):
+def test_bf16_working_weights_keep_sequence_parallel_grad_sum(ranks2: dict[str, list]) -> None:
+    for rank, worst in enumerate(ranks2["bf16-sp"]):
         assert worst == 0.0, f"rank {rank}: replicated gradients differ across tp by {worst:.3e}"

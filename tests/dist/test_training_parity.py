@@ -33,13 +33,14 @@ WORLD4 = {
     "pp2-dp2-interleaved-m2": mesh(pp=2, dp=2, m=2, pipeline_schedule="interleaved_1f1b"),
     "tp2-sequence-parallel": mesh(tp=2, dp=2, sequence_parallel=True),
     "dp4-zero1": mesh(dp=4, data_parallel_sharding="zero1"),
+    "pp2-dp2-zbv-fsdp": mesh(pp=2, dp=2, m=2, pipeline_schedule="zbv", data_parallel_sharding="fsdp"),
     "pp2-tp2-zbv-m4-selective": mesh(
         pp=2, tp=2, m=4, pipeline_schedule="zbv", activation_checkpointing="selective"
     ),
 }
 WORLD8 = {
     "tp4-dp2": mesh(tp=4, dp=2),
-    "3d-2x2x2-1f1b": mesh(pp=2, dp=2, tp=2, m=2),
+    # 3d-2x2x2 1f1b (m=2): the uninterrupted run of test_resume_same_and_other_meshes
     "3d-2x1x4": mesh(pp=2, dp=1, tp=4, m=4),
     "3d-4x2x1": mesh(pp=4, dp=2, tp=1, m=2),
     "3d-2x2x2-interleaved": mesh(pp=2, dp=2, tp=2, m=2, pipeline_schedule="interleaved_1f1b"),
@@ -47,6 +48,8 @@ WORLD8 = {
         pp=2, dp=2, tp=2, m=4, pipeline_schedule="zero_bubble", activation_checkpointing="stage"
     ),
     "tp4-dp2-zero1": mesh(tp=4, dp=2, data_parallel_sharding="zero1"),
+    "3d-2x2x2-fsdp": mesh(pp=2, dp=2, tp=2, m=2, data_parallel_sharding="fsdp"),
+    "3d-1x4x2-fsdp": mesh(pp=1, dp=4, tp=2, data_parallel_sharding="fsdp"),
 }
 
 
@@ -94,8 +97,9 @@ def test_mesh_shapes_match_single_process(reference, tmp_path, world: int, cases
 
 
 def test_resume_same_and_other_meshes(reference, tmp_path) -> None:
-    """The uninterrupted (2,2,2) run saves at step 2; resuming from it there and on (1,2,4) and
-    (4,1,2) (weights and AdamW state resharded, data position kept) gives the same steps 3-5."""
+    """The uninterrupted (2,2,2) run matches one process and saves at step 2; resuming from it
+    there and on (1,2,4) and (4,1,2) (weights and AdamW state resharded, data position kept)
+    gives the same steps 3-5."""
     ref, _, tokenizer = reference
     tmp = str(tmp_path)
     ckpt = f"{tmp}/run-0/checkpoint-2"
@@ -107,11 +111,14 @@ def test_resume_same_and_other_meshes(reference, tmp_path) -> None:
         "resume-1x4x2-zero1": mesh(
             pp=1, dp=4, tp=2, data_parallel_sharding="zero1", resume_from_checkpoint=ckpt
         ),
+        "resume-2x2x2-fsdp": mesh(
+            pp=2, dp=2, tp=2, m=2, data_parallel_sharding="fsdp", resume_from_checkpoint=ckpt
+        ),
     }
     cases = {**first, **resumed}
     got = _run(8, cases, tmp, tokenizer)
     straight = got["save-2x2x2"]
-    assert [s for s, _, _ in straight] == [1, 2, 3, 4, 5]
+    _assert_matches(ref, {"3d-2x2x2-1f1b": straight})
     bad = []
     for name in resumed:
         hist = got[name]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # ten trainer processes start (imports dominate): ~20 s on 2 cores
 
 CASES = {
     "unknown-flag": (["--foo", "1"], "unknown flag(s) ['--foo']"),

@@ -32,6 +32,8 @@ BAD = [
     (ModelArguments, "dropout", 1.0, r"dropout=1\.0 must be in \[0, 1\)"),
     (ModelArguments, "attention_dropout", -0.1, r"attention_dropout=-0\.1 must be in \[0, 1\)"),
     (ModelArguments, "activation_dropout", 2.0, r"activation_dropout=2\.0 must be in \[0, 1\)"),
+    (ModelArguments, "encoder_layerdrop", 1.0, r"encoder_layerdrop=1\.0 must be in \[0, 1\)"),
+    (ModelArguments, "decoder_layerdrop", -0.5, r"decoder_layerdrop=-0\.5 must be in \[0, 1\)"),
     (ModelArguments, "vocab_size", 3, r"vocab_size=3 must be >= 8"),
     (ModelArguments, "init_std", 0.0, r"init_std=0\.0 must be > 0"),
     (ModelArguments, "encoder_layers", 0, r"encoder_layers=0 must be a positive integer"),
@@ -76,7 +78,8 @@ def test_every_numeric_field_is_checked() -> None:
                 continue
             # data_parallel_size: -1 is inferred (its range is tested in test_mesh); hang_warning_s: < 0 is off
             negative_ok = f.name in ("data_parallel_size", "hang_warning_s")
-            values = ([] if negative_ok else [-1]) + ([float("nan")] if "float" in str(f.type) else [])
+            below = -2 if f.name == "max_steps" else -1  # max_steps: -1 trains num_train_epochs
+            values = ([] if negative_ok else [below]) + ([float("nan")] if "float" in str(f.type) else [])
             for value in values:
                 try:
                     cls(**{f.name: value})
@@ -84,3 +87,15 @@ def test_every_numeric_field_is_checked() -> None:
                     continue
                 unchecked.append((cls.__name__, f.name, value))
     assert not unchecked
+
+
+def test_fsdp_with_layerdrop_is_refused_before_anything_runs() -> None:
+    from trainer.config.parse import load_config_dict
+    from trainer.run.preflight import validate_early
+
+    base = {"dataset_name": "builtin", "language_pairs": ["en-de"], "data_parallel_sharding": "fsdp"}
+    cfg = load_config_dict({**base, "decoder_layerdrop": 0.1})
+    with pytest.raises(ConfigError, match=r"fsdp does not support LayerDrop yet .*decoder_layerdrop=0\.1"):
+        validate_early(cfg, world=2)
+    ok = load_config_dict(base)
+    assert validate_early(ok, world=2).dp == 2

@@ -203,6 +203,7 @@ def test_export_imports_back_for_fine_tuning(exported: Export) -> None:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_fine_tune_from_the_export(exported: Export, tmp_path: Path) -> None:
     """3 steps (one process) with the export as `model_name_or_path` and `tokenizer_name`: the
     loss falls, and the run's tokenizer keeps the export's ids (M2M100: `__de__` past the pieces)."""
@@ -380,6 +381,7 @@ def test_stock_tokenizers_re_exported_load_in_both_majors(corpus: list[str], tmp
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_finetune_with_stock_tokenizers_and_nllb_files(corpus: list[str], tmp_path: Path) -> None:
     """One process, 3 steps each: an NllbTokenizer dir on `train.{eng_Latn,deu_Latn}.gz`, an
     M2M100Tokenizer dir on the built-in en-de corpus, and our own tokenizer trained on the NLLB files."""

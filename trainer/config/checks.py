@@ -14,7 +14,7 @@ from trainer.errors import ConfigError
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 REMAT_CHOICES = ("none", "full", "stage", "selective")
 PARTITION_CHOICES = ("uniform", "parameters", "time", "memory")
-SHARDING_CHOICES = ("none", "zero1")
+SHARDING_CHOICES = ("none", "zero1", "fsdp")
 REPORT_CHOICES = ("wandb", "tensorboard")  # report_to: any of these, "all" or "none"
 NAN_POLICIES = ("stop", "skip")
 SCHEDULER_CHOICES = ("linear", "cosine", "constant", "constant_with_warmup", "inverse_sqrt", "polynomial")

@@ -23,10 +23,10 @@ HF_NAME_HINTS: dict[str, str] = {
     "evaluation_strategy": "eval_strategy (the name HF renamed it to)",
     "per_gpu_train_batch_size": "per_device_train_batch_size",
     "per_gpu_eval_batch_size": "per_device_eval_batch_size",
-    "deepspeed": "the parallel fields: data_parallel_size, data_parallel_sharding (zero1), "
+    "deepspeed": "the parallel fields: data_parallel_size, data_parallel_sharding (zero1 | fsdp), "
     "pipeline_parallel_size, tensor_parallel_size",
-    "fsdp": "data_parallel_sharding (zero1) and tensor_parallel_size / pipeline_parallel_size",
-    "fsdp_config": "data_parallel_sharding (zero1) and tensor_parallel_size / pipeline_parallel_size",
+    "fsdp": "data_parallel_sharding: fsdp (FSDP2 over the dp axis, composed with tp and pp)",
+    "fsdp_config": "data_parallel_sharding: fsdp (layers are the FSDP units; bf16 sets mixed precision)",
     "gradient_checkpointing": "activation_checkpointing (none | full | stage | selective)",
     "gradient_checkpointing_kwargs": "activation_checkpointing (none | full | stage | selective)",
     "lr_scheduler_kwargs": "lr_scheduler_type with warmup_steps (no scheduler kwargs)",

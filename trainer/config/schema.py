@@ -64,13 +64,16 @@ class ModelArguments:
     dropout: float = field(default=0.1, metadata={"help": "Residual/embedding dropout."})
     attention_dropout: float = field(default=0.1, metadata={"help": "Attention-probability dropout."})
     activation_dropout: float = field(default=0.0, metadata={"help": "Dropout after the FFN activation."})
-    encoder_layerdrop: float = field(
-        default=0.0,
-        metadata={"help": "LayerDrop: each encoder layer skipped with this probability, one draw per step."},
+    encoder_layerdrop: float | None = field(
+        default=None,
+        metadata={
+            "help": "LayerDrop: each encoder layer skipped with this probability, one draw per step; "
+            "default: the pretrained config's (published M2M100 configs: 0.05), else 0."
+        },
     )
-    decoder_layerdrop: float = field(
-        default=0.0,
-        metadata={"help": "LayerDrop: each decoder layer skipped with this probability, one draw per step."},
+    decoder_layerdrop: float | None = field(
+        default=None,
+        metadata={"help": "LayerDrop of the decoder layers (as encoder_layerdrop)."},
     )
     max_position_embeddings: int = field(default=1024, metadata={"help": "Longest sequence."})
     scale_embedding: bool = field(default=True, metadata={"help": "Multiply embeddings by sqrt(d_model)."})
@@ -83,6 +86,8 @@ class ModelArguments:
             for f in fields(self)
             if f.name not in ("model_name_or_path", "tokenizer_name", "vocab_size")
         }
+        for name in LAYERDROP_FIELDS:
+            arch[name] = arch[name] or 0.0  # None: no LayerDrop for a new model
         return ModelConfig(vocab_size=vocab_size, **arch, **special_ids)  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
@@ -178,6 +183,9 @@ class ParallelArguments:
         if self.pipeline_schedule == "interleaved_1f1b":
             return self.virtual_pipeline_stages
         return 2 if self.pipeline_schedule == "zbv" else 1
+
+
+LAYERDROP_FIELDS = ("encoder_layerdrop", "decoder_layerdrop")
 
 
 @dataclass

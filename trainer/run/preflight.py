@@ -9,7 +9,7 @@ from pathlib import Path
 
 from parallel.mesh import ParallelDims
 from trainer.config.dims import parallel_dims
-from trainer.config.schema import JobConfig
+from trainer.config.schema import LAYERDROP_FIELDS, JobConfig
 from trainer.data.sources import run_languages
 from trainer.errors import ConfigError
 from trainer.run.strategies import check_metric_name
@@ -32,7 +32,17 @@ def validate_early(cfg: JobConfig, world: int) -> ParallelDims:
         arch = read_hf_config(cfg.model.model_name_or_path)
     else:
         arch = cfg.model.model_config(cfg.model.vocab_size, {})
+    for name in LAYERDROP_FIELDS:
+        if getattr(cfg.model, name) is not None:
+            setattr(arch, name, getattr(cfg.model, name))
     dims.validate(arch)
+    layerdrop = max(arch.encoder_layerdrop, arch.decoder_layerdrop)
+    if cfg.parallel.data_parallel_sharding == "fsdp" and dims.dp > 1 and layerdrop > 0:
+        raise ConfigError(
+            f"data_parallel_sharding=fsdp does not support LayerDrop yet (encoder_layerdrop="
+            f"{arch.encoder_layerdrop}, decoder_layerdrop={arch.decoder_layerdrop}): a skipped layer "
+            f"leaves its FSDP unit unused; set both to 0 or use data_parallel_sharding none | zero1"
+        )
     p, v = dims.pp, cfg.parallel.virtual_stages
     n_blocks = arch.encoder_layers + arch.decoder_layers + 4
     if p * v > n_blocks:

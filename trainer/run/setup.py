@@ -28,7 +28,7 @@ from parallel.parallelize import ParallelModel, build_parallel_model
 from parallel.simulate import bubble_theory
 from parallel.watchdog import RankIdentity, default_warn_after, start_watchdog
 from trainer.checkpoint.resume import ResumePoint, adopt_tokenizer, log_changes
-from trainer.config.schema import JobConfig
+from trainer.config.schema import LAYERDROP_FIELDS, JobConfig
 from trainer.config.training_args import TrainingArguments
 from trainer.data.batching import BatchLayout, GlobalBatchSampler
 from trainer.data.sampling import DirectionSampling
@@ -119,6 +119,10 @@ def model_config_for(cfg: JobConfig, tok: Tokenizer) -> ModelConfig:
         mc = read_hf_config(cfg.model.model_name_or_path)
         for k in ("dropout", "attention_dropout", "activation_dropout"):
             setattr(mc, k, getattr(cfg.model, k))  # regularisation is the run's choice
+        for k in LAYERDROP_FIELDS:  # LayerDrop: the checkpoint's unless the run sets it
+            if getattr(cfg.model, k) is not None:
+                setattr(mc, k, getattr(cfg.model, k))
+        mc.validate()
         if tok.vocab_size > mc.vocab_size:
             raise ConfigError(
                 f"tokenizer has {tok.vocab_size} entries but the model at "
