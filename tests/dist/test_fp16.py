@@ -10,8 +10,8 @@ One spawned 4-rank group trains twice: straight through 12 steps (saving at 4, 8
 resumed from checkpoint-4 into a fresh output_dir. The first steps overflow by themselves
 (`fp16_initial_scale` 2**20 is above what these gradients tolerate in fp16) and back off;
 at step 5 one gradient element of pp rank 0, tp rank 1 only is made inf before the
-unscale (as a local backward overflow would be). A second group, pp=2 x dp=2 under ZeRO-1,
-does the same with the inf in one dp replica. Every rank records, after each step,
+unscale (as a local backward overflow would be). A second group, pp=2 x dp=2 under FSDP,
+does the same with the inf in one dp shard. Every rank records, after each step,
 whether it skipped, why, its scale and growth tracker, and its own (local) found-inf flag.
 """
 
@@ -145,13 +145,13 @@ def story(tmp: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def dp_story(tmp: Path) -> list[dict[str, Any]]:
-    """pp=2 x dp=2 with ZeRO-1: the inf lands in one dp replica's gradients only (after the dp
-    reduce), so a rank that applied the step would broadcast parameters the others never wrote."""
+    """pp=2 x dp=2 with FSDP (fp16 gathered working weights): the inf lands in one dp shard of
+    pp rank 0's gradients only (after the reduce-scatter)."""
     base = {
         **base_config(str(tmp / "dp")),
         **mesh_overrides(pp=2, dp=2, m=2),
         **SMALL_DATA,
-        "data_parallel_sharding": "zero1",
+        "data_parallel_sharding": "fsdp",
         "max_steps": 8,
         "fp16": True,
         "fp16_initial_scale": INITIAL,
@@ -200,7 +200,7 @@ def test_pp_dp_ranks_skip_the_same_steps_and_hold_the_same_scale(dp_story) -> No
     _check_agreement(dp_story, injected_rank=1)  # (pp, dp, tp) = (0, 1, 0)
     rows = next(r["straight"][1] for r in dp_story if r["straight"][1])
     losses = [row["loss"] for row in _rows(rows)]
-    assert losses[-1] < losses[0] - 0.1, f"fp16 + ZeRO-1 does not learn: {losses}"
+    assert losses[-1] < losses[0] - 0.1, f"fp16 + FSDP does not learn: {losses}"
 
 
 def test_metrics_log_the_scale_and_the_overflow_count(story) -> None:

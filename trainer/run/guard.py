@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from parallel.fsdp import local
 from trainer.config.checks import NAN_POLICIES
 
 logger = logging.getLogger("trainer")
@@ -231,11 +232,12 @@ def assert_finite_state(model: nn.Module, optimizer: torch.optim.Optimizer, what
         DivergenceError: naming the checkpoint, the bad ranks and a few of this rank's bad tensors.
     """
     names = {id(p): n for n, p in model.named_parameters()}
-    tensors: list[tuple[str, Tensor]] = [(n, p.detach()) for n, p in model.named_parameters()]
+    # FSDP: each rank checks its own dp shard (a DTensor's local piece); the counts are summed below.
+    tensors: list[tuple[str, Tensor]] = [(n, local(p.detach())) for n, p in model.named_parameters()]
     for p, state in optimizer.state.items():
         for key, value in state.items():
             if isinstance(value, Tensor) and value.is_floating_point() and value.dim() > 0:
-                tensors.append((f"{names.get(id(p), '?')}.{key}", value))
+                tensors.append((f"{names.get(id(p), '?')}.{key}", local(value)))
     device = next(model.parameters()).device
     flags = torch.stack([torch.isfinite(t).all() for _, t in tensors]).logical_not()
     bad = [n for (n, _), f in zip(tensors, flags.tolist()) if f]
