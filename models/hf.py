@@ -132,14 +132,19 @@ def split_heads(fused: Tensor, n: int, num_heads: int) -> list[Tensor]:
     return [grouped[:, i].reshape(-1, *fused.shape[1:]) for i in range(n)]
 
 
+def hf_tensors(name: str, tensor: Tensor, config: ModelConfig) -> list[tuple[str, Tensor]]:
+    """One of our tensors -> its HF (key, tensor) pairs: itself, or q/k/v split from a fused projection."""
+    keys = hf_names(name)
+    parts = [tensor] if len(keys) == 1 else split_heads(tensor, len(keys), _heads_of(name, config))
+    return list(zip(keys, parts))
+
+
 def to_hf_state_dict(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
     """Our full state dict (or gradients) -> HF's: fused projections split, plus the tied
     `lm_head.weight` when the embedding is there."""
     out: dict[str, Tensor] = {}
     for name, tensor in state.items():
-        keys = hf_names(name)
-        parts = [tensor] if len(keys) == 1 else split_heads(tensor, len(keys), _heads_of(name, config))
-        out.update(zip(keys, parts))
+        out.update(hf_tensors(name, tensor, config))
     if "shared.weight" in state:
         out["lm_head.weight"] = state["shared.weight"]
     return out
@@ -329,41 +334,3 @@ def load_hf_into(model: torch.nn.Module, path: str | Path) -> None:
     config = getattr(model, "config", None)
     for name, value in read_hf_slices(path, parts, config if isinstance(config, ModelConfig) else None):
         own[name].copy_(value)
-
-
-def save_hf_model(
-    state: dict[str, Tensor],
-    config: ModelConfig,
-    out_dir: str | Path,
-    generation: dict[str, Any] | None = None,
-) -> None:
-    """Write an HF directory (config.json, model.safetensors, generation_config.json).
-
-    Args:
-        state: our full (unsharded, unpadded) state dict.
-        config: the model config.
-        out_dir: destination, created if needed.
-        generation: extra generation-config fields (num_beams, max_length, ...).
-    """
-    from transformers import GenerationConfig, M2M100ForConditionalGeneration
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    hf_cfg = to_hf_config(config)
-    with torch.device("meta"):
-        model = M2M100ForConditionalGeneration(hf_cfg)
-    model.load_state_dict(
-        {k: v.detach().cpu().contiguous() for k, v in to_hf_state_dict(state, config).items()},
-        strict=False,
-        assign=True,
-    )
-    model.tie_weights()
-    gen = GenerationConfig(
-        decoder_start_token_id=config.decoder_start_token_id,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-        **(generation or {}),
-    )
-    model.generation_config = gen
-    model.save_pretrained(str(out), safe_serialization=True)

@@ -47,7 +47,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from models.config import ModelConfig  # noqa: E402
-from models.hf import load_hf_weights, load_into, save_hf_model  # noqa: E402
+from models.hf import load_hf_weights, load_into  # noqa: E402
+from models.hf_save import save_hf_model  # noqa: E402
 from models.m2m100 import IGNORE_INDEX, M2M100Translation, Seq2SeqBatch  # noqa: E402
 from trainer.config.parse import load_config_dict  # noqa: E402
 from trainer.config.schema import JobConfig  # noqa: E402

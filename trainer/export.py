@@ -1,15 +1,19 @@
 """Export a training checkpoint as a Hugging Face directory: `python -m trainer.export`.
 
     python -m trainer.export --checkpoint OUT/checkpoint-STEP --output DIR \\
-        [--num_beams 4] [--max_length 128] [--tokenizer OUT/tokenizer] [--overwrite]
+        [--num_beams 4] [--max_length 128] [--tokenizer OUT/tokenizer] [--overwrite] \\
+        [--max_shard_size 5GB] [--dtype fp32|bf16|fp16]
 
 Reads a DCP checkpoint written on any (pp, dp, tp) mesh in one process, with no
-process group: the template is a fresh single-device `M2M100Translation` built
-from the checkpoint's `trainer_state.json` ("model_config"), and DCP reshards
-every saved tensor (tp shards are DTensors of logical shape) into its plain
-tensors. Only the "model" part is read; optimizer state is ignored.
+process group, a shard at a time: DCP's metadata gives every "model" tensor's logical
+shape (tp shards were saved as DTensors of logical shape), the tensors are grouped into
+output shards of at most --max_shard_size bytes (`transformers` semantics), and each
+shard's tensors alone are loaded by DCP into empty tensors of those shapes, converted and
+written before the next is read, so host memory holds about a shard, never the model.
+Optimizer state is ignored.
 
-DIR receives config.json, model.safetensors, generation_config.json
+DIR receives config.json (with the weights' --dtype), model.safetensors (or
+model-0000k-of-0000n.safetensors and model.safetensors.index.json), generation_config.json
 (decoder_start / eos / pad / bos ids, num_beams, max_length) and the tokenizer
 files that stock `AutoTokenizer` loads (from the run's `tokenizer/`, by default
 the checkpoint's parent directory's; `model_max_length` is the model's

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from models.hf import load_hf_into, save_hf_model
+from models.hf import load_hf_into
+from models.hf_save import save_hf_model
 from models.m2m100 import M2M100Translation
 from parallel.mesh import ParallelDims, build_mesh
 from parallel.parallelize import build_parallel_model

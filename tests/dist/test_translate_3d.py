@@ -41,7 +41,7 @@ def read_lines(name: str, n: int) -> list[str]:
 def train_export(out: Path) -> None:
     """Tokenizer + tiny model trained on en->de, written as an HF directory."""
     from models.config import ModelConfig
-    from models.hf import save_hf_model
+    from models.hf_save import save_hf_model
     from models.m2m100 import IGNORE_INDEX, M2M100Translation, Seq2SeqBatch
     from trainer.eval.decode import pad_batch
     from trainer.tokenizer.vocab import train_tokenizer

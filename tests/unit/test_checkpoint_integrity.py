@@ -31,7 +31,14 @@ import torch
 from torch import nn
 
 from trainer.checkpoint import dcp as ckpt
-from trainer.checkpoint.commit import COMMIT_MARKER, CheckpointCorruptError, share_of, verify_checkpoint
+from trainer.checkpoint.commit import (
+    COMMIT_MARKER,
+    CheckpointCorruptError,
+    list_checkpoints,
+    share_of,
+    verify_checkpoint,
+)
+from trainer.checkpoint.write_failure import describe_write_failure
 from trainer.config.training_args import TrainingArguments
 from trainer.errors import ConfigError
 from trainer.export import main as export_main
@@ -141,7 +148,7 @@ def test_disk_full_message_from_a_real_enospc(tmp_path: Path) -> None:
     with pytest.raises(OSError) as info, open("/dev/full", "wb", buffering=0) as f:
         f.write(b"x" * 4096)
     assert info.value.errno == errno.ENOSPC
-    line = ckpt.describe_write_failure(tmp_path / "checkpoint-4", info.value, rank=0)
+    line = describe_write_failure(tmp_path / "checkpoint-4", info.value, rank=0)
     assert "the disk is full" in line and "ENOSPC" in line and "MiB free" in line
     assert "last committed: checkpoint-2" in line and "\n" not in line
 
@@ -163,7 +170,7 @@ def test_failed_save_removes_partial_dir_and_keeps_previous(tmp_path: Path) -> N
     assert "EFBIG" in line and "failed on rank 0" in line and "last committed: checkpoint-2" in line
     assert "\n" not in line
     assert not (tmp_path / "checkpoint-4").exists()
-    assert ckpt.list_checkpoints(tmp_path) == [older] and verify_checkpoint(older) is None
+    assert list_checkpoints(tmp_path) == [older] and verify_checkpoint(older) is None
     model, opt = _model_and_optimizer()
     assert ckpt.load_checkpoint(older, [model], opt)["step"] == 2
 

@@ -21,7 +21,7 @@ import torch
 
 from models.config import ModelConfig
 from models.generate import generate
-from models.hf import save_hf_model
+from models.hf_save import save_hf_model
 from models.m2m100 import M2M100Translation
 from tests.unit.test_model_parity import CFG
 from trainer.eval.decode import (

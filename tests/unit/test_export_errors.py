@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from models.config import ModelConfig
+from models.hf_save import EXPORT_DTYPES, parse_shard_size
 from models.m2m100 import M2M100Translation, Seq2SeqBatch
 from trainer.checkpoint.commit import COMMIT_MARKER
 from trainer.export import main
@@ -85,22 +86,43 @@ def _error_line(capsys: pytest.CaptureFixture[str]) -> str:
     return err[0]
 
 
-def test_export_round_trip_logits_equal(run_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("max_shard_size", "dtype", "shards"),
+    [("5GB", "fp32", 1), ("16KB", "fp32", 3), ("8KiB", "bf16", 3)],
+    ids=["one-file", "sharded", "sharded-bf16"],
+)
+def test_export_round_trip_logits_equal(
+    run_dir: Path, tmp_path: Path, max_shard_size: str, dtype: str, shards: int
+) -> None:
     """A Unigram de/en run: the export is a stock M2M100Tokenizer (a slow tokenizer reading the
-    SentencePiece model, so Unigram works too) and the model on its permuted ids."""
+    SentencePiece model, so Unigram works too) and the model on its permuted ids; in one
+    model.safetensors, or (a small --max_shard_size) in several shards with their index, as
+    --dtype says. A bf16 export's logits equal our model's with its weights rounded to bf16."""
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
     out = tmp_path / "hf"
-    assert (
-        main(["--checkpoint", str(run_dir / "checkpoint-3"), "--output", str(out), "--num_beams", "3"]) == 0
-    )
+    args = ["--checkpoint", str(run_dir / "checkpoint-3"), "--output", str(out), "--num_beams", "3"]
+    assert main([*args, "--max_shard_size", max_shard_size, "--dtype", dtype]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temp dir left
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    if shards == 1:
+        assert files == ["model.safetensors"] and not (out / "model.safetensors.index.json").exists()
+    else:
+        assert files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+        assert len(files) >= shards, files
+        _check_index(out, files, parse_shard_size(max_shard_size), EXPORT_DTYPES[dtype])
     config = ModelConfig.from_dict(
         json.loads((run_dir / "checkpoint-3" / "trainer_state.json").read_text())["model_config"]
     )
     ours = M2M100Translation(config).eval()
-    ours.load_state_dict(torch.load(run_dir / "reference.pt"))
-    hf = AutoModelForSeq2SeqLM.from_pretrained(str(out)).eval()
+    reference = torch.load(run_dir / "reference.pt")
+    ours.load_state_dict({k: v.to(EXPORT_DTYPES[dtype]).float() for k, v in reference.items()})
+    hf_config = json.loads((out / "config.json").read_text())
+    assert hf_config.get("dtype", hf_config.get("torch_dtype")) == str(EXPORT_DTYPES[dtype]).removeprefix(
+        "torch."
+    )
+    # In fp32: loaded as bf16, HF would also compute its sinusoidal positions in bf16.
+    hf = AutoModelForSeq2SeqLM.from_pretrained(str(out), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(out), src_lang="en")
     assert type(tok).__name__ == "M2M100Tokenizer"
     src = tok(["hello world", "number 7"], return_tensors="pt", padding=True)
@@ -120,6 +142,46 @@ def test_export_round_trip_logits_equal(run_dir: Path, tmp_path: Path) -> None:
         ).logits
     torch.testing.assert_close(got[..., list(layout.new_id)], expected, rtol=1e-5, atol=1e-5)
     assert hf.generation_config.num_beams == 3 and hf.generation_config.decoder_start_token_id == 2
+
+
+def _check_index(out: Path, files: list[str], max_bytes: int, dtype: torch.dtype) -> None:
+    """The index maps every stored key to the shard that holds it; each shard keeps to the limit
+    (a single tensor larger than it may not), and total_size is the tensors' bytes."""
+    from safetensors import safe_open
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    found: dict[str, str] = {}
+    total = 0
+    for name in files:
+        with safe_open(str(out / name), framework="pt") as f:
+            sizes = []
+            for key in f.keys():
+                t = f.get_tensor(key)
+                assert t.dtype == dtype, (key, t.dtype)
+                sizes.append(t.numel() * t.element_size())
+                found[key] = name
+        assert sum(sizes) <= max_bytes or len(sizes) == 1, (name, sizes)
+        total += sum(sizes)
+    assert index["weight_map"] == found and index["metadata"]["total_size"] == total
+    assert "lm_head.weight" not in found and "model.shared.weight" in found  # tied copies: HF's key set
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("--max_shard_size", "5XB", "'5XB' is not a size; valid: a positive number of bytes"),
+        ("--max_shard_size", "0", "'0' is not a size"),
+        ("--dtype", "float8", "--dtype 'float8' is not supported; valid: fp32, bf16, fp16"),
+    ],
+)
+def test_bad_export_option(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str, expected: str
+) -> None:
+    args = ["--checkpoint", str(run_dir / "checkpoint-3"), "--output", str(tmp_path / "hf")]
+    assert main([*args, flag, value]) == 2
+    line = _error_line(capsys)
+    assert expected in line and flag in line, line
+    assert not (tmp_path / "hf").exists()
 
 
 def test_missing_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -183,3 +245,30 @@ def test_mismatched_model_config_writes_nothing(
     assert main(["--checkpoint", str(run / "checkpoint-3"), "--output", str(tmp_path / "hf")]) == 2
     assert "does not fit" in _error_line(capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_vocab_padding_rows_are_cut(run_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint whose shared embedding carries padding rows past vocab_size (a tp-padded
+    vocabulary) exports the same files as one without them."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    padded = tmp_path / "run"
+    shutil.copytree(run_dir, padded)
+    ckpt = padded / "checkpoint-3"
+    for f in ckpt.glob("*distcp"):
+        f.unlink()
+    (ckpt / ".metadata").unlink()
+    state = torch.load(run_dir / "reference.pt")
+    state["shared.weight"] = torch.cat(
+        [state["shared.weight"], torch.full((3, state["shared.weight"].shape[1]), 9.0)]
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": state}, checkpoint_id=str(ckpt), no_dist=True)
+    outs = []
+    for name, run in (("plain", run_dir), ("padded", padded)):
+        outs.append(tmp_path / name)
+        assert main(["--checkpoint", str(run / "checkpoint-3"), "--output", str(outs[-1])]) == 0
+    plain, cut = (load_file(str(o / "model.safetensors")) for o in outs)
+    assert plain.keys() == cut.keys() and all(torch.equal(plain[k], cut[k]) for k in plain)

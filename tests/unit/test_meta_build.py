@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from models import hf
 from models.config import ModelConfig
-from models.hf import CheckpointMismatchError, load_hf_into, read_hf_slices, save_hf_model
+from models.hf import CheckpointMismatchError, load_hf_into, read_hf_slices
+from models.hf_save import save_hf_model
 from models.init import LocalSlice, keyed_init
 from models.m2m100 import BlockKind, M2M100Translation, block_specs
 from parallel.materialize import keyed_init_fill, local_slices, materialize, pretrained_fill

@@ -15,10 +15,10 @@ from models.hf import (
     load_hf_weights,
     load_into,
     read_hf_config,
-    save_hf_model,
     to_hf_config,
     to_hf_state_dict,
 )
+from models.hf_save import save_hf_model
 from models.m2m100 import IGNORE_INDEX, M2M100Translation, Seq2SeqBatch
 
 CFG = dict(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import zlib
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ COMMIT_MARKER = "COMMITTED"
 ALGORITHM = "crc32"
 MARKER_FORMAT = 1
 _CHUNK = 4 << 20
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 logger = logging.getLogger("trainer")
 
@@ -76,6 +78,19 @@ def write_marker(root: Path, step: int, records: FileRecords) -> None:
     """Write `root/COMMITTED` (the commit point: a checkpoint without it is never loaded)."""
     marker = {"format": MARKER_FORMAT, "algorithm": ALGORITHM, "step": step, "files": records}
     (root / COMMIT_MARKER).write_text(json.dumps(marker, indent=1, sort_keys=True) + "\n")
+
+
+def is_complete(path: str | Path) -> bool:
+    return (Path(path) / COMMIT_MARKER).is_file()
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _CKPT_RE.match(p.name)) and is_complete(p)]
+    return [p for _, p in sorted(found)]
 
 
 def read_marker(root: Path) -> FileRecords | None:

@@ -21,16 +21,14 @@ the newest checkpoint that verifies, with a warning; a named one that does not i
 an error naming the file. A failed write on any rank (ENOSPC, EDQUOT, EFBIG, EIO,
 ...) is agreed by all ranks, the partial directory is removed and every rank raises
 `CheckpointWriteError` naming the cause and the free space; older checkpoints are
-deleted by `save_total_limit` only after a commit.
+deleted by `save_total_limit` only after a commit. `async_save` (`trainer.checkpoint.async_save`)
+writes the shards in the background and commits through the same `finish_save`.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
-import os
-import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -48,13 +46,15 @@ from trainer.checkpoint.commit import (
     FileRecords,
     files_of_rank,
     hash_files,
+    is_complete,
+    list_checkpoints,
     unlisted_files,
     verify_checkpoint,
     write_marker,
 )
+from trainer.checkpoint.write_failure import describe_write_failure, failed_here
 
 logger = logging.getLogger("trainer")
-_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 # Maps (fqn, local tensor) -> the tensor to hand to DCP (plain or a DTensor of logical shape).
 ToLogical = Callable[[str, Tensor], Tensor]
@@ -118,19 +118,6 @@ def optimizer_state(
 
 def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / f"checkpoint-{step}"
-
-
-def is_complete(path: str | Path) -> bool:
-    return (Path(path) / COMMIT_MARKER).is_file()
-
-
-def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _CKPT_RE.match(p.name)) and is_complete(p)]
-    return [p for _, p in sorted(found)]
 
 
 def rotation_victims(checkpoints: list[Path], limit: int, keep: Path | None = None) -> list[Path]:
@@ -230,24 +217,81 @@ def save_checkpoint(
         CheckpointWriteError: a write failed on some rank (every rank raises it; the
             partial directory is removed; older checkpoints are untouched).
     """
-    rank = _rank()
-    if rank == 0 and path.exists():
-        shutil.rmtree(path)  # an earlier incomplete attempt at this step
-    _barrier()
-    records: FileRecords = {}
-    failure: str | None = None
-    local: BaseException | None = None
+    begin_save(path)
+    rank, records, local = _rank(), {}, None
     try:
-        records = _write_rank_files(path, parts, optimizer, trainer_state, to_logical, rank)
-    except (Exception, CheckpointException) as e:  # agreed below: no rank may leave the others waiting
-        failure, local = describe_write_failure(path, e, rank), e
-    gathered = _all_gather((records, failure, _failed_here(local, rank)))
+        dcp.save(checkpoint_state(parts, optimizer, to_logical), checkpoint_id=str(path))
+        records = write_side_files(path, trainer_state, rank)
+    except (
+        Exception,
+        CheckpointException,
+    ) as e:  # agreed in finish_save: no rank may leave the others waiting
+        local = e
+    finish_save(path, int(trainer_state.get("step", -1)), records, local, save_total_limit, keep)
+
+
+def begin_save(path: Path) -> None:
+    """Rank 0 clears `path` (an earlier incomplete attempt at this step); collective."""
+    if _rank() == 0 and path.exists():
+        shutil.rmtree(path)
+    _barrier()
+
+
+def checkpoint_state(
+    parts: list[nn.Module], optimizer: torch.optim.Optimizer, to_logical: ToLogical = _identity
+) -> dict[str, Any]:
+    """What DCP saves: {"model": {fqn: tensor}, "optim": {fqn: {exp_avg, exp_avg_sq, step}}}."""
+    params = named_trainable(parts)
+    # template: a parameter not updated yet (LayerDrop skipped it every step so far) saves
+    # AdamW's initial zeros, so every mesh's load finds every key.
+    optim = optimizer_state(optimizer, params, to_logical, template=True)
+    return {"model": model_state(parts, to_logical), "optim": optim}
+
+
+def write_side_files(path: Path, trainer_state: dict[str, Any], rank: int) -> FileRecords:
+    """This rank's RNG file and (rank 0) trainer_state.json, beside the DCP shards; their records."""
+    rng_dir = path / "rng"
+    rng_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(_rng_state(), rng_dir / f"rank-{rank}.pt")
+    names = [f"rng/rank-{rank}.pt"]
+    if rank == 0:
+        (path / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+        names.append("trainer_state.json")
+    return hash_files(path, names)
+
+
+def finish_save(
+    path: Path,
+    step: int,
+    records: FileRecords,
+    local: BaseException | None,
+    save_total_limit: int | None = None,
+    keep: Path | None = None,
+) -> None:
+    """The commit of a save whose files are written (collective; see `save_checkpoint`).
+
+    Args:
+        path: the checkpoint directory.
+        step: the checkpoint's step (in the marker).
+        records: this rank's side files (`write_side_files`); its DCP shards are hashed here.
+        local: what this rank's writing raised, or None.
+        save_total_limit, keep: rotation after a commit (`rotation_victims`).
+
+    Raises:
+        CheckpointWriteError: a write failed on some rank (every rank raises it; `path` is removed).
+    """
+    rank = _rank()
+    failure = describe_write_failure(path, local, rank) if local is not None else None
+    if failure is None:
+        try:
+            records = {**records, **hash_files(path, files_of_rank(path, rank))}
+        except OSError as e:
+            failure, local = describe_write_failure(path, e, rank), e
+    gathered = _all_gather((records, failure, failed_here(local, rank)))
     failure = _first_failure([(f, own) for _, f, own in gathered])
     if failure is None and rank == 0:
         try:
-            _commit(
-                path, int(trainer_state.get("step", -1)), {k: v for r, _, _ in gathered for k, v in r.items()}
-            )
+            _commit(path, step, {k: v for r, _, _ in gathered for k, v in r.items()})
         except OSError as e:
             failure, local = describe_write_failure(path, e, rank), e
     failure = _agreed(failure)
@@ -269,121 +313,10 @@ def _first_failure(reports: list[tuple[str | None, bool]]) -> str | None:
     return (own or other)[0] if other else None
 
 
-def _write_rank_files(
-    path: Path,
-    parts: list[nn.Module],
-    optimizer: torch.optim.Optimizer,
-    trainer_state: dict[str, Any],
-    to_logical: ToLogical,
-    rank: int,
-) -> FileRecords:
-    """DCP shards (collective), this rank's RNG file, rank 0's trainer_state.json; their records."""
-    params = named_trainable(parts)
-    # template: a parameter not updated yet (LayerDrop skipped it every step so far) saves
-    # AdamW's initial zeros, so every mesh's load finds every key.
-    optim = optimizer_state(optimizer, params, to_logical, template=True)
-    state = {"model": model_state(parts, to_logical), "optim": optim}
-    dcp.save(state, checkpoint_id=str(path))
-    rng_dir = path / "rng"
-    rng_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(_rng_state(), rng_dir / f"rank-{rank}.pt")
-    names = files_of_rank(path, rank)
-    if rank == 0:
-        (path / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-        names.append("trainer_state.json")
-    return hash_files(path, names)
-
-
 def _commit(path: Path, step: int, records: FileRecords) -> None:
     """Rank 0: hash the files no rank claimed (DCP's .metadata), then write the marker."""
     records.update(hash_files(path, unlisted_files(path, records)))
     write_marker(path, step, records)
-
-
-_ERRNO_MEANING = {
-    errno.ENOSPC: "the disk is full (no space left on device)",
-    errno.EDQUOT: "the disk quota is exhausted",
-    errno.EFBIG: "a file exceeded the largest size allowed (RLIMIT_FSIZE or the file system's limit)",
-}
-
-
-def describe_write_failure(path: Path, exc: BaseException, rank: int) -> str:
-    """One line for a failed save: what failed, on which rank, the free space, what is left.
-
-    DCP's writer reports a failed write as torch.save's "unexpected pos 704 vs 598", and
-    the OSError behind it survives only as that exception's context on the failing rank
-    (pickling across ranks drops it). So the failing rank looks for the OSError in the
-    chain and, if it is gone, probes with a fresh write beside the checkpoint.
-
-    Args:
-        path: the checkpoint directory being written.
-        exc: what this rank caught: an OSError, or DCP's CheckpointException, which
-            carries every failing rank's exception.
-        rank: this rank.
-    """
-    failures = exc.failures if isinstance(exc, CheckpointException) else {rank: (exc, None)}
-    where = rank if rank in failures else min(failures)
-    err = failures[where][0]
-    os_err = _os_error_in(err)
-    probed = os_err is None and where == rank
-    if probed:
-        os_err = _probe_write(path)
-    cause = _cause(err, os_err, probed)
-    try:
-        free = f"{shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free"
-    except OSError:
-        free = "free space unknown"
-    kept = list_checkpoints(path.parent)
-    return (
-        f"saving checkpoint {path} failed on rank {where}: {cause}; {free} in {path.parent}; "
-        f"the partial checkpoint was removed; last committed: {kept[-1].name if kept else 'none'}"
-    )
-
-
-def _cause(err: BaseException, os_err: OSError | None, probed: bool) -> str:
-    """What went wrong, in words: the errno's meaning when there is one, else the error's last line."""
-    last = next((ln.strip() for ln in reversed(str(err).splitlines()) if ln.strip()), type(err).__name__)
-    last = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", last)  # c10's prefix says nothing here
-    if os_err is None or os_err.errno is None:
-        return f"{type(err).__name__}: {last[:200]}"
-    what = _ERRNO_MEANING.get(os_err.errno, "a write failed")
-    code = errno.errorcode.get(os_err.errno, str(os_err.errno))
-    cause = f"{what} ({code}: {os_err.strerror}{f', {os_err.filename}' if os_err.filename else ''})"
-    return cause + (f", found by a probe write after {type(err).__name__}: {last[:120]}" if probed else "")
-
-
-def _failed_here(exc: BaseException | None, rank: int) -> bool:
-    if exc is None:
-        return False
-    return rank in exc.failures if isinstance(exc, CheckpointException) else True
-
-
-def _os_error_in(exc: BaseException) -> OSError | None:
-    """The first OSError along `exc`'s cause/context chain (itself included)."""
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        if isinstance(cur, OSError):
-            return cur
-        seen.add(id(cur))
-        cur = cur.__cause__ or cur.__context__
-    return None
-
-
-def _probe_write(path: Path, size: int = 4 << 20) -> OSError | None:
-    """Write and fsync `size` bytes beside the checkpoint; the OSError if that fails (file removed)."""
-    probe = path.parent / f".write-probe-{os.getpid()}"
-    try:
-        with open(probe, "wb") as f:
-            for _ in range(size >> 20):
-                f.write(b"\0" * (1 << 20))
-            f.flush()
-            os.fsync(f.fileno())
-        return None
-    except OSError as e:
-        return e
-    finally:
-        probe.unlink(missing_ok=True)
 
 
 def _all_gather(obj: Any) -> list[Any]:

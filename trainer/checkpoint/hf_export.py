@@ -1,8 +1,9 @@
 """Export a training checkpoint as a Hugging Face directory (the library of `python -m trainer.export`).
 
-Reads the DCP checkpoint in one process, writes config.json, model.safetensors,
-generation_config.json and the tokenizer files into a temporary directory renamed at the
-end; the usage and the layout are in `trainer/export.py`.
+Reads the DCP checkpoint in one process a shard at a time (`export_weights`: planned from
+DCP's metadata, each output shard's tensors loaded alone), writes config.json, the
+safetensors shards (`models.hf_save`), generation_config.json and the tokenizer files into
+a temporary directory renamed at the end; the usage and the layout are in `trainer/export.py`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,12 +21,28 @@ from typing import Any
 import torch
 
 from models.config import ModelConfig
-from models.hf import CheckpointMismatchError, save_hf_model
+from models.hf import CheckpointMismatchError, hf_tensors
+from models.hf_save import (
+    EXPORT_DTYPES,
+    parse_shard_size,
+    plan_shards,
+    tensor_bytes,
+    write_hf_config,
+    write_shards,
+)
 from models.m2m100 import M2M100Translation
-from trainer.checkpoint.commit import COMMIT_MARKER, verify_checkpoint
-from trainer.checkpoint.dcp import is_complete, list_checkpoints
-from trainer.tokenizer.stock_m2m100 import permute_model, run_layout, save_m2m100_tokenizer
+from trainer.checkpoint.commit import COMMIT_MARKER, is_complete, list_checkpoints, verify_checkpoint
+from trainer.tokenizer.stock_m2m100 import (
+    StockLayout,
+    permute_tensor,
+    run_layout,
+    save_m2m100_tokenizer,
+    stock_config,
+)
 from trainer.tokenizer.vocab import SentencePieceTokenizer, Tokenizer
+
+_MODEL = "model."  # DCP flattens {"model": {fqn: t}} to "model.<fqn>"
+_SHARED = "shared.weight"
 
 
 @dataclass
@@ -44,6 +62,18 @@ class ExportArguments:
         metadata={"help": "Tokenizer directory; default: the run's `tokenizer/` beside the checkpoint."},
     )
     overwrite: bool = field(default=False, metadata={"help": "Replace a non-empty --output directory."})
+    max_shard_size: str = field(
+        default="5GB",
+        metadata={
+            "help": "Largest safetensors file, as in `save_pretrained`: '5GB', '500MB', '200MiB' or "
+            "bytes; more weights than that are written as model-0000k-of-0000n.safetensors with "
+            "model.safetensors.index.json, reading the checkpoint one shard at a time."
+        },
+    )
+    dtype: str = field(
+        default="fp32",
+        metadata={"help": f"The exported weights' dtype: {' | '.join(EXPORT_DTYPES)}."},
+    )
 
 
 class ExportError(ValueError):
@@ -119,31 +149,23 @@ def read_model_config(checkpoint: Path) -> ModelConfig:
         raise ExportError(f"{checkpoint / 'trainer_state.json'} has no usable model_config: {e}") from None
 
 
-def load_full_state(checkpoint: str | Path, config: ModelConfig | None = None) -> dict[str, torch.Tensor]:
-    """The single-device model state (fqn -> plain tensor of logical shape) of a checkpoint from any mesh.
-
-    Works without a process group (DCP's no-dist path); reads only the "model" entries.
+def export_options(args: ExportArguments) -> tuple[torch.dtype, int]:
+    """--dtype and --max_shard_size, checked (the dtype and the shard size in bytes).
 
     Raises:
-        CheckpointMismatchError: the checkpoint does not hold this model's tensors.
+        ExportError: an unknown dtype or a size that does not parse, naming what is valid.
     """
-    path = Path(checkpoint)
-    config = config or read_model_config(path)
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    model = M2M100Translation(config)
-    template = {k: p.detach().clone() for k, p in model.named_parameters()}
+    if args.num_beams < 1 or args.max_length < 2:
+        raise ExportError(
+            f"--num_beams {args.num_beams} must be >= 1 and --max_length {args.max_length} >= 2"
+        )
+    if args.dtype not in EXPORT_DTYPES:
+        raise ExportError(f"--dtype {args.dtype!r} is not supported; valid: {', '.join(EXPORT_DTYPES)}")
     try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"model": template}, checkpoint_id=str(path), no_dist=True)
-    except (CheckpointException, Exception) as e:  # CheckpointException is a BaseException
-        # Its message is a per-rank traceback; the last line names the problem (e.g. a missing key).
-        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-        cause = lines[-1][:300] if lines else type(e).__name__
-        raise CheckpointMismatchError(f"checkpoint {path} does not fit its model_config: {cause}") from e
-    return template
+        max_bytes = parse_shard_size(args.max_shard_size)
+    except ValueError as e:
+        raise ExportError(f"--{e}") from None
+    return EXPORT_DTYPES[args.dtype], max_bytes
 
 
 def export(args: ExportArguments) -> Path:
@@ -152,13 +174,10 @@ def export(args: ExportArguments) -> Path:
     Raises:
         ExportError, CheckpointMismatchError, TokenizerError: bad input (nothing is written).
     """
+    dtype, max_bytes = export_options(args)
     ckpt = check_checkpoint(args.checkpoint)
     tok_dir = find_tokenizer_dir(ckpt, args.tokenizer)
     out = check_output(args.output, args.overwrite)
-    if args.num_beams < 1 or args.max_length < 2:
-        raise ExportError(
-            f"--num_beams {args.num_beams} must be >= 1 and --max_length {args.max_length} >= 2"
-        )
     config = read_model_config(ckpt)
     tokenizer = Tokenizer.load(tok_dir)
     if tokenizer.vocab_size > config.vocab_size:
@@ -171,7 +190,7 @@ def export(args: ExportArguments) -> Path:
     )  # our SentencePiece and HF tokenizers have it
     if save_pretrained is None:
         raise ExportError(f"tokenizer at {str(tok_dir)!r} ({type(tokenizer).__name__}) cannot write HF files")
-    state = load_full_state(ckpt, config)
+    check_stored(stored_model_tensors(ckpt), config, ckpt)  # before anything is written
     generation: dict[str, Any] = {"num_beams": args.num_beams, "max_length": args.max_length}
     max_length = config.max_position_embeddings  # truncation=True cuts there
     own = tokenizer if isinstance(tokenizer, SentencePieceTokenizer) else None  # stock ones: as they are
@@ -179,11 +198,12 @@ def export(args: ExportArguments) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
+        export_weights(ckpt, config, tmp, dtype, max_bytes, layout)
         if own is not None and layout is not None:  # M2M100-style tags, all stock codes: stock M2M100
-            save_hf_model(*permute_model(state, config, layout), tmp, generation)
+            write_hf_config(stock_config(config, layout), tmp, generation, dtype)
             save_m2m100_tokenizer(own.model_proto, layout, tmp, model_max_length=max_length)
         else:
-            save_hf_model(state, config, tmp, generation)
+            write_hf_config(config, tmp, generation, dtype)
             save_pretrained(tmp, model_max_length=max_length)
         _default_permissions(tmp)
         if out.exists():
@@ -197,6 +217,151 @@ def export(args: ExportArguments) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor of the checkpoint's "model" part as its metadata records it (logical shape)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def stored_model_tensors(checkpoint: Path) -> dict[str, StoredTensor]:
+    """fqn -> shape and dtype of every "model" tensor, from DCP's `.metadata` alone (no tensor read).
+
+    Raises:
+        CheckpointMismatchError: the metadata is unreadable.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = FileSystemReader(str(checkpoint)).read_metadata()
+    except Exception as e:  # a missing or damaged .metadata: pickle, OSError, ...
+        raise CheckpointMismatchError(f"checkpoint {checkpoint} has no readable DCP metadata: {e}") from e
+    return {
+        key.removeprefix(_MODEL): StoredTensor(tuple(md.size), md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith(_MODEL) and isinstance(md, TensorStorageMetadata)
+    }
+
+
+_MODEL = "model."  # DCP flattens {"model": {fqn: t}} to "model.<fqn>"
+
+
+def check_stored(stored: dict[str, StoredTensor], config: ModelConfig, checkpoint: Path) -> None:
+    """The checkpoint holds exactly the model's tensors, each of the model's shape (the shared
+    embedding may carry vocabulary padding rows, cut on export).
+
+    Raises:
+        CheckpointMismatchError: naming the missing / unexpected tensors or the first wrong shape.
+    """
+    with torch.device("meta"):
+        expected = {n: tuple(p.shape) for n, p in M2M100Translation(config).named_parameters()}
+    missing, unexpected = sorted(set(expected) - set(stored)), sorted(set(stored) - set(expected))
+    if missing or unexpected:
+        raise CheckpointMismatchError(
+            f"checkpoint {checkpoint} does not fit its model_config: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    for name, shape in expected.items():
+        got = stored[name].shape
+        padded = name == _SHARED and got[1:] == shape[1:] and got[0] >= shape[0]
+        if got != shape and not padded:
+            raise CheckpointMismatchError(
+                f"checkpoint {checkpoint} does not fit its model_config: {name} has shape {got}, "
+                f"the model {shape}"
+            )
+
+
+_SHARED = "shared.weight"
+
+
+def read_model_tensors(
+    checkpoint: Path, names: list[str], stored: dict[str, StoredTensor], vocab_size: int
+) -> dict[str, torch.Tensor]:
+    """Just `names` of the checkpoint's "model" part (plain tensors of logical shape, any saving
+    mesh), read by DCP without a process group; the shared embedding's padding rows cut.
+
+    Raises:
+        CheckpointMismatchError: DCP cannot read them (a damaged or foreign checkpoint).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    template = {n: torch.empty(stored[n].shape, dtype=stored[n].dtype) for n in names}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": template}, checkpoint_id=str(checkpoint), no_dist=True)
+    except (CheckpointException, Exception) as e:  # CheckpointException is a BaseException
+        # Its message is a per-rank traceback; the last line names the problem (e.g. a missing key).
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        cause = lines[-1][:300] if lines else type(e).__name__
+        raise CheckpointMismatchError(f"checkpoint {checkpoint} cannot be read: {cause}") from e
+    if _SHARED in template and template[_SHARED].shape[0] > vocab_size:
+        template[_SHARED] = template[_SHARED][:vocab_size].clone()  # (V, d): the padding dropped
+    return template
+
+
+def load_full_state(checkpoint: str | Path, config: ModelConfig | None = None) -> dict[str, torch.Tensor]:
+    """The single-device model state (fqn -> plain tensor of logical shape) of a checkpoint from any mesh.
+
+    Works without a process group (DCP's no-dist path); reads only the "model" entries.
+
+    Raises:
+        CheckpointMismatchError: the checkpoint does not hold this model's tensors.
+    """
+    path = Path(checkpoint)
+    config = config or read_model_config(path)
+    stored = stored_model_tensors(path)
+    check_stored(stored, config, path)
+    return read_model_tensors(path, list(stored), stored, config.vocab_size)
+
+
+def export_weights(
+    checkpoint: Path,
+    config: ModelConfig,
+    out: Path,
+    dtype: torch.dtype,
+    max_shard_bytes: int,
+    layout: StockLayout | None,
+) -> None:
+    """Stream the checkpoint's weights into HF safetensors shards of at most `max_shard_bytes`.
+
+    The shards are planned from DCP's metadata (output bytes per tensor: the stock layout's
+    rows for the embedding, `dtype`'s size); then each shard's tensors alone are read,
+    converted (vocabulary padding cut, stock permutation, q/k/v split, cast) and written
+    before the next is read, so the peak holds about one shard, not the model.
+
+    Raises:
+        CheckpointMismatchError: the checkpoint does not hold `config`'s tensors.
+    """
+    stored = stored_model_tensors(checkpoint)
+    check_stored(stored, config, checkpoint)
+    with torch.device("meta"):
+        order = [n for n, _ in M2M100Translation(config).named_parameters()]
+    out_config = stock_config(config, layout) if layout is not None else config
+
+    def out_shape(name: str) -> tuple[int, ...]:
+        shape = stored[name].shape
+        return (out_config.vocab_size, *shape[1:]) if name == _SHARED else shape
+
+    groups = plan_shards([(n, tensor_bytes(out_shape(n), dtype)) for n in order], max_shard_bytes)
+
+    def shards() -> Iterator[dict[str, torch.Tensor]]:
+        for group in groups:
+            tensors = read_model_tensors(checkpoint, group, stored, config.vocab_size)
+            shard: dict[str, torch.Tensor] = {}
+            for name in group:
+                ours = tensors.pop(name)  # dropped as soon as converted
+                if layout is not None:
+                    ours = permute_tensor(name, ours, layout)
+                shard.update((k, v.to(dtype).contiguous()) for k, v in hf_tensors(name, ours, config))
+            yield shard
+
+    write_shards(out, shards(), len(groups))
 
 
 def _default_permissions(directory: Path) -> None:

@@ -48,7 +48,7 @@ import yaml
 from models.config import ModelConfig
 from parallel.mesh import ParallelDims
 from trainer.checkpoint import dcp as ckpt
-from trainer.config.schema import JobConfig
+from trainer.config.schema import LAYERDROP_FIELDS, JobConfig
 from trainer.data.batching import BatchLayout
 from trainer.errors import ConfigError
 
@@ -99,6 +99,7 @@ SESSION_MODEL_FIELDS = ("dropout", "attention_dropout", "activation_dropout")
 MAY_CHANGE = (
     *GLOBAL_BATCH,  # each may change; their product (x dp) may not
     *SESSION_MODEL_FIELDS,
+    *LAYERDROP_FIELDS,  # LayerDrop too, where the session sets it (None: the checkpoint's value)
     "init_std",  # only draws the initial weights, which come from the checkpoint
     "train_file",
     "validation_file",
@@ -134,6 +135,7 @@ MAY_CHANGE = (
     "eval_steps",
     "do_eval",
     "save_steps",
+    "async_save",  # how checkpoints are written, not what
     "save_total_limit",
     "resume_from_checkpoint",
     "bf16",
@@ -188,6 +190,7 @@ class ResumePoint:
         """The architecture the checkpoint's weights have, with this session's dropouts."""
         values = dict(self.state["model_config"])
         values.update({k: getattr(cfg.model, k) for k in SESSION_MODEL_FIELDS})
+        values.update({k: v for k in LAYERDROP_FIELDS if (v := getattr(cfg.model, k)) is not None})
         return ModelConfig.from_dict(values)
 
 

@@ -106,6 +106,14 @@ class TrainingArguments:
     save_steps: int = field(
         default=0, metadata={"help": "save_strategy=steps: every N steps (0: only at the end)."}
     )
+    async_save: bool = field(
+        default=False,
+        metadata={
+            "help": "Write checkpoints in the background (DCP async_save): a save costs the step only the "
+            "copy to host memory; the next save, the end of training and a preemption wait for it, and "
+            "its COMMITTED marker is written only once every rank's files are on disk (no HF name)."
+        },
+    )
     save_total_limit: int | None = field(
         default=None, metadata={"help": "Keep at most N checkpoints (the best one is always kept)."}
     )

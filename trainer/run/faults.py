@@ -4,6 +4,7 @@ A test hook, off unless the environment variable is set:
 
     TRAINER_FAULT_INJECT=kill:rank=1:step=4            rank 1 SIGKILLs itself as it begins step 4
     TRAINER_FAULT_INJECT=stop:rank=1:step=4:attempt=0  ... SIGSTOPs itself (a hang), first attempt only
+    TRAINER_FAULT_INJECT=term:rank=0:step=3            ... SIGTERMs itself (a preemption notice)
 
 `rank` is the global rank; `attempt` is torchrun's TORCHELASTIC_RESTART_COUNT
 (default 0: only the first attempt fails, so a group restarted by
@@ -19,7 +20,7 @@ import signal
 from dataclasses import dataclass
 
 ENV_VAR = "TRAINER_FAULT_INJECT"
-_SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+_SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
 
 
 @dataclass(frozen=True)

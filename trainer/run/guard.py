@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from parallel.fsdp import local
 from trainer.config.checks import NAN_POLICIES
@@ -239,7 +240,9 @@ def assert_finite_state(model: nn.Module, optimizer: torch.optim.Optimizer, what
             if isinstance(value, Tensor) and value.is_floating_point() and value.dim() > 0:
                 tensors.append((f"{names.get(id(p), '?')}.{key}", local(value)))
     device = next(model.parameters()).device
-    flags = torch.stack([torch.isfinite(t).all() for _, t in tensors]).logical_not()
+    # Each rank checks what it holds: an FSDP / tp DTensor's local shard (the all-reduce below joins them).
+    local = [t.to_local() if isinstance(t, DTensor) else t for _, t in tensors]
+    flags = torch.stack([torch.isfinite(t).all() for t in local]).logical_not()
     bad = [n for (n, _), f in zip(tensors, flags.tolist()) if f]
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -75,8 +75,9 @@ def run(cfg: JobConfig) -> dict[str, Any]:
                 totals = (
                     train_loop(ctx, tracker, evaluator, step, guard) if args.do_train else LoopTotals(step)
                 )
-            except (Preempted, DivergenceError):
+            except (Preempted, DivergenceError):  # agreed by every rank: the save in flight can finish
                 tracker.close()  # rows are already on disk; this ends the W&B run and the progress bar
+                ctx.saver.wait()
                 raise
             return finish_run(ctx, tracker, evaluator, totals, before)
 
@@ -276,6 +277,7 @@ def evaluate_at(
 def preempt(ctx: RunContext, step: int, signum: int) -> Preempted:
     """Checkpoint `step` (collective) and return the `Preempted` for the caller to raise."""
     save(ctx, step)
+    ctx.saver.wait()  # exit only once it is committed
     err = Preempted(step, signum, str(ckpt.checkpoint_dir(ctx.out, step)))
     logger.warning("preempted: %s", err)
     return err
@@ -298,6 +300,7 @@ def finish_run(
         after = last[1] if last and last[0] == step else evaluate_at(ctx, tracker, evaluator, step, totals)
     if args.do_train and totals.last_save != step:
         save(ctx, step)
+    ctx.saver.wait()  # the last checkpoint committed before the best model is read and the run ends
     load_best_model(ctx, step)
     if args.do_train and args.load_best_model_at_end and ctx.best.best_metrics is not None:
         after = ctx.best.best_metrics  # the model the run ends with

@@ -27,6 +27,7 @@ from parallel.mesh import ParallelDims, ParallelMesh, build_mesh, coords_to_rank
 from parallel.parallelize import ParallelModel, build_parallel_model
 from parallel.simulate import bubble_theory
 from parallel.watchdog import RankIdentity, default_warn_after, start_watchdog
+from trainer.checkpoint.async_save import CheckpointSaver
 from trainer.checkpoint.resume import ResumePoint, adopt_tokenizer, log_changes
 from trainer.config.schema import LAYERDROP_FIELDS, JobConfig
 from trainer.config.training_args import TrainingArguments
@@ -196,6 +197,7 @@ class RunContext:
     resume: ResumePoint | None = None  # the checkpoint this session continues, checked by find_resume
     steps_per_epoch: int = 1  # global batches in the sampler's epoch (num_train_epochs, "epoch" strategies)
     best: BestModel = field(default_factory=BestModel)  # best evaluation / checkpoint, early-stop count
+    saver: CheckpointSaver = field(default_factory=CheckpointSaver)  # holds an async save in flight
     test_raw: RawDatasets | None = (
         None  # do_predict's test pairs, read at set-up (a missing split fails early)
     )

@@ -94,6 +94,7 @@ def load_best_model(ctx: RunContext, step: int) -> None:
     best, args = ctx.best.best_model_checkpoint, ctx.cfg.training
     if not (args.do_train and args.load_best_model_at_end) or best is None or ctx.best.best_step == step:
         return
+    ctx.saver.wait()  # the best checkpoint may be the one still being written
     ckpt.load_checkpoint(Path(best), [ctx.pm.model], None, to_logical=ctx.pm.to_logical, restore_rng=False)
     logger.info("loaded the best model: %s (%s = %s)", best, ctx.best.metric, ctx.best.best_metric)
 
@@ -109,10 +110,12 @@ def state_mesh_matches(path: Path, dims: ParallelDims) -> bool:
 
 
 def save(ctx: RunContext, step: int) -> None:
-    """Checkpoint model, optimizer, scheduler and sampler at `step` (collective).
+    """Checkpoint model, optimizer, scheduler and sampler at `step` (collective); with async_save
+    the write goes on in the background until `ctx.saver.wait()` (the next save waits for it).
 
     Raises:
         DivergenceError: some rank holds a non-finite parameter or optimizer state; nothing is written.
+        CheckpointWriteError: this save (or the asynchronous one before it) failed on some rank.
     """
     path = ckpt.checkpoint_dir(ctx.out, step)
     assert_finite_state(ctx.pm.model, ctx.optimizer, path.name)
@@ -134,7 +137,7 @@ def save(ctx: RunContext, step: int) -> None:
         ctx.best.best_model_checkpoint,
     )
     best = ctx.best.best_model_checkpoint
-    ckpt.save_checkpoint(
+    ctx.saver.save(
         path,
         [ctx.pm.model],
         ctx.optimizer,
@@ -142,4 +145,5 @@ def save(ctx: RunContext, step: int) -> None:
         to_logical=ctx.pm.to_logical,
         save_total_limit=ctx.cfg.training.save_total_limit,
         keep=Path(best) if best else None,
+        asynchronous=ctx.cfg.training.async_save,
     )

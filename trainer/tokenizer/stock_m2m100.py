@@ -153,17 +153,31 @@ def run_layout(tokenizer: SentencePieceTokenizer, model_vocab: int) -> StockLayo
     return stock_layout(pieces, tokenizer.available_tags(), model_vocab)
 
 
-def permute_model(
-    state: dict[str, Tensor], config: ModelConfig, layout: StockLayout
-) -> tuple[dict[str, Tensor], ModelConfig]:
-    """Our full state and config -> the stock M2M100 vocabulary's: the shared embedding (tied
-    to the encoder, decoder and lm_head; the model has no logits bias) permuted, vocab_size grown."""
+def stock_config(config: ModelConfig, layout: StockLayout) -> ModelConfig:
+    """The model config in the stock M2M100 vocabulary (vocab_size grown to the layout's).
+
+    Raises:
+        ValueError: a special id (pad, bos, eos, unk) would move.
+    """
     if layout.unk_id != config.unk_token_id or any(
         layout.new_id[i] != i for i in (config.pad_token_id, config.bos_token_id, config.eos_token_id)
     ):
         raise ValueError(f"special ids of {config} do not keep their ids in the stock layout")
-    shared = layout.permute_rows(state["shared.weight"])  # (size, d)
-    return {**state, "shared.weight": shared}, replace(config, vocab_size=layout.size)
+    return replace(config, vocab_size=layout.size)
+
+
+def permute_tensor(name: str, tensor: Tensor, layout: StockLayout) -> Tensor:
+    """One of our tensors in the stock M2M100 vocabulary: the shared embedding (tied to the
+    encoder, decoder and lm_head; the model has no logits bias) permuted, the others as they are."""
+    return layout.permute_rows(tensor) if name == "shared.weight" else tensor
+
+
+def permute_model(
+    state: dict[str, Tensor], config: ModelConfig, layout: StockLayout
+) -> tuple[dict[str, Tensor], ModelConfig]:
+    """Our full state and config -> the stock M2M100 vocabulary's, tensor by tensor (`permute_tensor`)."""
+    new_config = stock_config(config, layout)
+    return {n: permute_tensor(n, t, layout) for n, t in state.items()}, new_config
 
 
 def save_m2m100_tokenizer(
