@@ -55,7 +55,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from parallel.fsdp import local
 from trainer.config.checks import NAN_POLICIES
 
 logger = logging.getLogger("trainer")
@@ -233,12 +232,11 @@ def assert_finite_state(model: nn.Module, optimizer: torch.optim.Optimizer, what
         DivergenceError: naming the checkpoint, the bad ranks and a few of this rank's bad tensors.
     """
     names = {id(p): n for n, p in model.named_parameters()}
-    # FSDP: each rank checks its own dp shard (a DTensor's local piece); the counts are summed below.
-    tensors: list[tuple[str, Tensor]] = [(n, local(p.detach())) for n, p in model.named_parameters()]
+    tensors: list[tuple[str, Tensor]] = [(n, p.detach()) for n, p in model.named_parameters()]
     for p, state in optimizer.state.items():
         for key, value in state.items():
             if isinstance(value, Tensor) and value.is_floating_point() and value.dim() > 0:
-                tensors.append((f"{names.get(id(p), '?')}.{key}", local(value)))
+                tensors.append((f"{names.get(id(p), '?')}.{key}", value))
     device = next(model.parameters()).device
     # Each rank checks what it holds: an FSDP / tp DTensor's local shard (the all-reduce below joins them).
     local = [t.to_local() if isinstance(t, DTensor) else t for _, t in tensors]
