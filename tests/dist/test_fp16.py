@@ -1,4 +1,5 @@
-"""fp16 with dynamic loss scaling through the real trainer on a (pp, tp) = (2, 2) gloo mesh.
+"""fp16 with dynamic loss scaling through the real trainer on (pp, tp) = (2, 2) and (pp, dp) =
+(2, 2) FSDP gloo meshes, and FSDP's fp16 gradients against fp32 below the trainer.
 
 The story (issue 20): `fp16: true` was refused because nothing scaled the loss, and a
 per-process `GradScaler` cannot work in a pipeline: an overflow seen by one pp or tp rank
@@ -13,6 +14,7 @@ at step 5 one gradient element of pp rank 0, tp rank 1 only is made inf before t
 unscale (as a local backward overflow would be). A second group, pp=2 x dp=2 under FSDP,
 does the same with the inf in one dp shard. Every rank records, after each step,
 whether it skipped, why, its scale and growth tracker, and its own (local) found-inf flag.
+A last 2-rank group checks that FSDP's sharded fp16 gradients unscale to the fp32 ones.
 """
 
 from __future__ import annotations
