@@ -214,6 +214,11 @@ class TrainingArguments:
         check_range(self, ("fp16_initial_scale",), 0, FP32_MAX, low_open=True)  # the scale is an fp32
         self._check_hf_fields()
 
+    @property
+    def half_precision(self) -> bool:
+        """bf16 or fp16: 2-byte working weights and activations, 16-bit tensor-core peak."""
+        return self.bf16 or self.fp16
+
     def _check_hf_fields(self) -> None:
         """The run_translation / Seq2SeqTrainingArguments fields: length, strategies, best model, precision."""
         if self.max_steps == 0 or self.max_steps < -1:

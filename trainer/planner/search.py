@@ -64,12 +64,12 @@ def plan(cfg: JobConfig, base_args: list[str], opts: PlanOptions) -> dict[str, A
     prediction cannot enter the table and is counted as pruned instead of simulated.
     """
     world, gpn = opts.world_size, opts.gpus_per_node or opts.world_size
-    device = device_spec(opts.device, cfg.training.bf16) if opts.device else None
+    device = device_spec(opts.device, cfg.training.half_precision) if opts.device else None
     source = CostSource(cfg, opts, device)
     link = device.link if device else _local_link(opts)
     memory_gib = opts.device_memory_gib or (device.memory_gib if device else None)
     ctx = CostContext(
-        source.mc, link, gpn, cfg.training.bf16, cfg.parallel.data_parallel_sharding == "zero1",
+        source.mc, link, gpn, cfg.training.half_precision, cfg.parallel.data_parallel_sharding == "zero1",
         cfg.parallel.sequence_parallel,
         28.0 / device.hbm_bytes_per_s if device else measure_optimizer_s_per_param(source.mc),
     )  # fmt: skip

@@ -176,7 +176,7 @@ def train_loop(
 def _mesh_peak_flops(ctx: RunContext) -> float | None:
     """Peak FLOP/s of the whole mesh (for MFU), or None where the device's peak is unknown."""
     args = ctx.cfg.training
-    peak = peak_flops(ctx.pm.device, args.bf16 or args.fp16, args.mfu_peak_tflops)  # 16-bit tensor cores
+    peak = peak_flops(ctx.pm.device, args.half_precision, args.mfu_peak_tflops)
     return peak * dist.get_world_size() if peak else None
 
 
