@@ -11,7 +11,8 @@
 Loss scaling: the last stage backpropagates `loss_sum(mb) * loss_scale`, where the
 trainer passes `loss_scale = 1 / tokens(global batch)`; summed over micro-batches,
 flushes and dp replicas this is exactly the gradient of the mean token loss of the
-unsplit global batch.
+unsplit global batch. With fp16 it is `S / tokens`, a device scalar holding the
+dynamic loss scale S (parallel/loss_scale.py), so S never visits the host.
 
 The hot path never waits on the device: shapes come from the micro-batch every
 rank holds (host lengths), token counts are host numbers, and the loss sum stays
@@ -176,7 +177,7 @@ class PipelineExecutor:
     def run_flush(
         self,
         microbatches: Sequence[Seq2SeqBatch],
-        loss_scale: float,
+        loss_scale: float | Tensor,
         last_flush: bool = True,
         timed: bool = False,
     ) -> FlushResult:
@@ -184,7 +185,7 @@ class PipelineExecutor:
 
         Args:
             microbatches: this replica's micro-batches of the flush, on the device.
-            loss_scale: 1 / tokens(global batch).
+            loss_scale: 1 / tokens(global batch), or S / tokens as a 0-d device tensor (fp16).
             last_flush: the step's last flush: arm the dp overlap and run GR's reduce.
             timed: mark the clock after every action (for the bubble and the timeline) and
                 meter activation memory (the saved-tensor meter's hooks cost host work, so
@@ -333,7 +334,7 @@ def _grad_or_zeros(t: Tensor) -> Tensor:
 class _FlushState:
     """Tensors in flight during one flush, keyed by (stage, micro-batch)."""
 
-    def __init__(self, batches: Sequence[Seq2SeqBatch], loss_scale: float, timed: bool) -> None:
+    def __init__(self, batches: Sequence[Seq2SeqBatch], loss_scale: float | Tensor, timed: bool) -> None:
         self.batches, self.loss_scale, self.timed = list(batches), loss_scale, timed
         self.inputs: dict[tuple[int, int], State] = {}
         self.outputs: dict[tuple[int, int], dict[str, Any]] = {}

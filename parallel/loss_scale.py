@@ -28,11 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-
-def _local(t: Tensor) -> Tensor:
-    """A DTensor's local shard (FSDP / tp sharded gradients), else the tensor itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
+from parallel.fsdp import local
 
 
 class DynamicLossScale:
@@ -80,8 +76,8 @@ class DynamicLossScale:
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for g in grads:
             if g is not None:
-                local = _local(g)
-                by_dtype.setdefault(local.dtype, []).append(local)
+                shard = local(g)  # FSDP: the rank's dp shard of the gradient
+                by_dtype.setdefault(shard.dtype, []).append(shard)
         inv = self.scale.double().reciprocal().float()
         for group in by_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)

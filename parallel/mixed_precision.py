@@ -1,4 +1,8 @@
-"""bf16 working weights over fp32 master weights, cast once per optimizer step.
+"""bf16 (or fp16) working weights over fp32 master weights, cast once per optimizer step.
+
+fp16 uses the same machinery with dtype float16; its small range needs the dynamic loss
+scale of parallel/loss_scale.py on top (the gradients reaching the fp32 masters are
+scaled by S and unscaled by the trainer's step before clipping).
 
 As Megatron and FSDP2 do it:
 

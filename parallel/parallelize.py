@@ -203,11 +203,14 @@ class ParallelModel:
     def train_step(
         self,
         flushes: Sequence[Sequence[Seq2SeqBatch]],
-        loss_scale: float,
+        loss_scale: float | Tensor,
         timed: bool = False,
         skip_layers: frozenset[str] = frozenset(),
     ) -> list[FlushResult]:
         """Forward+backward over `gradient_accumulation_steps` flushes; grads are final after it.
+
+        `loss_scale` multiplies each micro-batch's loss sum before its backward: 1 / tokens, or
+        (fp16) S / tokens as a 0-d device tensor.
 
         Every micro-batch of the step is copied to the device first (pinned, asynchronous),
         so the copies overlap the compute instead of waiting inside the flush.
@@ -227,7 +230,7 @@ class ParallelModel:
         return results
 
     def _run_flushes(
-        self, flushes: Sequence[Sequence[Seq2SeqBatch]], loss_scale: float, timed: bool
+        self, flushes: Sequence[Sequence[Seq2SeqBatch]], loss_scale: float | Tensor, timed: bool
     ) -> list[FlushResult]:
         on_device = [self._prepare(microbatches) for microbatches in flushes]
         if self.fsdp is not None:

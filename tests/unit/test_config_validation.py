@@ -46,6 +46,9 @@ BAD = [
     (ParallelArguments, "num_microbatches", 0, r"num_microbatches=0 must be >= 1"),
     (ParallelArguments, "hang_warning_s", float("nan"), r"hang_warning_s=nan must be a finite number"),
     (TrainingArguments, "nan_max_consecutive_skips", 0, r"nan_max_consecutive_skips=0 must be >= 1"),
+    (TrainingArguments, "fp16_initial_scale", 0.0, r"fp16_initial_scale=0\.0 must be in \(0, 3\.40282e\+38"),
+    (TrainingArguments, "fp16_initial_scale", 1e39, r"fp16_initial_scale=1e\+39 must be in \(0, 3\.4028"),
+    (TrainingArguments, "fp16_scale_growth_interval", 0, r"fp16_scale_growth_interval=0 must be >= 1"),
 ]
 
 

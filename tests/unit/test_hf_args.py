@@ -1,7 +1,7 @@
 """run_translation / Seq2SeqTrainingArguments names with the HF Trainer's meaning (pure: no processes).
 
 Regression: a run_translation config was rejected (`do_train`, `eval_strategy`, `forced_bos_token`,
-`fp16`, `num_train_epochs`, `predict_with_generate`, `source_prefix`), and an HF name we spell
+`fp16: false`, `num_train_epochs`, `predict_with_generate`, `source_prefix`), and an HF name we spell
 differently (`evaluation_strategy`, `gradient_checkpointing`) failed as a bare "unknown key".
 The decisions (`trainer.strategies`) are checked here on numbers; tests/dist/test_run_translation_style.py
 runs them end to end.
@@ -133,6 +133,8 @@ def test_rotation_keeps_the_best_checkpoint() -> None:
         ("gradient_checkpointing", r"use activation_checkpointing"),
         ("deepspeed", r"use the parallel fields"),
         ("lr_scheduler_kwargs", r"use lr_scheduler_type"),
+        ("fp16_full_eval", r"use fp16 \(evaluation runs in the training precision\)"),
+        ("fp16_opt_level", r"use fp16 \(fp16 working weights over fp32 masters: no apex opt levels\)"),
     ],
 )
 def test_known_hf_name_fails_with_a_hint(tmp_path: Path, key: str, hint: str) -> None:
@@ -147,8 +149,9 @@ def test_known_hf_name_fails_with_a_hint(tmp_path: Path, key: str, hint: str) ->
 
 
 def test_refused_hf_values_say_what_to_use() -> None:
-    with pytest.raises(ConfigError, match=r"fp16=True is not supported .*use bf16: true"):
-        TrainingArguments(fp16=True)
+    assert TrainingArguments(fp16=True).fp16  # fp16 with dynamic loss scaling (tests/dist/test_fp16.py)
+    with pytest.raises(ConfigError, match=r"^fp16=True and bf16=True together: choose one precision"):
+        TrainingArguments(fp16=True, bf16=True)
     with pytest.raises(ConfigError, match=r"predict_with_generate=False is not supported"):
         TrainingArguments(predict_with_generate=False)
     with pytest.raises(ConfigError, match=r"source_prefix='translate English to German: ': a T5 task prefix"):

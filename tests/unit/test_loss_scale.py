@@ -1,4 +1,6 @@
-"""fp16 dynamic loss scaling: unscale, overflow detection, back-off and growth, state round trip."""
+"""fp16 dynamic loss scaling: unscale, overflow detection, back-off and growth, state round trip,
+and the step guard's verdicts on an overflow (one process; the agreement over ranks is
+tests/dist/test_fp16.py)."""
 
 import math
 
@@ -6,6 +8,7 @@ import pytest
 import torch
 
 from parallel.loss_scale import DynamicLossScale
+from trainer.run.guard import DivergenceError, StepGuard
 
 CPU = torch.device("cpu")
 
@@ -62,3 +65,33 @@ def test_state_round_trip_is_exact():
 def test_bad_settings_are_named(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         DynamicLossScale(CPU, **kwargs)
+
+
+# The step guard's side of fp16 (trainer/run/guard.py): an overflow skips, never diverges.
+
+
+def _check(guard: StepGuard, step: int, loss: float, norm: float, overflow: float):
+    return guard.check(step, torch.tensor(loss), torch.tensor(norm), torch.tensor(overflow))
+
+
+def test_overflow_skips_without_counting_as_divergence_even_with_nan_policy_stop():
+    guard = StepGuard("stop", max_consecutive_skips=1, device=CPU)
+    for step in (1, 2, 3):  # more overflows in a row than nan_max_consecutive_skips: no error
+        verdict = _check(guard, step, 5.0, math.inf, 1.0)  # overflowed grads: the norm is inf too
+        assert (verdict.apply, verdict.overflow) == (False, True)
+        assert float(verdict.agreed_overflow) == 1.0
+    verdict = _check(guard, 4, 5.0, 2.0, 0.0)
+    assert (verdict.apply, verdict.overflow, float(verdict.agreed_overflow)) == (True, False, 0.0)
+    assert (guard.overflows, guard.skipped) == (3, 0)
+
+
+def test_non_finite_loss_under_fp16_follows_nan_policy():
+    with pytest.raises(DivergenceError, match=r"step 7: non-finite loss and grad norm \(nan_policy=stop\)"):
+        _check(StepGuard("stop", 5, CPU), 7, math.nan, math.nan, 1.0)
+    guard = StepGuard("skip", max_consecutive_skips=1, device=CPU)
+    verdict = _check(guard, 1, math.inf, math.nan, 1.0)
+    assert (verdict.apply, verdict.overflow, float(verdict.agreed_overflow)) == (False, False, 1.0)
+    _check(guard, 2, 5.0, math.inf, 1.0)  # an overflow between: neither counts nor resets the run
+    with pytest.raises(DivergenceError, match=r"2 consecutive steps"):
+        _check(guard, 3, math.nan, math.nan, 1.0)
+    assert (guard.skipped, guard.overflows) == (2, 1)

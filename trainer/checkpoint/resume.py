@@ -139,6 +139,9 @@ MAY_CHANGE = (
     "save_total_limit",
     "resume_from_checkpoint",
     "bf16",
+    "fp16",  # an fp16 resume restores the checkpoint's loss scale when it has one (else the initial)
+    "fp16_initial_scale",  # only the first step of a run without a saved scale starts from it
+    "fp16_scale_growth_interval",
     "torch_compile",
     "mfu_peak_tflops",
     "generation_num_beams",
@@ -159,7 +162,6 @@ MAY_CHANGE = (
     "greater_is_better",
     "early_stopping_patience",
     "early_stopping_threshold",
-    "fp16",
     "test_file",
     "forced_bos_token",  # only confirms the directions' target, which must match
     "source_prefix",

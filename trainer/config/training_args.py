@@ -15,6 +15,8 @@ from trainer.config.checks import (
 )
 from trainer.errors import ConfigError
 
+FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: the loss scale is held in fp32
+
 
 @dataclass
 class TrainingArguments:
@@ -153,7 +155,25 @@ class TrainingArguments:
         metadata={"help": "bf16 working weights (cast once per step) over fp32 masters, bf16 autocast."},
     )
     fp16: bool = field(
-        default=False, metadata={"help": "Not supported (no loss scaling in the pipeline); use bf16."}
+        default=False,
+        metadata={
+            "help": "fp16 working weights over fp32 masters, fp16 autocast, dynamic loss scaling agreed "
+            "by every rank (an overflow on any rank skips the step everywhere and halves the scale)."
+        },
+    )
+    fp16_initial_scale: float = field(
+        default=2.0**16,
+        metadata={
+            "help": "fp16: the loss scale of the first step (torch GradScaler's init_scale; DeepSpeed's "
+            "2**initial_scale_power)."
+        },
+    )
+    fp16_scale_growth_interval: int = field(
+        default=2000,
+        metadata={
+            "help": "fp16: steps in a row without overflow before the loss scale doubles (GradScaler's "
+            "growth_interval; DeepSpeed's loss_scale_window)."
+        },
     )
     torch_compile: bool = field(
         default=False, metadata={"help": "torch.compile each encoder/decoder layer (regional compilation)."}
@@ -181,7 +201,8 @@ class TrainingArguments:
         check_choice("nan_policy", self.nan_policy, NAN_POLICIES)
         positive = ("per_device_train_batch_size", "per_device_eval_batch_size",
                     "gradient_accumulation_steps", "logging_steps", "generation_num_beams",
-                    "generation_max_length", "nan_max_consecutive_skips")  # fmt: skip
+                    "generation_max_length", "nan_max_consecutive_skips",
+                    "fp16_scale_growth_interval")  # fmt: skip
         check_range(self, positive, 1)
         check_range(self, ("warmup_steps", "eval_steps", "save_steps"), 0)  # 0: none / only at the end
         check_range(self, ("learning_rate", "weight_decay", "mfu_peak_tflops"), 0)
@@ -190,10 +211,16 @@ class TrainingArguments:
         check_range(self, ("adam_epsilon",), 0, low_open=True)
         check_range(self, ("save_total_limit",), 1, optional=True)
         check_range(self, ("seed",), 0, 2**32 - 1)  # numpy's seed range
+        check_range(self, ("fp16_initial_scale",), 0, FP32_MAX, low_open=True)  # the scale is an fp32
         self._check_hf_fields()
 
+    @property
+    def half_precision(self) -> bool:
+        """bf16 or fp16: 2-byte working weights and activations, 16-bit tensor-core peak."""
+        return self.bf16 or self.fp16
+
     def _check_hf_fields(self) -> None:
-        """The run_translation / Seq2SeqTrainingArguments fields: length, strategies, best model, fp16."""
+        """The run_translation / Seq2SeqTrainingArguments fields: length, strategies, best model, precision."""
         if self.max_steps == 0 or self.max_steps < -1:
             raise ConfigError(f"max_steps={self.max_steps} must be >= 1, or -1 to train num_train_epochs")
         if self.max_steps == -1:
@@ -202,11 +229,8 @@ class TrainingArguments:
         check_choice("save_strategy", self.save_strategy, STRATEGY_CHOICES)
         check_range(self, ("early_stopping_patience",), 1, optional=True)
         check_range(self, ("early_stopping_threshold",), 0)
-        if self.fp16:
-            raise ConfigError(
-                "fp16=True is not supported (the pipeline has no loss scaling); use bf16: true "
-                "(bf16 working weights over fp32 masters, on GPUs with bf16 and on CPUs)"
-            )
+        if self.fp16 and self.bf16:
+            raise ConfigError("fp16=True and bf16=True together: choose one precision (or neither for fp32)")
         if not self.predict_with_generate:
             raise ConfigError(
                 "predict_with_generate=False is not supported: evaluation and do_predict always decode "

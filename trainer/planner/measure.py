@@ -127,7 +127,7 @@ class CostSource:
         remat = "none" if remat == "stage" else remat
         key = (shape, remat)
         if key not in self._costs:
-            bf16 = self.cfg.training.bf16
+            bf16 = self.cfg.training.half_precision  # fp16 is costed as bf16: same bytes, same peak
             if self.device is None:
                 self._costs[key] = measure_kind_costs(self.mc, shape, remat, bf16, self.opts.repeats)
             else:

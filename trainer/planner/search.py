@@ -68,7 +68,7 @@ def plan(cfg: JobConfig, base_args: list[str], opts: PlanOptions) -> dict[str, A
     prediction cannot enter the table and is counted as pruned instead of simulated.
     """
     world, gpn = opts.world_size, opts.gpus_per_node or opts.world_size
-    device = device_spec(opts.device, cfg.training.bf16) if opts.device else None
+    device = device_spec(opts.device, cfg.training.half_precision) if opts.device else None
     source = CostSource(cfg, opts, device)
     memory_gib = opts.device_memory_gib or (device.memory_gib if device else None)
     ctx = cost_context(cfg, opts, source, device)
@@ -153,7 +153,7 @@ def cost_context(
     baseline = HOST_BASELINE_BYTES if on_host_cpu else 0.0
     return CostContext(
         source.mc, device.link if device else _local_link(opts), opts.gpus_per_node or opts.world_size,
-        cfg.training.bf16, cfg.parallel.sequence_parallel,
+        cfg.training.half_precision, cfg.parallel.sequence_parallel,
         28.0 / device.hbm_bytes_per_s if device else measure_optimizer_s_per_param(source.mc),
         host_baseline_bytes=baseline if opts.host_baseline_gib is None else opts.host_baseline_gib * GIB,
         host_cpu=on_host_cpu,
@@ -162,7 +162,7 @@ def cost_context(
 
 def predict_config(cfg: JobConfig, base_args: list[str], opts: PlanOptions) -> Candidate | str:
     """The prediction for the config's own layout alone (no search, no calibration), or why it cannot run."""
-    device = device_spec(opts.device, cfg.training.bf16) if opts.device else None
+    device = device_spec(opts.device, cfg.training.half_precision) if opts.device else None
     source = CostSource(cfg, opts, device)
     ctx = cost_context(cfg, opts, source, device)
     return own_layout(cfg, base_args, source, ctx, opts.world_size, opts.gpus_per_node or opts.world_size)

@@ -3,8 +3,9 @@
 One optimizer step (trainer/run/step.py::train_step):
 
     grads + clip            pm.train_step(...); grad_norm = pm.grads.clip_(max_norm)
-    guard.check             [loss non-finite, grad norm non-finite, signal number]   (3,) fp32
-                            MAX-all-reduced over the world group, read once: the step's one sync
+    guard.check             [loss non-finite, grad norm non-finite, signal number, fp16 overflow]
+                            (4,) fp32, MAX-all-reduced over the world group, read once: the
+                            step's one sync
     apply | skip | stop     optimizer.step() + scheduler.step()  |  nothing  |  DivergenceError
 
 The loss sum lives only on the last pipeline stage and the global grad norm is the
@@ -21,6 +22,13 @@ nan_policy:
            the step number and the data position do advance (the poisoned batch is not
            retried). Skips are counted (`skipped_steps` in metrics rows); more than
            `nan_max_consecutive_skips` in a row raise `DivergenceError`.
+
+fp16 overflow (the loss scale's found-inf flag, parallel/loss_scale.py) is not divergence:
+the scale was too large. An overflow on any rank skips the step on every rank with the
+skip's semantics above, whatever nan_policy says, and is counted apart (`overflow_steps`);
+it neither counts towards nor resets the consecutive non-finite skips (as Megatron-LM and
+the HF Trainer treat fp16 overflows). A non-finite *loss* is divergence even under fp16
+and follows nan_policy.
 
 Preemption: the handler only records the signal number. At the next step's check every
 rank learns it; the step completes, a committed checkpoint of it is written and
@@ -106,6 +114,8 @@ class Verdict:
 
     apply: bool  # run the optimizer and scheduler step
     signum: int  # a preemption signal seen by any rank (0: none)
+    overflow: bool = False  # an fp16 overflow on some rank: the step is skipped, the scale backs off
+    agreed_overflow: Tensor | None = None  # the agreed flag as a device scalar (for the loss scale)
 
 
 class StepGuard:
@@ -134,40 +144,57 @@ class StepGuard:
             raise ValueError(f"nan_max_consecutive_skips={max_consecutive_skips} must be >= 1")
         self.policy, self.max_consecutive, self.device = policy, max_consecutive_skips, device
         self.signals = signals
-        self.skipped = 0  # skipped steps in this process's run
+        self.skipped = 0  # non-finite steps skipped in this process's run (nan_policy=skip)
+        self.overflows = 0  # fp16 overflow steps skipped in this process's run
         self.consecutive = 0
 
     def _signum(self) -> int:
         return self.signals.received if self.signals is not None else 0
 
     def _agree(self, flags: Tensor) -> list[float]:
-        """MAX over the world group, then the one read (collective when the world has > 1 rank)."""
+        """MAX over the world group (in place), then the one read (collective when the world has > 1 rank)."""
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return [float(x) for x in flags.tolist()]
 
-    def check(self, step: int, loss_sum: Tensor | None, grad_norm: Tensor) -> Verdict:
-        """Agree on step `step`'s loss, grad norm and signals; collective over the world, one device read.
+    def check(
+        self, step: int, loss_sum: Tensor | None, grad_norm: Tensor, overflow: Tensor | None = None
+    ) -> Verdict:
+        """Agree on step `step`'s loss, grad norm, signals and fp16 overflow; collective over the
+        world, one device read.
 
         Args:
             step: the step number (for messages).
             loss_sum: this rank's loss sum (last pipeline stage), None elsewhere.
             grad_norm: the global grad norm before clipping (same on every rank).
+            overflow: fp16: this rank's found-inf flag from unscaling its gradients (device scalar).
 
         Returns:
-            Whether to apply the update, and any preemption signal.
+            Whether to apply the update, any preemption signal, and the agreed overflow.
 
         Raises:
-            DivergenceError: non-finite with nan_policy=stop, or too many consecutive skips.
+            DivergenceError: non-finite loss or grad norm with nan_policy=stop, or too many
+                consecutive skips (fp16 overflows excepted).
         """
         zero = torch.zeros((), dtype=torch.float32, device=self.device)
         loss_bad = zero if loss_sum is None else (~torch.isfinite(loss_sum)).float()
         grad_bad = (~torch.isfinite(grad_norm)).float()
         sig = torch.full((), float(self._signum()), device=self.device)  # a fill, not a host copy
-        bad_loss, bad_grad, signum = self._agree(torch.stack([loss_bad, grad_bad, sig]))
+        found = zero if overflow is None else overflow.float()
+        flags = torch.stack([loss_bad, grad_bad, sig, found])
+        bad_loss, bad_grad, signum, over = self._agree(flags)
+        agreed = flags[3]  # reduced in place: the same on every rank
+        if over and not bad_loss:  # overflowed gradients make the grad norm non-finite too
+            self.overflows += 1
+            logger.info(
+                "step %d: fp16 gradient overflow: update skipped, loss scale backs off (%d overflow steps)",
+                step,
+                self.overflows,
+            )
+            return Verdict(False, int(signum), overflow=True, agreed_overflow=agreed)
         if not (bad_loss or bad_grad):
             self.consecutive = 0
-            return Verdict(True, int(signum))
+            return Verdict(True, int(signum), agreed_overflow=agreed)
         what = " and ".join(n for n, bad in (("loss", bad_loss), ("grad norm", bad_grad)) if bad)
         if self.policy == "stop":
             raise DivergenceError(
@@ -188,7 +215,7 @@ class StepGuard:
             self.consecutive,
             self.skipped,
         )
-        return Verdict(False, int(signum))
+        return Verdict(False, int(signum), agreed_overflow=agreed)
 
     def preemption_agreed(self) -> int:
         """Collective over the world: the preemption signal any rank has seen, or 0 (one read)."""

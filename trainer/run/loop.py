@@ -127,7 +127,7 @@ def train_loop(
     theory = ctx.bubble_theory if pp > 1 else None
     pm.model.train()
     totals = LoopTotals(step)
-    window = LogWindow(pm, _mesh_peak_flops(ctx))
+    window = LogWindow(pm, _mesh_peak_flops(ctx), ctx.loss_scale)
     timeline_step = min(args.max_steps, max(2, args.logging_steps))
     drawn_mark = ctx.sampler.drawn.copy()  # examples per direction at the window's start
     while step < args.max_steps:
@@ -148,6 +148,7 @@ def train_loop(
             timed=log_now or step == timeline_step,
             guard=guard,
             seed=args.seed,
+            scaler=ctx.loss_scale,
         )
         flops = step_flops(ctx.mc, *ctx.sampler.example_lengths(gb)) if window.peak_flops else 0.0
         window.add(st, time.perf_counter() - start, flops)
@@ -155,7 +156,7 @@ def train_loop(
         if log_now:
             shares = ctx.sampler.shares_since(drawn_mark)
             drawn_mark = ctx.sampler.drawn.copy()
-            row = log_row(tracker, pm, st, gb.epoch, theory, window, guard.skipped, shares)
+            row = log_row(tracker, pm, st, gb.epoch, theory, window, guard.skipped, shares, guard.overflows)
             if pp > 1:
                 totals.bubbles.append(row["bubble_fraction"])
         if step == timeline_step and pp > 1:
@@ -168,14 +169,15 @@ def train_loop(
             totals.early_stopped = True
             logger.info("early stopping at step %d: %s", step, ctx.best.state_dict())
             break
-    totals.step, totals.skipped_steps = step, guard.skipped
+    totals.step, totals.skipped_steps, totals.overflow_steps = step, guard.skipped, guard.overflows
     totals.tokens, totals.time_in_steps = window.total_tokens, window.total_s
     return totals
 
 
 def _mesh_peak_flops(ctx: RunContext) -> float | None:
     """Peak FLOP/s of the whole mesh (for MFU), or None where the device's peak is unknown."""
-    peak = peak_flops(ctx.pm.device, ctx.cfg.training.bf16, ctx.cfg.training.mfu_peak_tflops)
+    args = ctx.cfg.training
+    peak = peak_flops(ctx.pm.device, args.half_precision, args.mfu_peak_tflops)
     return peak * dist.get_world_size() if peak else None
 
 
@@ -188,6 +190,7 @@ def log_row(
     window: LogWindow,
     skipped_steps: int = 0,
     shares: dict[str, float] | None = None,
+    overflow_steps: int = 0,
 ) -> dict[str, Any]:
     """Build and log one training row (collective over dp and pp: call on every rank).
 
@@ -197,6 +200,7 @@ def log_row(
         theory: the schedule's bubble fraction, logged beside the measured one; None when pp == 1.
         window: the steps since the last row: loss, tokens/s, step time and MFU are its averages.
         skipped_steps: steps whose update the guard has skipped so far (nan_policy=skip).
+        overflow_steps: steps skipped so far for an fp16 gradient overflow (apart from skipped_steps).
         shares: per direction, its fraction of the examples sampled in the window
             (`GlobalBatchSampler.shares_since`), logged as `share/<direction>` (dashboards:
             `train/share/<direction>`).
@@ -210,6 +214,7 @@ def log_row(
         **window.read(st),
         "epoch": epoch,
         "skipped_steps": skipped_steps,
+        "overflow_steps": overflow_steps,
         **bubble_stats(pm, st.flushes),
         **{f"share/{name}": share for name, share in (shares or {}).items()},
     }

@@ -2,6 +2,7 @@
 
     setup_run        data + tokenizer -> mesh -> sampler ->
                      partition -> model (HF import, parallelize) -> optimizer/scheduler
+                     (-> fp16 loss scale)
 
 The pieces land in a `RunContext`, which the loop, resume, save and summary read.
 """
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from models.config import ModelConfig
+from parallel.loss_scale import DynamicLossScale
 from parallel.mesh import ParallelDims, ParallelMesh, build_mesh, coords_to_rank
 from parallel.parallelize import ParallelModel, build_parallel_model
 from parallel.simulate import bubble_theory
@@ -28,6 +30,7 @@ from parallel.watchdog import RankIdentity, default_warn_after, start_watchdog
 from trainer.checkpoint.async_save import CheckpointSaver
 from trainer.checkpoint.resume import ResumePoint, adopt_tokenizer, log_changes
 from trainer.config.schema import LAYERDROP_FIELDS, JobConfig
+from trainer.config.training_args import TrainingArguments
 from trainer.data.batching import BatchLayout, GlobalBatchSampler
 from trainer.data.sampling import DirectionSampling
 from trainer.data.sources import (
@@ -131,6 +134,18 @@ def model_config_for(cfg: JobConfig, tok: Tokenizer) -> ModelConfig:
     return cfg.model.model_config(tok.vocab_size, tok.special_ids())
 
 
+def working_dtype(args: TrainingArguments) -> torch.dtype | None:
+    """The working-weight and autocast dtype: float16 (fp16), bfloat16 (bf16), or None (fp32)."""
+    return torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else None
+
+
+def build_loss_scale(args: TrainingArguments, device: torch.device) -> DynamicLossScale | None:
+    """fp16's dynamic loss scale on `device` (None without fp16)."""
+    if not args.fp16:
+        return None
+    return DynamicLossScale(device, args.fp16_initial_scale, growth_interval=args.fp16_scale_growth_interval)
+
+
 def build_model(
     cfg: JobConfig, mc: ModelConfig, mesh: ParallelMesh, balance: list[int], device: torch.device
 ) -> ParallelModel:
@@ -150,7 +165,7 @@ def build_model(
         p.virtual_stages,
         p.activation_checkpointing,
         cfg.training.label_smoothing_factor,
-        autocast_dtype=torch.bfloat16 if cfg.training.bf16 else None,
+        autocast_dtype=working_dtype(cfg.training),
         sequence_parallel=p.sequence_parallel,
         dp_sharding=p.data_parallel_sharding,
         device=device,
@@ -187,6 +202,7 @@ class RunContext:
     test_raw: RawDatasets | None = (
         None  # do_predict's test pairs, read at set-up (a missing split fails early)
     )
+    loss_scale: DynamicLossScale | None = None  # fp16's dynamic loss scale (None: bf16 / fp32)
     startup_peak_host_bytes: int = 0  # ru_maxrss once the model and optimizer are built (trainer.run.memory)
 
     @property
@@ -260,6 +276,7 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint
         steps_per_epoch=steps_per_epoch,
         best=BestModel.from_args(cfg.training),
         test_raw=test_raw,
+        loss_scale=build_loss_scale(cfg.training, pm.device),
         startup_peak_host_bytes=startup_host,
     )
 

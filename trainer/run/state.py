@@ -1,7 +1,8 @@
 """The run's state to and from checkpoints: save at a step, resume, load the best model.
 
 What a checkpoint holds beside the tensors (`trainer_state.json`): the step, scheduler, sampler,
-mesh, partition, model config, the run identity a resume checks, and the best-model record.
+mesh, partition, model config, the run identity a resume checks, the best-model record, and
+(fp16) the loss scale and its growth tracker.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ logger = logging.getLogger("trainer")
 
 
 def resume_state(ctx: RunContext) -> int:
-    """Restore model, optimizer, scheduler and sampler from `resume_from_checkpoint`.
+    """Restore model, optimizer, scheduler, sampler (and fp16's loss scale) from `resume_from_checkpoint`.
 
     Returns:
         The step to continue from: the checkpoint's, or 0 when there is nothing to resume.
@@ -46,6 +47,8 @@ def resume_state(ctx: RunContext) -> int:
         group["lr"] = lr
     ctx.sampler.load_state_dict(state["data"])
     ctx.best.load_state_dict(state)
+    if ctx.loss_scale is not None and "loss_scale" in state:  # else: an fp32/bf16 run goes on in fp16
+        ctx.loss_scale.load_state_dict(state["loss_scale"])
     step = int(state["step"])
     if step > ctx.cfg.training.max_steps:
         raise ConfigError(
@@ -125,6 +128,8 @@ def save(ctx: RunContext, step: int) -> None:
         "model_config": ctx.pm.model.config.to_dict(),
         **run_identity(ctx.cfg, ctx.out / "tokenizer"),  # what a resume checks it continues
     }
+    if ctx.loss_scale is not None:  # fp16: S and its growth tracker (one read, at save time only)
+        state["loss_scale"] = ctx.loss_scale.state_dict()
     ctx.best.saved(step, str(path))
     state["best_model"] = ctx.best.state_dict()  # HF's best_metric / best_model_checkpoint, at top level too
     state["best_metric"], state["best_model_checkpoint"] = (

@@ -4,17 +4,21 @@ One optimizer step:
 
     gb = next(sampler)                        same on every rank (data + seed only)
     flushes = gb.shard(dp_rank)               [gradient_accumulation_steps][num_microbatches]
-    pm.train_step(flushes, 1 / gb.num_tokens) pipeline executor; dp + tied reduce at the last GR
+    pm.train_step(flushes, S / gb.num_tokens) pipeline executor; dp + tied reduce at the last GR
+                                              (S = 1, or fp16's loss scale as a device scalar)
+    found = scaler.unscale_(grads)            fp16 only: grads /= S, this rank's found-inf flag
     grad_norm = pm.grads.clip_(max_norm)      over the whole mesh, each parameter once
-    guard.check(step, loss_sum, grad_norm)    trainer/run/guard.py: non-finite? preempted? (all ranks agree)
-    optimizer.step(); scheduler.step()        unless the guard skips the step (nan_policy=skip)
+    guard.check(step, loss_sum, grad_norm,    trainer/run/guard.py: non-finite? preempted? overflow?
+                found)                        (all ranks agree)
+    scaler.update(agreed overflow)            fp16 only: back off or grow S, on the device
+    optimizer.step(); scheduler.step()        unless the guard skips the step (nan_policy=skip, overflow)
 
-The step reads the device once, in the guard's check (a (3,) tensor of flags,
-after the step's last backward); the loss sum and the grad norm stay device
-tensors, token counts are host numbers from the sampler. `LogWindow` adds the
-steps between two log points up and reads the device once per logged step: the
-loss logged is the mean token loss over the window's global batches (the last
-stage's loss sums, summed over dp, over the window's token count).
+The step reads the device once, in the guard's check (a (4,) tensor of flags,
+after the step's last backward); the loss sum, the grad norm and the loss scale
+stay device tensors, token counts are host numbers from the sampler. `LogWindow`
+adds the steps between two log points up and reads the device once per logged
+step: the loss logged is the mean token loss over the window's global batches
+(the last stage's loss sums, summed over dp, over the window's token count).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torch import Tensor, nn
 from models.m2m100 import layerdrop_skips
 from parallel import watchdog
 from parallel.executor import FlushResult
+from parallel.loss_scale import DynamicLossScale
 from parallel.parallelize import ParallelModel
 from trainer.config.training_args import TrainingArguments
 from trainer.run.guard import StepGuard
@@ -83,8 +88,9 @@ class StepStats:
     num_tokens: int  # target tokens of the global batch (host)
     num_src_tokens: int  # source tokens of the global batch (host)
     flushes: list[FlushResult] = field(default_factory=list)
-    skipped: bool = False  # the guard dropped this step's update (non-finite, nan_policy=skip)
+    skipped: bool = False  # the guard dropped this step's update (non-finite, nan_policy=skip, or overflow)
     preempt_signal: int = 0  # a preemption signal every rank has agreed on (0: none)
+    overflow: bool = False  # skipped for an fp16 overflow (the loss itself was finite)
 
 
 def train_step(
@@ -98,6 +104,7 @@ def train_step(
     timed: bool = False,
     guard: StepGuard | None = None,
     seed: int = 0,
+    scaler: DynamicLossScale | None = None,
 ) -> StepStats:
     """One optimizer step on `global_batch` (collective over the whole mesh).
 
@@ -106,23 +113,33 @@ def train_step(
     `seed` keys LayerDrop's per-step draw (`models.m2m100.layerdrop_skips`; none without LayerDrop).
     `guard` decides, after the gradients and before the optimizer, whether the update
     is applied (the step's one device read); None applies it unchecked (benchmarks).
+    `scaler` (fp16) scales the loss by S, unscales the gradients before clipping and
+    backs off or grows S from the overflow every rank agreed on in the guard's check.
 
     Raises:
         DivergenceError: from the guard (nan_policy=stop, or too many consecutive skips).
+        ValueError: a scaler without a guard (the overflow must be agreed before the update).
     """
+    if scaler is not None and guard is None:
+        raise ValueError("fp16 loss scaling needs the step guard: it agrees on overflows across ranks")
     flushes = global_batch.shard(dp_rank)
     if timed and dist.is_initialized():
         with watchdog.waiting(watchdog.collective(f"barrier that starts step {step}", None)):
             dist.barrier()
     skips = layerdrop_skips(pm.model.config, seed, step)
-    results = pm.train_step(flushes, loss_scale=1.0 / global_batch.num_tokens, timed=timed, skip_layers=skips)
+    loss_scale = (1.0 if scaler is None else scaler.scale) / global_batch.num_tokens
+    results = pm.train_step(flushes, loss_scale=loss_scale, timed=timed, skip_layers=skips)
+    # Unscale before clipping: the norm and the clip threshold are in true-gradient units.
+    found = scaler.unscale_(p.grad for p in pm.params()) if scaler is not None else None
     grad_norm = pm.grads.clip_(max_grad_norm)
     sums = [r.loss_sum for r in results if r.loss_sum is not None]
     loss_sum = torch.stack(sums).sum() if sums else None
-    apply, signum = True, 0
+    apply, signum, overflow = True, 0, False
     if guard is not None:
-        verdict = guard.check(step, loss_sum, grad_norm)
-        apply, signum = verdict.apply, verdict.signum
+        verdict = guard.check(step, loss_sum, grad_norm, found)
+        apply, signum, overflow = verdict.apply, verdict.signum, verdict.overflow
+        if scaler is not None and verdict.agreed_overflow is not None:
+            scaler.update(verdict.agreed_overflow)
     if apply:
         optimizer.step()
         pm.after_optimizer_step()
@@ -138,6 +155,7 @@ def train_step(
         results,
         skipped=not apply,
         preempt_signal=signum,
+        overflow=overflow,
     )
 
 
@@ -153,10 +171,13 @@ class LogWindow:
         pm: the parallel model (its device and dp group).
         peak_flops: the whole mesh's peak FLOP/s (per-device peak x world size), for MFU;
             None where no peak is known (CPUs).
+        scaler: fp16's loss scale, logged as `loss_scale` (read with the rest, no extra sync).
     """
 
-    def __init__(self, pm: ParallelModel, peak_flops: float | None = None) -> None:
-        self.pm, self.peak_flops = pm, peak_flops
+    def __init__(
+        self, pm: ParallelModel, peak_flops: float | None = None, scaler: DynamicLossScale | None = None
+    ) -> None:
+        self.pm, self.peak_flops, self.scaler = pm, peak_flops, scaler
         self.total_tokens, self.total_s = 0, 0.0
         self._reset()
 
@@ -168,14 +189,15 @@ class LogWindow:
     def add(self, st: StepStats, seconds: float, flops: float = 0.0) -> None:
         """Count step `st`, which took `seconds` of host time and `flops` model FLOPs.
 
-        A skipped step counts for throughput (its work was done) but not for the loss.
+        A skipped step counts for throughput (its work was done) but not for the loss, unless
+        it was skipped for an fp16 overflow: its loss is finite and was computed as usual.
         """
         self.steps += 1
         self.tokens += st.num_tokens
         self.src_tokens += st.num_src_tokens
         self.flops += flops
         self.seconds += seconds
-        if st.skipped:
+        if st.skipped and not st.overflow:
             return
         self.loss_tokens += st.num_tokens
         if st.loss_sum is not None:
@@ -185,7 +207,8 @@ class LogWindow:
         """Collective over dp: the window's averages and `st`'s grad norm, in one device read.
 
         `loss` is left out when every step of the window was skipped; a non-finite
-        `grad_norm` (a skipped step) is None (JSON null).
+        `grad_norm` (a skipped step) is None (JSON null). fp16: `loss_scale` is S after
+        `st`'s update (what the next step scales by).
         """
         start = time.perf_counter()
         loss_sum = self.loss_sum
@@ -193,7 +216,8 @@ class LogWindow:
             dp_group = self.pm.mesh.group("dp")
             with watchdog.waiting(watchdog.collective("dp all-reduce of the logged loss", dp_group)):
                 dist.all_reduce(loss_sum, group=dp_group)
-        loss, grad_norm = torch.stack([loss_sum, st.grad_norm.float()]).tolist()  # the one sync
+        values = [loss_sum, st.grad_norm.float()] + ([self.scaler.scale] if self.scaler is not None else [])
+        loss, grad_norm, *scale = torch.stack(values).tolist()  # the one sync
         wall = self.seconds + time.perf_counter() - start
         tokens = self.tokens + self.src_tokens
         self.total_tokens += tokens
@@ -204,6 +228,7 @@ class LogWindow:
             "tokens_per_sec": tokens / wall,
             "step_time_s": wall / max(self.steps, 1),
             "num_tokens": float(self.tokens),
+            **({"loss_scale": scale[0]} if scale else {}),
         }
         if self.peak_flops:
             row["mfu"] = self.flops / wall / self.peak_flops

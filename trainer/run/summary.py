@@ -28,6 +28,7 @@ def run_summary(
         "after": after,
         "steps": step,
         "skipped_steps": totals.skipped_steps,
+        "overflow_steps": totals.overflow_steps,
         "early_stopped": totals.early_stopped,
         "best_metric": ctx.best.best_metric,
         "best_model_checkpoint": ctx.best.best_model_checkpoint,
@@ -93,6 +94,7 @@ class LoopTotals:
     time_in_steps: float = 0.0
     bubbles: list[float] = field(default_factory=list)  # measured bubble_fraction per logged step (pp > 1)
     skipped_steps: int = 0  # updates the guard dropped (nan_policy=skip)
+    overflow_steps: int = 0  # updates the guard dropped for an fp16 gradient overflow
     early_stopped: bool = False  # early_stopping_patience ended training before max_steps
     last_eval: tuple[int, dict[str, Any]] | None = None  # (step, metrics) of the latest evaluation
     last_save: int | None = None  # the step of the latest checkpoint written in the loop
