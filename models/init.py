@@ -98,11 +98,13 @@ def _normal_rows(seed: int, name: str, sl: LocalSlice, std: float) -> Tensor:
     rows, cols = sl.full_shape
     r0, r1 = sl.bounds(0)
     c0, c1 = sl.bounds(1)
-    out = torch.empty(r1 - r0, c1 - c0)  # (read rows, read cols)
+    out = torch.empty(r1 - r0, c1 - c0, device="cpu")  # (read rows, read cols)
     for block in range(r0 // ROWS_PER_DRAW, -(-r1 // ROWS_PER_DRAW)):
         lo, hi = block * ROWS_PER_DRAW, min(rows, (block + 1) * ROWS_PER_DRAW)
         g = torch.Generator().manual_seed(stable_seed(seed, name, block))
-        drawn = torch.empty(hi - lo, cols).normal_(0.0, std, generator=g)  # (<= ROWS_PER_DRAW, cols)
+        drawn = torch.empty(hi - lo, cols, device="cpu").normal_(
+            0.0, std, generator=g
+        )  # (<= ROWS_PER_DRAW, cols)
         a, z = max(lo, r0), min(hi, r1)
         out[a - r0 : z - r0] = drawn[a - lo : z - lo, c0:c1]
     return out
@@ -123,9 +125,9 @@ def keyed_init(name: str, sl: LocalSlice, seed: int, std: float, padding_idx: in
     """
     kind = init_kind(name)
     if kind == "ones":
-        return sl.pad(torch.ones(sl.read_shape))
+        return sl.pad(torch.ones(sl.read_shape, device="cpu"))
     if kind == "zeros":
-        return torch.zeros(sl.local_shape)
+        return torch.zeros(sl.local_shape, device="cpu")
     if len(sl.full_shape) != 2:
         raise ValueError(f"{name}: normal init expects a 2-D weight, got shape {sl.full_shape}")
     part = _normal_rows(seed, name, sl, std)

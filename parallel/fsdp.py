@@ -88,6 +88,7 @@ class FullySharded:
         self, model: nn.Module, mesh: ParallelMesh, param_dtype: torch.dtype | None, deferred: bool
     ) -> None:
         self.model, self.mesh, self.deferred = model, mesh, deferred
+        self._gathered = False  # inside `gathered()`
         marks = {
             name: {k: getattr(p, k) for k in _MARKS if hasattr(p, k)} for name, p in model.named_parameters()
         }
@@ -139,13 +140,20 @@ class FullySharded:
     def gathered(self) -> Iterator[None]:
         """Within: every unit's full parameters, kept between forwards (generation reads the
         layers' weights outside `forward`: per-stage KV caches). Collective over dp: every dp
-        replica enters it the same number of times."""
+        replica enters it the same number of times. Re-entrant: a nested entry gathers nothing,
+        so a caller whose replicas make different numbers of generate calls (the last batches of
+        a split evaluation set) wraps them all in one entry."""
+        if self._gathered:
+            yield
+            return
+        self._gathered = True
         for unit in self.units:
             unit.set_reshard_after_forward(False, recurse=False)
             unit.unshard()
         try:
             yield
         finally:
+            self._gathered = False
             for unit in self.units:
                 unit.set_reshard_after_forward(not self.deferred and unit is not self.root, recurse=False)
             self.reshard()

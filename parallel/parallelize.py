@@ -134,6 +134,13 @@ class ParallelModel:
             raise ValueError(f"dp_sharding {dp_sharding!r} is not one of {DP_SHARDINGS}")
         self.fsdp: FullySharded | None = None
         if dp_sharding == "fsdp" and mesh.size("dp") > 1:  # before anything holds the parameters
+            c = model.config
+            if max(c.encoder_layerdrop, c.decoder_layerdrop) > 0:  # every config path ends here
+                raise ValueError(
+                    f"dp_sharding='fsdp' does not support LayerDrop yet (encoder_layerdrop="
+                    f"{c.encoder_layerdrop}, decoder_layerdrop={c.decoder_layerdrop}): a skipped layer "
+                    f"leaves its FSDP unit unused; set both to 0 or use dp_sharding 'none' | 'zero1'"
+                )
             deferred = plan.p > 1 or plan.split_backward  # see parallel.fsdp
             self.fsdp = FullySharded(model, mesh, autocast_dtype, deferred=deferred)
         pp_rank = mesh.pp_rank

@@ -277,14 +277,19 @@ def generate_after_training(rank: int, world: int, pp: int, tp: int) -> tuple[li
     batch = random_batch(pm.model.config, 4, seed=7 + pm.mesh.dp_rank)
     ids, mask = batch.input_ids, batch.attention_mask
     out = []
-    for beams in (1, 3):
-        from parallel.generate import pipeline_generate
+    from parallel.generate import pipeline_generate
 
-        got = pipeline_generate(pm, ids, mask, 5, SearchSettings(num_beams=beams, max_length=8))
-        if got is not None:
-            with torch.no_grad():
-                want = generate(base, ids, mask, 5, num_beams=beams, max_length=8)
-            out.append((got.tolist(), want.tolist()))
+    # Replicas make different numbers of calls (as the last batches of a split evaluation set
+    # do) inside one outer gather, as `trainer.eval.runner.translate_on_mesh` does: the calls'
+    # own gathers nest and must not issue dp collectives (they would not match: a hang).
+    assert pm.fsdp is not None
+    with pm.fsdp.gathered():
+        for beams in (1, 3) if pm.mesh.dp_rank == 0 else (3,):
+            got = pipeline_generate(pm, ids, mask, 5, SearchSettings(num_beams=beams, max_length=8))
+            if got is not None:
+                with torch.no_grad():
+                    want = generate(base, ids, mask, 5, num_beams=beams, max_length=8)
+                out.append((got.tolist(), want.tolist()))
     pm.model.train()
     _train_one(pm, opt, step=1)  # the gathered weights are gone: training goes on from the shards
     _, _, ref_after = reference_run(2)

@@ -97,10 +97,10 @@ def optimizer_state(
     Only parameters this optimizer updates are included (a ZeRO-1 rank's share), so
     dp replicas together save, and load, each parameter's state once.
     """
-    mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     out: dict[str, dict[str, Tensor]] = {}
     for name, p in params.items():
-        if id(p) not in mine:
+        if id(p) not in group_of:
             continue
         st = optimizer.state.get(p)
         if not st:
@@ -109,11 +109,18 @@ def optimizer_state(
             st = {
                 "exp_avg": torch.zeros_like(p),
                 "exp_avg_sq": torch.zeros_like(p),
-                "step": torch.zeros((), dtype=torch.float32),
+                "step": _initial_step(p, group_of[id(p)]),
             }
             optimizer.state[p] = st
         out[name] = {k: (to_logical(name, v) if v.dim() > 0 else v) for k, v in st.items()}
     return out
+
+
+def _initial_step(p: Tensor, group: dict[str, Any]) -> Tensor:
+    """AdamW's step count before any update, where torch keeps it: on the parameter's device for
+    fused / capturable optimizers (CUDA), on the CPU otherwise (as `AdamW._init_group` does)."""
+    on_device = bool(group.get("fused") or group.get("capturable"))
+    return torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
 
 
 def checkpoint_dir(output_dir: str | Path, step: int) -> Path:

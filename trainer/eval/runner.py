@@ -23,6 +23,7 @@ alone, which fails for models that do not fit one device.)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch.distributed as dist
@@ -145,12 +146,15 @@ def translate_on_mesh(
     mesh = pm.mesh
     batches = build_batches(tokenizer, sources, src_lang, tgt_lang, batch_size, max_source_length)
     outputs = []
-    for batch in batches[mesh.dp_rank :: mesh.size("dp")]:
-        ids = pipeline_generate(
-            pm, batch.input_ids, batch.attention_mask, batch.forced_bos_token_id, settings
-        )
-        if ids is not None and mesh.tp_rank == 0:
-            outputs.append((batch.index, ids.tolist()))
+    # FSDP: one gather (a dp collective) for all of this replica's batches, whose count may
+    # differ between replicas; pipeline_generate's own gathers nest in it and do nothing.
+    with pm.fsdp.gathered() if pm.fsdp is not None else nullcontext():
+        for batch in batches[mesh.dp_rank :: mesh.size("dp")]:
+            ids = pipeline_generate(
+                pm, batch.input_ids, batch.attention_mask, batch.forced_bos_token_id, settings
+            )
+            if ids is not None and mesh.tp_rank == 0:
+                outputs.append((batch.index, ids.tolist()))
     if dist.get_world_size() == 1:
         return hypotheses_in_order(outputs, tokenizer)
     got: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
