@@ -144,7 +144,7 @@ def checkpoint_round_trip(
     weights and AdamW moments, as single-device tensors, this rank holds on both meshes."""
     from pathlib import Path
 
-    from trainer.checkpoint import load_checkpoint, save_checkpoint
+    from trainer.checkpoint.dcp import load_checkpoint, save_checkpoint
 
     worst: list[tuple[float, int]] = []
     saved: dict[str, Tensor] = {}

@@ -144,7 +144,11 @@ def pick_rows(base: Any, dp_rank: int) -> tuple[list[list[int]], list[int]]:
     for i in sorted(range(len(pool)), key=lambda i: lengths[i]):
         if len(chosen) < ROWS and lengths[i] not in {lengths[j] for j in chosen}:
             chosen.append(i)
-    assert len(chosen) == ROWS and differs and long, f"tiny model degenerate: {lengths=} {beam_lengths=}"
+    for i in range(len(pool)):  # fewer distinct lengths than rows: fill up with repeats
+        if len(chosen) < ROWS and i not in chosen:
+            chosen.append(i)
+    varied = len({lengths[j] for j in chosen}) >= 3
+    assert differs and long and varied, f"tiny model degenerate: {lengths=} {beam_lengths=}"
     return [pool[i] for i in chosen], [tags[i] for i in chosen]
 
 
