@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -133,11 +134,14 @@ def run(args: list[str], world: int, out: Path, timeout: float, malloc_env: dict
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise RuntimeError(f"timed out after {timeout:.0f} s (killed); log {log}") from None
-    if rc != 0:
-        tail = log.read_text()[-1500:]
-        why = " (killed: out of memory?)" if rc in (-9, 137) else ""
-        raise RuntimeError(f"exit status {rc}{why}; log {log}:\n{tail}")
-    return json.loads((out / "run_summary.json").read_text())["memory"]
+    try:
+        if rc != 0:
+            tail = log.read_text()[-1500:]
+            why = " (killed: out of memory?)" if rc in (-9, 137) else ""
+            raise RuntimeError(f"exit status {rc}{why}; log {log}:\n{tail}")
+        return json.loads((out / "run_summary.json").read_text())["memory"]
+    finally:  # its checkpoint (GBs for the 361M model, x2 allocators x 7 layouts) is not needed
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def measure(model: str, name: str, root: Path, timeout: float, mallocs: list[str]) -> dict[str, Any]:
