@@ -404,7 +404,7 @@ class M2M100Translation(nn.Module):
         drop = self.config.dropout
         if spec.kind is BlockKind.SRC_EMBED:
             return {"hidden": F.dropout(self.embed(batch.input_ids), drop, self.training)}
-        if self.training and spec.name in self.skip_layers:  # LayerDrop: the layer is the identity
+        if self.skip_layers and self.training and spec.name in self.skip_layers:  # LayerDrop: identity
             return dict(state)
         if spec.kind is BlockKind.ENC_LAYER:
             return {"hidden": self.encoder.layers[str(spec.index)](state["hidden"], src_mask)}

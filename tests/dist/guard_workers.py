@@ -95,6 +95,32 @@ def nan_param_on_last_rank(step: int, rank: int, pm: Any, results: Any) -> None:
             next(pm.model.parameters()).view(-1)[0] = float("nan")
 
 
+def step_with_device_reads(step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, int]:
+    """`step_fn(*args, **kwargs)` (`trainer.run.step.train_step`) and the device reads it made.
+
+    CPU AdamW reads its host-side step counters (`.item()` per parameter); on CUDA it is fused
+    and reads nothing, so those reads are not counted as the step's device reads.
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from parallel.dispatch_count import DispatchCounter
+
+    optimizer = args[1]
+    adamw_step = optimizer.step
+
+    def uncounted_adamw_step() -> Any:
+        with _disable_current_modes():
+            return adamw_step()
+
+    optimizer.step = uncounted_adamw_step
+    try:
+        with DispatchCounter() as c:
+            st = step_fn(*args, **kwargs)
+    finally:
+        del optimizer.step
+    return st, c.host_reads
+
+
 def _history(summary_or_hist: Any) -> list[dict[str, Any]]:
     return [dict(r) for r in summary_or_hist if "lr" in r]
 
@@ -106,11 +132,8 @@ def guard_cases(rank: int, world: int, base: dict[str, Any]) -> dict[str, Any]:
     import datasets
     import torch.distributed as dist
 
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    from parallel.dispatch_count import DispatchCounter
-    from trainer.run import loop as train
     from trainer.config.parse import load_config_dict
+    from trainer.run import loop as train
     from trainer.run.guard import DivergenceError, Preempted
 
     datasets.disable_progress_bars()
@@ -147,22 +170,8 @@ def guard_cases(rank: int, world: int, base: dict[str, Any]) -> dict[str, Any]:
     def counting_step(*args: Any, **kwargs: Any) -> Any:
         if args[6] != 4:  # positional `step`; step 4 is past the timeline step
             return original_step(*args, **kwargs)
-        optimizer = args[1]
-        adamw_step = optimizer.step
-
-        def uncounted_adamw_step() -> Any:
-            # CPU AdamW reads its host-side step counters (`.item()` per parameter); on CUDA it is
-            # fused and reads nothing, so those reads are not the step's device reads.
-            with _disable_current_modes():
-                return adamw_step()
-
-        optimizer.step = uncounted_adamw_step
-        try:
-            with DispatchCounter() as c:
-                st = original_step(*args, **kwargs)
-        finally:
-            del optimizer.step
-        counted.append(c.host_reads)
+        st, reads = step_with_device_reads(original_step, *args, **kwargs)
+        counted.append(reads)
         return st
 
     train.train_step = counting_step  # type: ignore[assignment]

@@ -42,12 +42,11 @@ def fp16_story(
     import logging
 
     import datasets
-    from torch.utils._python_dispatch import _disable_current_modes
 
-    from parallel.dispatch_count import DispatchCounter
     from parallel.fsdp import local
     from parallel.loss_scale import DynamicLossScale
     from parallel.parallelize import ParallelModel
+    from tests.dist.guard_workers import step_with_device_reads
     from trainer.config.parse import load_config_dict
     from trainer.run import loop
 
@@ -71,20 +70,8 @@ def fp16_story(
         if step != 4:
             st = original_step(*args, **kwargs)
         else:  # the device reads of one whole fp16 step: the guard's, and nothing else
-            optimizer = args[1]
-            adamw_step = optimizer.step
-
-            def uncounted_adamw_step() -> Any:  # CPU AdamW reads its host step counters
-                with _disable_current_modes():
-                    return adamw_step()
-
-            optimizer.step = uncounted_adamw_step
-            try:
-                with DispatchCounter() as c:
-                    st = original_step(*args, **kwargs)
-            finally:
-                del optimizer.step
-            reads.append(c.host_reads)
+            st, n_reads = step_with_device_reads(original_step, *args, **kwargs)
+            reads.append(n_reads)
         records.append((step, st.skipped, st.overflow, float(scaler.scale), int(scaler.growth_tracker)))
         return st
 
