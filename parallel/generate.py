@@ -45,8 +45,8 @@ from models.generate import (
     special_tokens,
 )
 from models.m2m100 import BlockSpec, Seq2SeqBatch, State
-from parallel.p2p import PendingSend, Transfer, exchange, wait_sends
 from parallel.parallelize import ParallelModel
+from parallel.pipeline.p2p import PendingSend, Transfer, exchange, wait_sends
 from parallel.tp.apply import sequence_parallel_suspended
 
 STOP, STEP, REORDER_AND_STEP = 0, 1, 2  # leader -> followers commands (element 0 of the message)

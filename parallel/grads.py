@@ -9,7 +9,7 @@ backward of an optimizer step and the optimizer.
     after the flush
       clip_(max_norm)                    global norm over the whole mesh, grads scaled
 
-Under FSDP (`parallel.fsdp`) the dp reduce is FSDP's reduce-scatter (at GR, or in
+Under FSDP (`parallel.dp.fsdp`) the dp reduce is FSDP's reduce-scatter (at GR, or in
 autograd's hooks in lean mode), and every gradient is the rank's dp shard: the
 sums over tp and pp run on the local shards (same dp coordinate, same piece), and
 the norm sums the shards' squares over dp too.
@@ -35,8 +35,8 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from parallel import watchdog
-from parallel.data_parallel import GradReducer
-from parallel.fsdp import FullySharded, local, local_grads
+from parallel.dp.fsdp import FullySharded, local, local_grads
+from parallel.dp.reduce import GradReducer
 from parallel.mesh import ParallelMesh
 from parallel.tp.comm import _size
 from parallel.tp.layers import is_sequence_parallel_param, is_tp_sharded

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from parallel.fsdp import local
+from parallel.dp.fsdp import local
 
 
 class DynamicLossScale:

@@ -7,7 +7,7 @@
       -> materialise (meta models)          this rank's shard only, keyed init or HF slices (parallel.materialize)
       -> rematerialisation                  wrap layers / attention in torch.utils.checkpoint
       -> regional compilation               torch.compile each layer (torch_compile: true)
-      -> fully sharded dp (dp_sharding=fsdp) FSDP2 units on the dp axis (parallel.fsdp)
+      -> fully sharded dp (dp_sharding=fsdp) FSDP2 units on the dp axis (parallel.dp.fsdp)
       -> zero-bubble weight-grad deferral   (zero_bubble and zbv: schedules with split backward)
       -> executor                           walks this rank's schedule; dp + tied-embedding reduce at GR
 
@@ -30,21 +30,28 @@ from torch import Tensor, nn
 from models.config import ModelConfig
 from models.loss import cross_entropy_sum
 from models.m2m100 import BlockSpec, M2M100Translation, Seq2SeqBatch
-from parallel.data_parallel import ZeroOneSharding
-from parallel.executor import FlushResult, LossFn, PipelineExecutor, PipelineTopology
-from parallel.fsdp import FullySharded
-from parallel.fsdp import logical as logical_fsdp
+from parallel.dp.fsdp import FullySharded
+from parallel.dp.fsdp import logical as logical_fsdp
+from parallel.dp.zero1 import ZeroOneSharding
 from parallel.grads import StepGradients
 from parallel.materialize import Fill, is_meta, keyed_init_fill, materialize, pretrained_fill
-from parallel.memory import meter_for
 from parallel.mesh import ParallelMesh
 from parallel.mixed_precision import WorkingWeights
+from parallel.pipeline.executor import FlushResult, LossFn, PipelineExecutor, PipelineTopology
+from parallel.pipeline.memory import meter_for
+from parallel.pipeline.schedule import (
+    Action,
+    ActionType,
+    Placement,
+    build_schedule,
+    forward_only,
+    placement_for,
+)
+from parallel.pipeline.stage import PipelineStage
+from parallel.pipeline.timing import clock_for
+from parallel.pipeline.zero_bubble import WeightGradStore, enable_deferred_wgrad
 from parallel.remat import apply_remat
-from parallel.schedule import Action, ActionType, Placement, build_schedule, forward_only, placement_for
-from parallel.stage import PipelineStage
-from parallel.timing import clock_for
 from parallel.tp.layers import tp_local_slice
-from parallel.zero_bubble import WeightGradStore, enable_deferred_wgrad
 
 
 @dataclass
@@ -100,7 +107,7 @@ def make_plan(
     Raises:
         ValueError: balance does not fit the blocks / stages, or the schedule arguments are invalid.
     """
-    from parallel.partition import validate_balance
+    from parallel.pipeline.partition import validate_balance
 
     validate_balance(list(balance), len(blocks), p * v)
     cuts: list[list[BlockSpec]] = []
@@ -141,7 +148,7 @@ class ParallelModel:
                     f"{c.encoder_layerdrop}, decoder_layerdrop={c.decoder_layerdrop}): a skipped layer "
                     f"leaves its FSDP unit unused; set both to 0 or use dp_sharding 'none' | 'zero1'"
                 )
-            deferred = plan.p > 1 or plan.split_backward  # see parallel.fsdp
+            deferred = plan.p > 1 or plan.split_backward  # see parallel.dp.fsdp
             self.fsdp = FullySharded(model, mesh, autocast_dtype, deferred=deferred)
         pp_rank = mesh.pp_rank
         self.stages = {
@@ -292,7 +299,7 @@ class ParallelModel:
     def eval_loss(self, batches: Sequence[Seq2SeqBatch]) -> tuple[float, int]:
         """Sum of token losses and token count over `batches` (meaningful on the last stage).
 
-        Runs `parallel.schedule.forward_only` (any number of batches, any placement).
+        Runs `parallel.pipeline.schedule.forward_only` (any number of batches, any placement).
         """
         if not batches:
             return 0.0, 0
@@ -351,7 +358,7 @@ def build_parallel_model(
         remat: activation_checkpointing policy.
         label_smoothing: epsilon of the loss.
         dp_sharding: "none", "zero1" (optimizer state sharded over dp) or "fsdp" (parameters,
-            gradients and optimizer state sharded over dp: `parallel.fsdp`; nothing to shard,
+            gradients and optimizer state sharded over dp: `parallel.dp.fsdp`; nothing to shard,
             and no FSDP, when dp is 1).
         saved_tensor_meter: measure activation memory with saved-tensor hooks even on
             CUDA (a profiling switch; CPUs always use them).

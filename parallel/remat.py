@@ -27,7 +27,7 @@ from models.m2m100 import Attention, DecoderLayer, EncoderLayer
 
 POLICIES = ("none", "full", "stage", "selective")
 
-# Set by parallel.memory.ActivationMeter while it records a forward: rematerialised
+# Set by parallel.pipeline.memory.ActivationMeter while it records a forward: rematerialised
 # regions keep their tensor inputs outside autograd's saved-tensor hooks, so they
 # report them here to be counted.
 KEPT_INPUT_OBSERVER: ContextVar[Callable[[Tensor], None] | None] = ContextVar(

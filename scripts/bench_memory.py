@@ -16,7 +16,7 @@ loaded rank's steady peak and its start-up peak, the host baseline included.
 
 Writes <output>.json and <output>.md (default benchmarks/memory_cpu, or memory_cpu_<model>).
 A layout this checkout cannot run (an option the trainer rejects, or data_parallel_sharding
-fsdp without parallel/fsdp.py) fails with its reason before anything is launched; a run that
+fsdp without parallel/dp/fsdp.py) fails with its reason before anything is launched; a run that
 fails or passes --timeout is killed and reported. The exit status is 1 if any layout failed.
 """
 
@@ -79,8 +79,8 @@ def unsupported(args: list[str], world: int) -> str:
         validate_early(cfg, world)
     except (ValueError, SystemExit) as e:
         return f"the trainer rejects it: {e}"
-    if cfg.parallel.data_parallel_sharding == "fsdp" and not (ROOT / "parallel" / "fsdp.py").is_file():
-        return "data_parallel_sharding=fsdp is not implemented in this checkout (no parallel/fsdp.py)"
+    if cfg.parallel.data_parallel_sharding == "fsdp" and not (ROOT / "parallel" / "dp" / "fsdp.py").is_file():
+        return "data_parallel_sharding=fsdp is not implemented in this checkout (no parallel/dp/fsdp.py)"
     return ""
 
 

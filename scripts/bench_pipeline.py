@@ -59,13 +59,13 @@ from models.m2m100 import (  # noqa: E402
     M2M100Translation,
     Seq2SeqBatch,
 )
-from parallel.executor import FlushResult  # noqa: E402
 from parallel.mesh import ParallelDims, build_mesh, init_distributed  # noqa: E402
 from parallel.parallelize import ParallelModel, build_parallel_model  # noqa: E402
-from parallel.partition import partition_blocks  # noqa: E402
-from parallel.schedule import Action, build_schedule, placement_for  # noqa: E402
-from parallel.simulate import StageCosts, bubble_theory, simulate  # noqa: E402
-from parallel.stage import boundary_keys  # noqa: E402
+from parallel.pipeline.executor import FlushResult  # noqa: E402
+from parallel.pipeline.partition import partition_blocks  # noqa: E402
+from parallel.pipeline.schedule import Action, build_schedule, placement_for  # noqa: E402
+from parallel.pipeline.simulate import StageCosts, bubble_theory, simulate  # noqa: E402
+from parallel.pipeline.stage import boundary_keys  # noqa: E402
 
 P = 2
 OUR_SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 1}  # name -> v
@@ -765,7 +765,7 @@ def render(meta: dict, steps: list[dict], bubble: list[dict], mem: list[dict]) -
         "",
         "Measured: 1 - sum(busy) / (p x makespan) from the executor's FlushResults (barrier before each "
         "flush), median over the timed steps. Theory: (p-1)/(v m + p - 1) (zero bubble: the 1F1B bound; "
-        "ZB-H1 does better). Simulated: `parallel.simulate` on the same action lists with per-stage "
+        "ZB-H1 does better). Simulated: `parallel.pipeline.simulate` on the same action lists with per-stage "
         "F / B (I, W) times measured from the executor timelines of the same run, and a link cost per comm "
         f"batch: a ping-pong of one boundary message between the two ranks ({meta['link_s'] * 1e3:.2f} ms), or "
         "the 10th percentile of the run's comm spans where higher (posting and copying cost the executor time "

@@ -349,7 +349,7 @@ Mechanisms:
   with masked padding logits). Downstream code relies on plain tensors + marks: the grad norm
   (parallel/parallelize.py reads tp_sharded / tp_shard_dim), checkpoint/eval gather
   (gather_full_state_dict), the zero-bubble W/B split (bias_in_matmul), dp bucketing and
-  ZeRO-1 broadcast (_flatten_dense_tensors of p.grad / p.data in parallel/data_parallel.py).
+  ZeRO-1 broadcast (_flatten_dense_tensors of p.grad / p.data in parallel/dp/reduce.py).
 - dtensor: one plan dict; parameters become DTensors, module hooks convert activations
   at q/k/v/fc1 inputs (from_local Replicate: all-reduce of grads backward) and out_proj/fc2
   outputs (Partial -> Replicate all-reduce). The tied embedding/head is expressible without

@@ -141,7 +141,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
     # forward = output_transform(F.linear(input_transform(x), W_r, b_r)); the split lets
-    # parallel.zero_bubble defer the weight gradient of the local matmul alone.
+    # parallel.pipeline.zero_bubble defer the weight gradient of the local matmul alone.
     bias_in_matmul = True
 
     def linear_input_transform(self, x: Tensor) -> Tensor:

@@ -12,7 +12,7 @@ from models.config import ModelConfig
 from models.m2m100 import M2M100Translation
 from parallel.mesh import ParallelDims, build_mesh
 from parallel.parallelize import build_parallel_model
-from parallel.partition import uniform_partition
+from parallel.pipeline.partition import uniform_partition
 from parallel.watchdog import RankIdentity, start_watchdog, stop_watchdog
 from tests.dist.pipeline_workers import TINY, random_batch
 

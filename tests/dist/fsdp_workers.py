@@ -13,7 +13,7 @@ from models.config import ModelConfig
 from models.m2m100 import M2M100Translation, Seq2SeqBatch
 from parallel.mesh import ParallelDims, build_mesh
 from parallel.parallelize import ParallelModel, build_parallel_model
-from parallel.partition import uniform_partition
+from parallel.pipeline.partition import uniform_partition
 from tests.dist.pipeline_workers import TINY, random_batch
 
 LR, MAX_NORM, BATCH = 1e-2, 0.5, 8

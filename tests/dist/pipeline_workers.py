@@ -10,7 +10,7 @@ from models.config import ModelConfig
 from models.m2m100 import IGNORE_INDEX, M2M100Translation, Seq2SeqBatch
 from parallel.mesh import ParallelDims, build_mesh
 from parallel.parallelize import build_parallel_model
-from parallel.partition import uniform_partition
+from parallel.pipeline.partition import uniform_partition
 
 TINY = dict(
     vocab_size=61,

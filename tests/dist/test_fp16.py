@@ -43,7 +43,7 @@ def fp16_story(
 
     import datasets
 
-    from parallel.fsdp import local
+    from parallel.dp.fsdp import local
     from parallel.loss_scale import DynamicLossScale
     from parallel.parallelize import ParallelModel
     from tests.dist.guard_workers import step_with_device_reads

@@ -1,4 +1,4 @@
-"""Fully sharded data parallelism (`parallel.fsdp`): training with FSDP2 over dp equals one process.
+"""Fully sharded data parallelism (`parallel.dp.fsdp`): training with FSDP2 over dp equals one process.
 
 Over 3 optimizer steps (AdamW, global-norm clipping) the loss equals the single-process
 loss within 1e-4, and the first step's gradients and the final weights match, on

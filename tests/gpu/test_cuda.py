@@ -65,7 +65,7 @@ def _one_rank_model(bf16: bool, schedule: str = "1f1b", m: int = 2) -> tuple:
 def test_bf16_step_fused_adamw_no_sync_and_event_timing() -> None:
     """On CUDA: fused AdamW, no synchronisation inside the flushes and the clip, and a timeline
     from CUDA events whose busy time is device time (positive, within the flush's span)."""
-    from parallel.timing import DeviceClock
+    from parallel.pipeline.timing import DeviceClock
     from trainer.config.training_args import TrainingArguments
     from trainer.run.step import build_optimizer
 

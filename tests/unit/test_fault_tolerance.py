@@ -1,6 +1,6 @@
 """Failure handling without process groups: the per-attempt store namespace under torchrun's
 shared store (parallel/mesh.py), wait messages, the wrapped error and the watchdog's warning
-(parallel/watchdog.py, parallel/p2p.py), and the fault-injection spec (trainer/faults.py)."""
+(parallel/watchdog.py, parallel/pipeline/p2p.py), and the fault-injection spec (trainer/faults.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel import p2p, watchdog
+from parallel import watchdog
 from parallel.mesh import elastic_attempt_store
-from parallel.schedule import Action, ActionType
+from parallel.pipeline import p2p
+from parallel.pipeline.schedule import Action, ActionType
 from parallel.watchdog import CommWaitError, RankIdentity
 from trainer.run.faults import FaultInjection
 

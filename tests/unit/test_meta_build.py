@@ -184,7 +184,7 @@ def test_materialize_errors_name_the_problem() -> None:
 
 
 def test_profile_by_kind_builds_one_layer_per_kind() -> None:
-    from parallel.profile import profile_blocks, profile_blocks_by_kind
+    from parallel.pipeline.profile import profile_blocks, profile_blocks_by_kind
     from tests.dist.test_tensor_parallel import _batch
 
     mc = _config(vocab_size=128)

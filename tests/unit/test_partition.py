@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from parallel.partition import (
+from parallel.pipeline.partition import (
     PartitionError,
     format_partition,
     partition_blocks,

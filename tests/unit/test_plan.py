@@ -189,7 +189,7 @@ def _calibration_entry(pp: int, dp: int, schedule: str = "1f1b", bound: float = 
     mc = parse_config(["--config", TINY]).model.model_config(1000, {})
     ctx = CostContext(mc, link, 2, False, False, 1e-9)
     layout = Layout(pp, 1, dp, 2, 1, 8, schedule, 1, "none", "uniform", (4, 4) if pp == 2 else (8,))
-    from parallel.simulate import StageCosts
+    from parallel.pipeline.simulate import StageCosts
 
     sc = StageCosts([0.01] * pp, [0.02] * pp, [0.0] * pp, 1e-4)
     return bound, layout, sc, ctx
@@ -245,7 +245,7 @@ def test_stage_activation_bytes_match_the_executor_meter() -> None:
     as one (the encoder output that every decoder layer receives counted once, not per layer)."""
     from models.loss import cross_entropy_sum
     from models.m2m100 import block_specs
-    from parallel.memory import SavedTensorMeter
+    from parallel.pipeline.memory import SavedTensorMeter
     from trainer.planner.blocks import synthetic_batch
     from trainer.planner.cost import stage_activation_bytes
 

@@ -14,7 +14,7 @@ import pytest
 
 from models.config import ModelConfig
 from models.m2m100 import M2M100Translation
-from parallel.simulate import StageCosts
+from parallel.pipeline.simulate import StageCosts
 from trainer.planner import blocks, search
 from trainer.planner.blocks import Shape, block_param_counts, measure_kind_costs
 from trainer.planner.cost import CostContext, predict_step

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from parallel.schedule import (
+from parallel.pipeline.schedule import (
     GRAD_REDUCE,
     SCHEDULES,
     Action,
@@ -18,7 +18,7 @@ from parallel.schedule import (
     forward_only,
     placement_for,
 )
-from parallel.validate import (
+from parallel.pipeline.validate import (
     compute_order,
     format_schedule,
     peer_action,

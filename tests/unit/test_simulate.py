@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from parallel.schedule import ActionType, ScheduleError, build_schedule
-from parallel.simulate import SimResult, StageCosts, bubble_theory, simulate
-from parallel.validate import validate_schedule
+from parallel.pipeline.schedule import ActionType, ScheduleError, build_schedule
+from parallel.pipeline.simulate import SimResult, StageCosts, bubble_theory, simulate
+from parallel.pipeline.validate import validate_schedule
 
 # p: pipeline ranks, m: micro-batches, v: virtual stages per rank
 
@@ -156,7 +156,7 @@ def test_cost_list_length_is_checked() -> None:
 
 
 def test_deadlock_is_reported() -> None:
-    from parallel.schedule import Action
+    from parallel.pipeline.schedule import Action
 
     broken = [
         [Action.parse(t) for t in "F0.0 RB0.0 B0.0 SF0.0 GR".split()],

@@ -179,7 +179,7 @@ def check_model_fits(dims: ParallelDims, config: ModelConfig) -> list[int]:
     """
     from models.m2m100 import block_specs
     from parallel.mesh import check_tp_divides_model
-    from parallel.partition import uniform_partition
+    from parallel.pipeline.partition import uniform_partition
 
     try:
         check_tp_divides_model(config, dims.tp)

@@ -11,7 +11,7 @@ import torch
 
 from models.config import ModelConfig
 from models.m2m100 import IGNORE_INDEX, BlockKind, M2M100Translation, Seq2SeqBatch, block_specs
-from parallel.profile import BlockPhases, profile_block_phases
+from parallel.pipeline.profile import BlockPhases, profile_block_phases
 from trainer.planner.hardware import DeviceSpec
 
 LAYER_KINDS = (BlockKind.ENC_LAYER, BlockKind.DEC_LAYER)

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from parallel.simulate import StageCosts
+from parallel.pipeline.simulate import StageCosts
 from trainer.planner.cost import CostContext, lower_bound, predict_step
 from trainer.planner.layout import Family, Layout, family
 from trainer.planner.options import PlanOptions

@@ -3,13 +3,13 @@
     kind costs       one micro-batch through each block kind (embeddings, encoder layer, norm,
                      decoder layer, head): F, B, I, W seconds and the activation bytes the
                      executor's meter counts. Measured on this machine by
-                     `parallel.profile.profile_block_phases` on a one-layer copy of the model
+                     `parallel.pipeline.profile.profile_block_phases` on a one-layer copy of the model
                      (`measure_kind_costs`), or for another device from FLOPs and a device
                      table (`table_kind_costs`; activation bytes still measured here, at one
                      sentence, and scaled by the micro-batch size)
     LinkModel        point-to-point and ring all-reduce times: latency + bytes / bandwidth,
                      intra- versus inter-node
-    predict_step     a layout -> per-stage costs -> `parallel.simulate` on the schedule's real
+    predict_step     a layout -> per-stage costs -> `parallel.pipeline.simulate` on the schedule's real
                      action lists (makespan, bubble, peak activation bytes per pp rank)
                      + data fetch + dp / tied-embedding reduces (fsdp: reduce-scatter and
                      parameter all-gathers; zero1: the updated parameters' broadcast)
@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 
 from models.config import ModelConfig
 from models.m2m100 import BlockKind, block_specs
-from parallel.partition import resolve_partition
-from parallel.profile import BlockPhases
-from parallel.schedule import Action, build_schedule, placement_for
-from parallel.simulate import StageCosts, simulate
+from parallel.pipeline.partition import resolve_partition
+from parallel.pipeline.profile import BlockPhases
+from parallel.pipeline.schedule import Action, build_schedule, placement_for
+from parallel.pipeline.simulate import StageCosts, simulate
 from trainer.planner.blocks import KindCosts, Shape, block_param_counts
 from trainer.planner.hardware import LinkModel
 from trainer.planner.layout import SPLIT_BACKWARD, Layout
@@ -166,7 +166,7 @@ def stage_activation_bytes(costs: Sequence[BlockPhases], blocks: range) -> float
     """Bytes a stage of `blocks` holds per micro-batch, counted as the executor's meter counts them.
 
     The stage's inputs once, each block's own saved bytes, and a tensor one block of the stage
-    produces and a later one saves, once (`parallel.profile.ActivationParts`). Summing the
+    produces and a later one saves, once (`parallel.pipeline.profile.ActivationParts`). Summing the
     blocks' `activation_bytes` instead counts the encoder output once per decoder layer.
     """
     parts = [p for p in (costs[i].parts for i in blocks) if p is not None]
@@ -252,7 +252,7 @@ def predict_step(layout: Layout, sc: StageCosts, ctx: CostContext) -> Prediction
     ranks, grad_reduce, optimizer, data = _outside_pipeline(layout, ctx)
     step = layout.g * sim.makespan + grad_reduce + optimizer + data
     settings = ctx.memory_settings
-    deferred = p > 1 or layout.schedule in SPLIT_BACKWARD  # parallel.fsdp's deferred mode
+    deferred = p > 1 or layout.schedule in SPLIT_BACKWARD  # parallel.dp.fsdp's deferred mode
     mems = [rank_memory(r, a, layout.sharding, layout.dp, m * layout.g, deferred, settings)
             for r, a in zip(ranks, sim.peak_activation_bytes)]  # fmt: skip
     worst = max(range(p), key=lambda r: sum(mems[r][0].values()))

@@ -20,7 +20,7 @@ import torch
 
 from models.config import ModelConfig
 from models.m2m100 import M2M100Translation
-from parallel.profile import BlockPhases
+from parallel.pipeline.profile import BlockPhases
 from trainer.config.schema import JobConfig
 from trainer.planner.blocks import (
     KindCosts,

@@ -8,7 +8,7 @@ With P the rank's parameters (its pp stages on its tp shard), dp the data-parall
     optimizer        8 P                     AdamW's two moments; zero1 and fsdp: 8 P / dp
     working_weights  2 P                     bf16 copies cast once per step (bf16, m g > 1, not fsdp)
     fsdp_gathered    fsdp only               unsharded (working-dtype) parameters and fp32 grads
-                                             (`parallel.fsdp`): lean (pp = 1, full backward): the
+                                             (`parallel.dp.fsdp`): lean (pp = 1, full backward): the
                                              root unit (tied table, norms: gathered from its
                                              forward to its backward) and two layer units (the one
                                              computing, the one prefetched / reduce-scattering);

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from parallel.mesh import ParallelDims
-from parallel.simulate import StageCosts
+from parallel.pipeline.simulate import StageCosts
 from trainer.config.dims import parallel_dims
 from trainer.config.parse import parse_config
 from trainer.config.schema import JobConfig
@@ -182,7 +182,7 @@ class TrainerCheck:
 
     def __call__(self, layout: Layout) -> str:
         """The trainer's error message for `layout`, or "" when it accepts it."""
-        from parallel.partition import validate_balance
+        from parallel.pipeline.partition import validate_balance
         from trainer.run.preflight import validate_early
 
         key = (

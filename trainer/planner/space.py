@@ -22,7 +22,7 @@ SCHEDULE_SPACE: list[tuple[str, int]] = [
     ("interleaved_1f1b", 2),
     ("interleaved_1f1b", 4),
     ("zero_bubble", 1),
-    ("zbv", 2),  # used only where the trainer and parallel.schedule.build_schedule accept it
+    ("zbv", 2),  # used only where the trainer and parallel.pipeline.schedule.build_schedule accept it
 ]
 REMAT_SPACE = ("none", "selective", "full", "stage")
 PARTITION_SPACE = ("time", "uniform", "parameters", "memory")
@@ -41,7 +41,7 @@ class Budget:
 
 def schedule_space() -> list[tuple[str, int]]:
     """`SCHEDULE_SPACE` less the schedules this checkout's trainer or schedule builder lacks."""
-    from parallel.schedule import build_schedule
+    from parallel.pipeline.schedule import build_schedule
 
     out = []
     for name, v in SCHEDULE_SPACE:

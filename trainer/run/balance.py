@@ -5,7 +5,7 @@ What each method costs at start-up (no rank ever builds the whole model):
     explicit list / uniform    nothing is built or measured
     parameters                 counted on a model built on the meta device (shapes only)
     time / memory              one block of each kind measured on rank 0
-                               (`parallel.profile.profile_blocks_by_kind`), the result
+                               (`parallel.pipeline.profile.profile_blocks_by_kind`), the result
                                broadcast, so every rank cuts the model the same way
                                (timings differ between processes; a split that differed
                                would hang the pipeline)
@@ -21,8 +21,8 @@ import torch.distributed as dist
 from models.config import ModelConfig
 from models.m2m100 import M2M100Translation, block_specs
 from parallel.mesh import ParallelMesh
-from parallel.partition import format_partition, resolve_partition
-from parallel.profile import param_counts_per_block, profile_blocks_by_kind
+from parallel.pipeline.partition import format_partition, resolve_partition
+from parallel.pipeline.profile import param_counts_per_block, profile_blocks_by_kind
 from trainer.config.schema import JobConfig
 
 

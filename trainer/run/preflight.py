@@ -22,8 +22,8 @@ def validate_early(cfg: JobConfig, world: int) -> ParallelDims:
     an explicit partition's length and sum, and the schedule's (p, m, v) constraints.
     Raises ValueError (ConfigError, PartitionError, ...) naming the bad value.
     """
-    from parallel.partition import validate_balance
-    from parallel.schedule import build_schedule
+    from parallel.pipeline.partition import validate_balance
+    from parallel.pipeline.schedule import build_schedule
 
     dims = parallel_dims(cfg.parallel, world)
     if cfg.model.model_name_or_path:

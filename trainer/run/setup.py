@@ -25,7 +25,7 @@ from models.config import ModelConfig
 from parallel.loss_scale import DynamicLossScale
 from parallel.mesh import ParallelDims, ParallelMesh, build_mesh, coords_to_rank
 from parallel.parallelize import ParallelModel, build_parallel_model
-from parallel.simulate import bubble_theory
+from parallel.pipeline.simulate import bubble_theory
 from parallel.watchdog import RankIdentity, default_warn_after, start_watchdog
 from trainer.checkpoint.async_save import CheckpointSaver
 from trainer.checkpoint.resume import ResumePoint, adopt_tokenizer, log_changes

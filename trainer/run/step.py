@@ -34,9 +34,9 @@ from torch import Tensor, nn
 
 from models.m2m100 import layerdrop_skips
 from parallel import watchdog
-from parallel.executor import FlushResult
 from parallel.loss_scale import DynamicLossScale
 from parallel.parallelize import ParallelModel
+from parallel.pipeline.executor import FlushResult
 from trainer.config.training_args import TrainingArguments
 from trainer.run.guard import StepGuard
 

@@ -4,7 +4,7 @@ Written as `timeline.png` (forward / backward / input-grad / weight-grad / p2p
 batches coloured, idle left white, like the GPipe and zero-bubble papers' figures) and as
 `timeline_trace.json` in the Chrome trace format (open in chrome://tracing or
 Perfetto). Times are each rank's clock relative to its own flush start (device time
-from CUDA events on a GPU, `parallel.timing`); the trainer starts measured steps
+from CUDA events on a GPU, `parallel.pipeline.timing`); the trainer starts measured steps
 with a barrier so the rows line up.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from parallel.executor import FlushResult
 from parallel.parallelize import ParallelModel
+from parallel.pipeline.executor import FlushResult
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#8172B2", "W": "#CCB974", "GR": "#C44E52", "P2P": "#999999"}
 Row = list[tuple[str, float, float]]

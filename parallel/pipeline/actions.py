@@ -4,9 +4,9 @@ This module owns the data types every pipeline module shares: an ``Action``
 (forward, backward, split backward, send, recv, reduce on (stage, micro-batch)),
 a ``Schedule`` (one ordered action list per rank), the ``message`` key that pairs
 a send with its recv, and the ``Placement`` that says which pipeline rank holds
-which stage. ``parallel/schedule.py`` generates schedules in it (and re-exports
-these names), ``parallel/validate.py`` checks them, ``parallel/simulate.py`` times
-them and ``parallel/executor.py`` runs them. Pure Python: no torch.
+which stage. ``parallel/pipeline/schedule.py`` generates schedules in it (and re-exports
+these names), ``parallel/pipeline/validate.py`` checks them, ``parallel/pipeline/simulate.py`` times
+them and ``parallel/pipeline/executor.py`` runs them. Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ Schedule = list[list[Action]]
 class ScheduleError(ValueError):
     """A schedule is incomplete, out of dependency order, mismatched or deadlocks.
 
-    Raised by ``parallel.validate``, the simulator and ``parallel.schedule`` (a
+    Raised by ``parallel.pipeline.validate``, the simulator and ``parallel.pipeline.schedule`` (a
     compute order that cannot make progress); defined here, beside the
     vocabulary, so the dependencies between those modules point one way.
     """
@@ -123,7 +123,7 @@ class Placement:
     Under V the turn (stages p - 1 and p) is on one rank, so nothing crosses a link
     there, and the first and the last stage (both holding the tied embedding of an
     encoder-decoder) share rank 0. The schedule's name picks it
-    (``parallel.schedule.placement_for``); the executor, the partition, p2p peers,
+    (``parallel.pipeline.schedule.placement_for``); the executor, the partition, p2p peers,
     the tied-embedding group and the logging rank all read it from there.
     """
 

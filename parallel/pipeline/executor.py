@@ -1,6 +1,6 @@
 """The pipeline executor: walks one rank's action list, never deciding the order itself.
 
-    for action in schedule[rank]:           (built by parallel.schedule, checked by parallel.validate)
+    for action in schedule[rank]:           (built by parallel.pipeline.schedule, checked by parallel.pipeline.validate)
         F  s.mb   forward stage s on micro-batch mb; the last stage also computes the loss
         B  s.mb   backward through stage s (input and weight grads)
         I  s.mb   input grads only; linear weight grads are deferred (zero bubble)
@@ -16,7 +16,7 @@ dynamic loss scale S (parallel/loss_scale.py), so S never visits the host.
 
 The hot path never waits on the device: shapes come from the micro-batch every
 rank holds (host lengths), token counts are host numbers, and the loss sum stays
-a device tensor. A timed flush marks the clock (`parallel.timing`: CUDA events on
+a device tensor. A timed flush marks the clock (`parallel.pipeline.timing`: CUDA events on
 a GPU) after every action; `FlushResult` resolves the marks into busy time, wall
 time and the per-action timeline only when asked, at a logged step.
 """
@@ -32,13 +32,13 @@ import torch
 from torch import Tensor
 
 from models.m2m100 import BlockSpec, Seq2SeqBatch, State
-from parallel import p2p
-from parallel.actions import Action, ActionType, Placement
 from parallel.grads import StepGradients
-from parallel.memory import ActivationMeter
-from parallel.stage import PipelineStage, boundary_keys, boundary_shapes
-from parallel.timing import Clock, HostClock
-from parallel.zero_bubble import WeightGradStore
+from parallel.pipeline import p2p
+from parallel.pipeline.actions import Action, ActionType, Placement
+from parallel.pipeline.memory import ActivationMeter
+from parallel.pipeline.stage import PipelineStage, boundary_keys, boundary_shapes
+from parallel.pipeline.timing import Clock, HostClock
+from parallel.pipeline.zero_bubble import WeightGradStore
 
 LossFn = Callable[[Tensor, Tensor], Tensor]  # (logits, labels) -> sum of token losses
 
@@ -118,11 +118,11 @@ class PipelineExecutor:
 
     Args:
         stages: this rank's stages keyed by global stage index.
-        actions: this rank's action list (from `parallel.schedule.build_schedule`).
+        actions: this rank's action list (from `parallel.pipeline.schedule.build_schedule`).
         topo: stage placement and neighbours.
         loss_fn: (logits, labels) -> sum of token losses (a scalar tensor).
-        meter: the activation-memory meter (`parallel.memory.meter_for`).
-        clock: host timestamps or CUDA events (`parallel.timing.clock_for`).
+        meter: the activation-memory meter (`parallel.pipeline.memory.meter_for`).
+        clock: host timestamps or CUDA events (`parallel.pipeline.timing.clock_for`).
         grads: the step's gradient work: armed before each stage's final backward
             and run at GR, on the step's last flush; None for evaluation.
         autocast_dtype: e.g. torch.bfloat16 to run forwards under autocast.

@@ -164,7 +164,7 @@ class BlockPhases:
     forward_s: the forward (the head's includes the loss, as the last stage runs it).
     backward_s: the full backward (input and weight grads, as 1F1B's B).
     backward_input_s / backward_weight_s: the zero-bubble split: I with the linear
-        weight grads deferred, then W running them (`parallel.zero_bubble`).
+        weight grads deferred, then W running them (`parallel.pipeline.zero_bubble`).
     activation_bytes: what the forward keeps for backward, counted by the executor's
         `SavedTensorMeter` (the block's input included; rematerialised regions count
         only the inputs they keep).
@@ -203,8 +203,8 @@ def profile_block_phases(
     Returns:
         One `BlockPhases` per block, in block order.
     """
-    from parallel.memory import SavedTensorMeter
-    from parallel.zero_bubble import WeightGradStore, enable_deferred_wgrad
+    from parallel.pipeline.memory import SavedTensorMeter
+    from parallel.pipeline.zero_bubble import WeightGradStore, enable_deferred_wgrad
 
     store = WeightGradStore()
     enable_deferred_wgrad(model, store)

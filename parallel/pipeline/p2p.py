@@ -3,7 +3,7 @@
 The executor hands over each maximal run of consecutive comm actions of its
 schedule; they are posted together with `batch_isend_irecv` and the receives
 waited on, which is (a relaxation of) the semantics
-`parallel.validate.validate_schedule` proves deadlock-free.
+`parallel.pipeline.validate.validate_schedule` proves deadlock-free.
 The peer of a message is the pp rank holding the other stage (the schedule's
 `Placement`: stage s on s % p, or ZB-V's V), given as a global rank so the
 default process group carries the messages.
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from parallel import watchdog
-from parallel.schedule import Action, ActionType
+from parallel.pipeline.schedule import Action, ActionType
 from parallel.watchdog import RankIdentity
 
 

@@ -20,7 +20,7 @@ pipeline decides when FSDP communicates:
                                `pipelining.stage.PipelineStage.perform_reduce_grad`
 
 Gradients are dp *sums* (divide factor 1): the trainer scales the loss by
-1 / tokens(global batch), as for `parallel.data_parallel`. `bf16` maps to FSDP's
+1 / tokens(global batch), as for `parallel.dp.reduce`. `bf16` maps to FSDP's
 `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: bf16 gathered working
 weights, fp32 gradient accumulation, reduction and master shards (layer norms: fp32
 units of their own, as `parallel.mixed_precision` keeps them). Generation reads

@@ -1,10 +1,10 @@
 """Pure pipeline simulator: predicted makespan, bubble and activation memory of a schedule.
 
 This module owns the *prediction* side of pipeline performance. It walks the
-same per-rank action lists the executor runs (``parallel/schedule.py``), with
+same per-rank action lists the executor runs (``parallel/pipeline/schedule.py``), with
 per-stage costs (measured or assumed) instead of real work, so a schedule's
 bubble and memory can be compared with the theory and with measured runs. The
-walk itself is ``parallel.validate.walk_ranks``, the one the deadlock check
+walk itself is ``parallel.pipeline.validate.walk_ranks``, the one the deadlock check
 uses; this module adds only clocks and when a batch completes.
 Pure Python: no torch.
 
@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from parallel.schedule import INPUT_GRAD_TYPES, Action, ActionType, ScheduleError
-from parallel.validate import is_send, peer_action, walk_ranks
+from parallel.pipeline.schedule import INPUT_GRAD_TYPES, Action, ActionType, ScheduleError
+from parallel.pipeline.validate import is_send, peer_action, walk_ranks
 
 # p: pipeline ranks, m: micro-batches, v: virtual stages per rank, n: stages (n = p * v)
 
@@ -113,7 +113,7 @@ def bubble_theory(p: int, m: int, v: int = 1, schedule: str | None = None) -> fl
     e = max((p - 1) / 2, 2p - 1 - m). The first term is the V's fill, rank p-1
     waiting for p-1 half-stage forwards; no order does better, since stage p-1
     cannot start earlier. The second is the empty slots of the order built for
-    2p - 1 micro-batches when m is smaller (`parallel.schedule._zbv_order`).
+    2p - 1 micro-batches when m is smaller (`parallel.pipeline.schedule._zbv_order`).
     Share e / (3m + e): (p - 1) / (6m + p - 1) for m >= 2p - 1, half of ZB-H1's
     (p - 1) / (3m + p - 1). `tests/unit/test_simulate.py` checks it against the
     simulator.

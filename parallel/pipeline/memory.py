@@ -90,7 +90,7 @@ class SavedTensorMeter(_Ledger):
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        from parallel.fsdp import local  # FSDP parameters: the rank's shards
+        from parallel.dp.fsdp import local  # FSDP parameters: the rank's shards
 
         self.param_ptrs = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
         self.ignored: set[int] = set()

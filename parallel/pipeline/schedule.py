@@ -2,20 +2,20 @@
 
 This module owns *what* each pipeline rank does and in which order; it never
 runs anything. A schedule is ``list[list[Action]]`` (the vocabulary is
-``parallel/actions.py``, re-exported here): one ordered list per rank
+``parallel/pipeline/actions.py``, re-exported here): one ordered list per rank
 (torchgpipe's ``clock_cycles``, PyTorch pipelining's ``2F0`` actions). The
-executor (``parallel/executor.py``) and the simulator (``parallel/simulate.py``)
+executor (``parallel/pipeline/executor.py``) and the simulator (``parallel/pipeline/simulate.py``)
 both walk these lists verbatim, so the order, the p2p pairing and the place of
 the gradient reduce are decided here once. Pure Python: no torch.
 
 Placement: which rank holds which stage is part of the schedule, named once by
-`placement_for` (``parallel.actions.Placement``): Megatron's interleaved one
+`placement_for` (``parallel.pipeline.actions.Placement``): Megatron's interleaved one
 (stage ``s`` on rank ``s % p``; with v == 1 stage == rank) for every schedule but
 ZB-V, whose V puts stages ``r`` and ``2p - 1 - r`` on rank ``r``.
 
 Comm: ``SF s.mb`` sends stage s's output to ``RF s+1.mb``, ``SB s.mb`` sends the
 grad of stage s's input to ``RB s-1.mb``; each maximal run of consecutive comm
-actions is posted as one batch. ``parallel/validate.py`` states this convention
+actions is posted as one batch. ``parallel/pipeline/validate.py`` states this convention
 and the batched-p2p (deadlock) semantics in full, and ``validate_schedule``
 checks them on any schedule (it also prints schedules, ``format_schedule``);
 ``_attach_comm`` below places the comm so that the generated schedules pass by
@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-# The vocabulary lives in parallel.actions; re-exported here, where schedules are made.
-from parallel.actions import (
+# The vocabulary lives in parallel.pipeline.actions; re-exported here, where schedules are made.
+from parallel.pipeline.actions import (
     GRAD_REDUCE,
     INPUT_GRAD_TYPES,
     WEIGHT_GRAD_TYPES,
@@ -185,7 +185,7 @@ def _zbv_order(p: int, m: int) -> Schedule:
     (F I W) on chunk 1; steady state: (F I W) on chunk 0 then on chunk 1; cool-down:
     r (I chunk 0, I chunk 1) pairs, p-r (I W) on chunk 0, and the held-back W's.
     With F = I = W and m >= 2p - 1 the only idle time is the V's fill, p-1 chunk
-    forwards per rank (half of ZB-H1's; `parallel.simulate.bubble_theory`), and
+    forwards per rank (half of ZB-H1's; `parallel.pipeline.simulate.bubble_theory`), and
     every rank peaks at 2p chunks in flight, the activations 1F1B holds on its
     first rank. For fewer micro-batches the order is built for 2p - 1 and the
     missing ones are dropped (as PyTorch does): a subsequence of a valid order

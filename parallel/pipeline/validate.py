@@ -1,9 +1,9 @@
 """Whether a pipeline schedule can run: the comm semantics, the validator, a printer.
 
-This module owns the rules a schedule (``parallel/schedule.py``) must obey to run
+This module owns the rules a schedule (``parallel/pipeline/schedule.py``) must obey to run
 on the executor, and the one loop that walks all ranks under the executor's
 batched p2p, `walk_ranks`: the deadlock check here and the simulator
-(``parallel/simulate.py``) both drive it, so the semantics live in one place.
+(``parallel/pipeline/simulate.py``) both drive it, so the semantics live in one place.
 ``validate_schedule`` checks that a schedule is complete, in dependency order,
 matched and deadlock-free; ``format_schedule`` prints one with its comm batches.
 Pure Python: no torch.
@@ -18,7 +18,7 @@ Comm convention. Every comm action names the stage *on the rank that runs it*::
 - ``SB s.mb`` sends the grad of stage s's input to stage s-1; it matches
   ``RB s-1.mb``.
 - A recv comes before the compute that needs it, a send after the compute that
-  produced it (``parallel.schedule._attach_comm`` decides exactly where); there
+  produced it (``parallel.pipeline.schedule._attach_comm`` decides exactly where); there
   is no comm between stages on the same rank (p == 1, or the turn of ZB-V's V,
   stages p-1 and p). Which rank holds a stage is the schedule's ``Placement``.
 
@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from parallel.actions import (
+from parallel.pipeline.actions import (
     INPUT_GRAD_TYPES,
     WEIGHT_GRAD_TYPES,
     Action,
@@ -153,7 +153,7 @@ def validate_schedule(
     Args:
         schedule: one action list per rank.
         p, m, v: ranks, micro-batches, stages per rank.
-        placement: which rank holds which stage (``parallel.schedule.placement_for``);
+        placement: which rank holds which stage (``parallel.pipeline.schedule.placement_for``);
             None: the known placement (interleaved, then V) that every compute action
             of the schedule fits, or interleaved if none fits (errors then name it).
 
