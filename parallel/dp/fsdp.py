@@ -29,6 +29,7 @@ weights outside `forward` and runs inside `gathered`.
 After `fully_shard` every parameter is a `DTensor` sharded over dp; `local` gives
 the rank's shard (a plain tensor aliasing it) for the gradient work in
 `parallel.grads`, and `logical` the DCP view of a tensor on the (dp, tp) sub-mesh.
+Only public FSDP2 API here; what is private lives in `parallel.dp.fsdp_internals`.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Shard
 
+from parallel.dp.fsdp_internals import local_tensor, post_backward_all, strided_shard
 from parallel.mesh import ParallelMesh
 
 # Marks parallel.tp puts on parameters; fully_shard makes new Parameters, which must keep them.
@@ -130,11 +132,7 @@ class FullySharded:
         self.root.set_is_last_backward(True)
         self.root.set_reshard_after_backward(True)
         self.root.set_requires_gradient_sync(True)
-        state = fully_shard.state(self.model)  # type: ignore[attr-defined]
-        for unit_state in state._state_ctx.all_states:
-            for group in unit_state._fsdp_param_groups:
-                group.post_backward()
-        state._root_post_backward_final_callback()
+        post_backward_all(self.model)
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
@@ -171,7 +169,7 @@ def is_fsdp_param(p: Tensor) -> bool:
 
 def local(t: Tensor) -> Tensor:
     """The rank's shard of an FSDP tensor (aliasing it), or `t` itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t  # type: ignore[attr-defined]
+    return local_tensor(t) if isinstance(t, DTensor) else t
 
 
 def local_grads(params: Iterator[nn.Parameter] | list[nn.Parameter]) -> list[Tensor]:
@@ -196,8 +194,6 @@ def logical(
     """
     if not isinstance(tensor, DTensor) or tp_size == 1 or not getattr(param, "tp_sharded", False):
         return tensor  # dp-sharded only: FSDP's DTensor is already the logical tensor
-    from torch.distributed.tensor.placement_types import _StridedShard
-
     tp_dim = int(param.tp_shard_dim)  # type: ignore[attr-defined]
     dp_dim = tensor.placements[0].dim  # type: ignore[attr-defined]
     piece = local(tensor)
@@ -207,7 +203,7 @@ def logical(
         piece, shape[0] = piece.narrow(0, 0, vocab[0]), vocab[1]
     # dp splits a different dim: a plain block; the same dim (1-D column-parallel biases):
     # dp splits each tp piece, DTensor's strided sharding (as FSDP2 over DTensor tp).
-    dp_place = Shard(dp_dim) if dp_dim != tp_dim else _StridedShard(dp_dim, split_factor=tp_size)
+    dp_place = Shard(dp_dim) if dp_dim != tp_dim else strided_shard(dp_dim, tp_size)
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(
         piece,

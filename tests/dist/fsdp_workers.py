@@ -187,8 +187,9 @@ def _full_state(pm: ParallelModel, opt: torch.optim.Optimizer) -> dict[str, Tens
 def comm_counts(rank: int, world: int, cases: list[tuple[int, int, str, int, int]]) -> list[tuple[int, int, int]]:
     """For each (pp, dp, schedule, m, flushes): this rank's (FSDP parameter groups, all-gathers,
     reduce-scatters) during one optimizer step."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+    from parallel.dp.fsdp_internals import all_states, collectives_module, param_groups
 
+    group_module = collectives_module()
     counts = {"gather": 0, "reduce": 0}
     real = {"gather": group_module.foreach_all_gather, "reduce": group_module.foreach_reduce}
 
@@ -208,8 +209,7 @@ def comm_counts(rank: int, world: int, cases: list[tuple[int, int, str, int, int
             counts.update(gather=0, reduce=0)
             batch = random_batch(pm.model.config, BATCH, seed=100)
             pm.train_step(flushes_of(pm, batch, m, flushes), loss_scale=1.0 / batch.num_tokens())
-            state = pm.fsdp.root._get_fsdp_state()  # type: ignore[attr-defined]
-            groups = sum(len(s._fsdp_param_groups) for s in state._state_ctx.all_states)
+            groups = sum(len(param_groups(s)) for s in all_states(pm.model))
             out.append((groups, counts["gather"], counts["reduce"]))
     finally:
         group_module.foreach_all_gather, group_module.foreach_reduce = real["gather"], real["reduce"]
