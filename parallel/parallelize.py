@@ -18,8 +18,8 @@ the last GR), then `grads.clip_` over the whole mesh, then the optimizer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from parallel.dp.zero1 import ZeroOneSharding
 from parallel.grads import StepGradients
 from parallel.materialize import Fill, is_meta, keyed_init_fill, materialize, pretrained_fill
 from parallel.mesh import ParallelMesh
-from parallel.mixed_precision import WorkingWeights
+from parallel.mixed_precision import WorkingWeights, cast_weights
 from parallel.pipeline.executor import FlushResult, LossFn, PipelineExecutor, PipelineTopology
 from parallel.pipeline.memory import meter_for
 from parallel.pipeline.schedule import (
@@ -135,8 +135,12 @@ class ParallelModel:
         dp_sharding: str = "none",
         remat_stage: bool = False,
         saved_tensor_meter: bool = False,
+        eval_dtype: torch.dtype | None = None,
     ) -> None:
         self.model, self.plan, self.mesh, self.tp_info = model, plan, mesh, tp_info
+        # Evaluation's precision (`evaluating`): every weight cast to eval_dtype, or autocast.
+        self.eval_dtype, self._evaluating = eval_dtype, False
+        self.master_dtype = next(model.parameters()).dtype
         if dp_sharding not in DP_SHARDINGS:
             raise ValueError(f"dp_sharding {dp_sharding!r} is not one of {DP_SHARDINGS}")
         self.fsdp: FullySharded | None = None
@@ -183,7 +187,10 @@ class ParallelModel:
         self.clock = clock_for(self.device)
         self.executor = self._executor(plan.schedule[pp_rank], self.grads)
 
-    def _executor(self, actions: Sequence[Action], grads: StepGradients | None) -> PipelineExecutor:
+    def _executor(
+        self, actions: Sequence[Action], grads: StepGradients | None, evaluation: bool = False
+    ) -> PipelineExecutor:
+        cast = evaluation and self.eval_dtype is not None  # weights cast: no autocast
         return PipelineExecutor(
             self.stages,
             actions,
@@ -192,8 +199,9 @@ class ParallelModel:
             self.meter,
             self.clock,
             grads=grads,
-            autocast_dtype=self.autocast_dtype,
+            autocast_dtype=None if cast else self.autocast_dtype,
             wgrad_store=self.wgrad_store,
+            boundary_dtype=self.activation_dtype if evaluation else None,
         )
 
     # ------------------------------------------------------------------ training
@@ -295,19 +303,53 @@ class ParallelModel:
 
     # ------------------------------------------------------------------ evaluation
 
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """dtype of the hidden states evaluation passes between stages: eval_dtype when the
+        weights are cast, else the masters' (autocast keeps the residual stream fp32)."""
+        return self.eval_dtype or self.master_dtype
+
+    @contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Within: the weights as evaluation reads them, in the run's precision.
+
+            fsdp           every unit gathered (a collective over dp: every replica enters as often)
+            eval_dtype     every weight and buffer cast to it, no autocast (`bf16_full_eval`)
+            else           autocast to the working dtype (bf16 / fp16 runs), as training's forward
+
+        Re-entrant: a nested entry does nothing, so one evaluation gathers and casts once for
+        its loss and all its decoding, whatever the number of batches of each dp replica.
+        """
+        if self._evaluating:
+            yield
+            return
+        self._evaluating = True
+        try:
+            with ExitStack() as stack:
+                if self.fsdp is not None:
+                    stack.enter_context(self.fsdp.gathered())
+                if self.eval_dtype is not None:
+                    stack.enter_context(cast_weights(self.model, self.eval_dtype))
+                elif self.autocast_dtype is not None:
+                    stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
+                yield
+        finally:
+            self._evaluating = False
+
     @torch.no_grad()
     def eval_loss(self, batches: Sequence[Seq2SeqBatch]) -> tuple[float, int]:
         """Sum of token losses and token count over `batches` (meaningful on the last stage).
 
-        Runs `parallel.pipeline.schedule.forward_only` (any number of batches, any placement).
+        Runs `parallel.pipeline.schedule.forward_only` (any number of batches, any placement),
+        in evaluation's precision (`evaluating`). Collective over the mesh.
         """
         if not batches:
             return 0.0, 0
         batches = self._prepare(batches)
         actions = forward_only(self.plan.placement, len(batches))[self.mesh.pp_rank]
-        res = self._executor(actions, grads=None).run_flush(batches, 1.0, last_flush=False, timed=False)
-        if self.fsdp is not None:
-            self.fsdp.reshard()
+        with self.evaluating():
+            executor = self._executor(actions, grads=None, evaluation=True)
+            res = executor.run_flush(batches, 1.0, last_flush=False, timed=False)
         return (0.0 if res.loss_sum is None else float(res.loss_sum)), res.num_tokens
 
 
@@ -336,6 +378,7 @@ def build_parallel_model(
     device: torch.device | None = None,
     seed: int | None = None,
     pretrained: str | Path | None = None,
+    eval_dtype: torch.dtype | None = None,
 ) -> ParallelModel:
     """Apply pipeline split, tensor parallelism and remat to `model` (in place) for this rank.
 
@@ -368,6 +411,9 @@ def build_parallel_model(
             where it is (a meta model is materialised on the CPU).
         seed: stage-local only: the init seed.
         pretrained: stage-local only: an HF directory to read the weights from instead.
+        autocast_dtype: the working dtype of bf16 / fp16 runs (autocast, working weights;
+            evaluation autocasts to it too); None: fp32.
+        eval_dtype: evaluation with every weight cast to it (`bf16_full_eval`); None: autocast.
 
     Raises:
         ValueError: `seed` / `pretrained` with a real model, neither (or `before_tp`) with a
@@ -412,6 +458,7 @@ def build_parallel_model(
         dp_sharding=dp_sharding,
         remat_stage=remat == "stage",
         saved_tensor_meter=saved_tensor_meter,
+        eval_dtype=eval_dtype,
     )
 
 

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Shard
 
-from parallel.dp.fsdp_internals import local_tensor, post_backward_all, strided_shard
+from parallel.dp.fsdp_internals import forget_forwards, local_tensor, post_backward_all, strided_shard
 from parallel.mesh import ParallelMesh
 
 # Marks parallel.tp puts on parameters; fully_shard makes new Parameters, which must keep them.
@@ -155,6 +155,7 @@ class FullySharded:
             for unit in self.units:
                 unit.set_reshard_after_forward(not self.deferred and unit is not self.root, recurse=False)
             self.reshard()
+            forget_forwards(self.model)  # the forwards run within, e.g. decoding's, had no backward
 
     def reshard(self) -> None:
         """Free every gathered parameter (after evaluation in deferred mode, whose forward

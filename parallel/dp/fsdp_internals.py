@@ -10,6 +10,9 @@ torch version, instead of letting a deferred reduce-scatter silently do nothing.
                                as `torch.distributed.pipelining.stage` does for its stages
     param_groups(state)        a unit's FSDPParamGroups: `_fsdp_param_groups` (torch >= 2.12),
                                `_fsdp_param_group` (one or None) before
+    forget_forwards(model)     drop FSDP's record of the forwards since the last backward (backward
+                               prefetching reads it): evaluation's forwards, a different number on
+                               each dp replica, must not choose what training's backward prefetches
     local_tensor(t)            a DTensor's local shard, aliasing it (no autograd node, unlike
                                `to_local()`), for in-place gradient work on the shards
     strided_shard(dim, k)      DTensor's `_StridedShard`: dp splitting each of k tp pieces of a dim
@@ -20,6 +23,7 @@ torch version, instead of letting a deferred reduce-scatter silently do nothing.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -62,6 +66,18 @@ def post_backward_all(model: nn.Module) -> None:
     fsdp_state(model)._root_post_backward_final_callback()
 
 
+def forget_forwards(model: nn.Module) -> None:
+    """Clear the post-forward order (and each group's indices into it) that lean FSDP's backward
+    prefetch reads: `FSDPParamGroup._backward_prefetch` gathers the unit recorded just before the
+    current one. Only a backward clears it; evaluation runs forwards without one (the decoding
+    of each dp replica a different number), so the next training backward would prefetch a
+    different unit on each rank: all-gathers that do not match, a hang."""
+    for state in all_states(model):
+        for group in param_groups(state):
+            group._post_forward_indices.clear()
+    fsdp_state(model)._comm_ctx.post_forward_order.clear()
+
+
 def local_tensor(t: Tensor) -> Tensor:
     """The rank's shard of a DTensor, aliasing its storage (in-place updates reach the DTensor)."""
     return t._local_tensor  # type: ignore[attr-defined,no-any-return]
@@ -81,7 +97,8 @@ def missing() -> list[str]:
     """What of the above this torch lacks: one line each, naming the attribute and the version.
 
     Checked without a process group: class attributes directly, the instance attributes set
-    in `FSDPState.__init__` on a bare instance, `_StridedShard` by constructing one.
+    in `FSDPState.__init__` on a bare instance, those set in `FSDPParamGroup.__init__` and
+    `FSDPCommContext.lazy_init` in their source, `_StridedShard` by constructing one.
     """
     out: list[str] = []
 
@@ -111,6 +128,11 @@ def missing() -> list[str]:
     need(
         callable(getattr(group_module.FSDPParamGroup, "post_backward", None)), "FSDPParamGroup.post_backward"
     )
+    comm = getattr(state, "_comm_ctx", None)  # its attributes are set in its lazy_init
+    comm_source = inspect.getsource(type(comm)) if comm is not None else ""
+    need("self.post_forward_order" in comm_source, "FSDPState._comm_ctx.post_forward_order")
+    group_init = inspect.getsource(group_module.FSDPParamGroup.__init__)
+    need("self._post_forward_indices" in group_init, "FSDPParamGroup._post_forward_indices")
     for name in ("foreach_all_gather", "foreach_reduce"):
         need(callable(getattr(group_module, name, None)), f"{_GROUP_MODULE}.{name}")
     need(

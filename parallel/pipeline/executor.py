@@ -127,6 +127,9 @@ class PipelineExecutor:
             and run at GR, on the step's last flush; None for evaluation.
         autocast_dtype: e.g. torch.bfloat16 to run forwards under autocast.
         wgrad_store: the store deferred linear weight grads go to (zero bubble).
+        boundary_dtype: dtype of the hidden states between stages; default the parameters'
+            (fp32 masters: autocast keeps the residual stream fp32). Evaluation with every
+            weight cast (`bf16_full_eval`) passes the cast dtype.
     """
 
     def __init__(
@@ -140,6 +143,7 @@ class PipelineExecutor:
         grads: StepGradients | None = None,
         autocast_dtype: torch.dtype | None = None,
         wgrad_store: WeightGradStore | None = None,
+        boundary_dtype: torch.dtype | None = None,
     ) -> None:
         self.stages, self.actions, self.topo = stages, list(actions), topo
         self.loss_fn, self.meter, self.clock, self.grads = loss_fn, meter, clock, grads
@@ -150,7 +154,7 @@ class PipelineExecutor:
         any_stage = next(iter(stages.values()))
         self.model = any_stage.model
         param = next(self.model.parameters())
-        self.device, self.dtype = param.device, param.dtype
+        self.device, self.dtype = param.device, boundary_dtype or param.dtype
         self.d_model = self.model.config.d_model
         # An action list without backward (evaluation) keeps nothing for autograd.
         self.forward_only = not any(

@@ -139,6 +139,12 @@ def working_dtype(args: TrainingArguments) -> torch.dtype | None:
     return torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else None
 
 
+def full_eval_dtype(args: TrainingArguments) -> torch.dtype | None:
+    """The dtype evaluation casts every weight to (bf16_full_eval / fp16_full_eval), or None:
+    evaluation then autocasts to `working_dtype`, as training does."""
+    return torch.bfloat16 if args.bf16_full_eval else torch.float16 if args.fp16_full_eval else None
+
+
 def build_loss_scale(args: TrainingArguments, device: torch.device) -> DynamicLossScale | None:
     """fp16's dynamic loss scale on `device` (None without fp16)."""
     if not args.fp16:
@@ -166,6 +172,7 @@ def build_model(
         p.activation_checkpointing,
         cfg.training.label_smoothing_factor,
         autocast_dtype=working_dtype(cfg.training),
+        eval_dtype=full_eval_dtype(cfg.training),
         sequence_parallel=p.sequence_parallel,
         dp_sharding=p.data_parallel_sharding,
         device=device,
