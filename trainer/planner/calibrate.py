@@ -134,7 +134,7 @@ def calibrate(
 
     out: dict[Family, Calibration] = {}
     for fam, (_, layout, sc, ctx) in calibration_layouts(pending).items():
-        args = layout_args(layout, base_args)
+        args = layout_args(layout, base_args, ctx.sequence_parallel)
         run_dir = root / f"calibrate_pp{fam[0]}_tp{fam[1]}_dp{fam[2]}_{layout.schedule}"
         measured = run_candidate(args, opts.world_size, run_dir, opts)
         cal = fit(layout, sc, ctx, measured, args)

@@ -29,8 +29,10 @@ class Layout:
     sharding: str = "none"  # data_parallel_sharding: none | zero1 | fsdp
 
 
-def layout_args(layout: Layout, base: list[str]) -> list[str]:
-    """The trainer.train flags that run `layout` (after the config and the user's overrides)."""
+def layout_args(layout: Layout, base: list[str], sequence_parallel: bool = False) -> list[str]:
+    """The trainer.train flags that run `layout` (after the config and the user's overrides);
+    `sequence_parallel`: the job asks for it, so a tp = 1 layout turns it off (the trainer
+    refuses it there: it would do nothing)."""
     size = "--max_tokens_per_microbatch" if layout.token_mode else "--per_device_train_batch_size"
     balance = ",".join(str(b) for b in layout.balance) if len(layout.balance) > 1 else "uniform"
     return [
@@ -46,6 +48,7 @@ def layout_args(layout: Layout, base: list[str]) -> list[str]:
         "--activation_checkpointing", layout.remat,
         "--partition_method", balance,
         "--data_parallel_sharding", layout.sharding,
+        *(["--sequence_parallel", "false"] if sequence_parallel and layout.tp == 1 else []),
     ]  # fmt: skip
 
 

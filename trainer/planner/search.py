@@ -106,10 +106,10 @@ def plan(cfg: JobConfig, base_args: list[str], opts: PlanOptions) -> dict[str, A
     fits = calibrate(pending, base_args, opts, run_root(opts, "calibrate")) if calibrating else {}
     candidates, pruned = _simulate_best(apply(pending, fits), memory_gib, opts, rejected)
     for c in candidates[: opts.top]:  # the printed rows: their flags through the trainer's own parser
-        c.args = layout_args(c.layout, base_args)
+        c.args = layout_args(c.layout, base_args, cfg.parallel.sequence_parallel)
         check_args(c.args, world)
     for c in candidates[opts.top :]:
-        c.args = layout_args(c.layout, base_args)
+        c.args = layout_args(c.layout, base_args, cfg.parallel.sequence_parallel)
     own = own_layout(cfg, base_args, source, ctx, world, gpn, fits)
     result = build_report(cfg, opts, device, link, memory_gib, candidates, rejected, pruned, own)
     result["calibration"] = calibration_rows(fits) if calibrating else why_not
@@ -216,7 +216,7 @@ class TrainerCheck:
             c.parallel, pipeline_parallel_size=layout.pp, tensor_parallel_size=layout.tp,
             data_parallel_size=layout.dp, num_microbatches=layout.m, pipeline_schedule=layout.schedule,
             virtual_pipeline_stages=max(layout.v, 2), partition_method="uniform",
-            data_parallel_sharding=layout.sharding,
+            data_parallel_sharding=layout.sharding, sequence_parallel=c.parallel.sequence_parallel and layout.tp > 1,
         )  # fmt: skip
         b = c.training.per_device_train_batch_size if layout.token_mode else layout.microbatch
         training = replace(c.training, gradient_accumulation_steps=layout.g, per_device_train_batch_size=b)

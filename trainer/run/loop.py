@@ -34,7 +34,7 @@ from trainer.run.guard import (
 )
 from trainer.run.memory import gather_memory, memory_lines, peak_host_bytes
 from trainer.run.outdir import claim_output_dir
-from trainer.run.preflight import validate_early
+from trainer.run.preflight import idle_option_warnings, validate_early
 from trainer.run.setup import RunContext, setup_run
 from trainer.run.state import load_best_model, mesh_sizes, resume_state, save
 from trainer.run.step import LogWindow, StepStats, bubble_stats, train_step
@@ -57,6 +57,9 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     Rank 0 holds output_dir's lock until this returns or raises (trainer.run.outdir).
     """
     dims = validate_early(cfg, dist.get_world_size())
+    if dist.get_rank() == 0:
+        for line in idle_option_warnings(cfg):
+            logger.warning("config: %s", line)
     resume = find_resume(cfg, dims)  # before the claim: a mismatch with the checkpoint's run writes nothing
     with claim_output_dir(cfg.training, dist.get_rank()) as out:
         ctx = setup_run(cfg, dims, out, resume)
