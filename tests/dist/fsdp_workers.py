@@ -294,3 +294,38 @@ def generate_after_training(rank: int, world: int, pp: int, tp: int) -> tuple[li
     _, _, ref_after = reference_run(2)
     after = max(float((full(pm, k, p) - ref_after[k]).abs().max()) for k, p in pm.named_params().items())
     return out, after
+
+
+def train_eval_resume(rank: int, world: int, base: dict[str, Any], cases: list[dict[str, Any]]) -> list[Any]:
+    """The real trainer on fsdp, evaluation on: per case (overrides of `base`) a straight run
+    saving at step 2, the run resumed from checkpoint-2 into a new output_dir, then (cases with
+    `"fp32_eval": True`) checkpoint-4 evaluated again in fp32 (bf16 / fp16 off, the same weights).
+
+    Returns per case, on the logging rank ({} elsewhere): the straight run's rows, the resumed
+    run's rows, and the fp32 re-evaluation's rows (or None).
+    """
+    import logging
+
+    import datasets
+
+    from trainer.config.parse import load_config_dict
+    from trainer.run.loop import run
+
+    datasets.disable_progress_bars()
+    logging.basicConfig(level=logging.WARNING)
+    out: list[Any] = []
+    for i, case in enumerate(cases):
+        case = dict(case)
+        fp32_eval = case.pop("fp32_eval", False)
+        values = {**base, **case, "output_dir": f"{base['output_dir']}-{i}"}
+        straight = run(load_config_dict(values)).get("history")
+        ckpt = f"{values['output_dir']}/checkpoint-2"
+        resumed_values = {**values, "output_dir": f"{values['output_dir']}-resumed", "resume_from_checkpoint": ckpt}
+        resumed = run(load_config_dict(resumed_values)).get("history")
+        again = None
+        if fp32_eval:
+            fp32 = {**values, "bf16": False, "fp16": False, "do_train": False, "output_dir": f"{values['output_dir']}-fp32"}
+            fp32["resume_from_checkpoint"] = f"{values['output_dir']}/checkpoint-4"
+            again = run(load_config_dict(fp32)).get("history")
+        out.append((straight, resumed, again) if straight is not None else {})
+    return out
