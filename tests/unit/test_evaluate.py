@@ -275,3 +275,27 @@ def test_cli_bad_mesh_is_one_clear_line_before_any_group(
     monkeypatch.setenv("RANK", "1")  # the other ranks fail alike, silently
     assert main(argv, io.StringIO("hello\n"), io.StringIO()) == 2
     assert capsys.readouterr().err == ""
+
+
+def test_cli_dtype_casts_every_weight_and_decodes(
+    model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--dtype` (transformers' name): the weights load in that precision and decode in it;
+    `auto` follows config.json; a bad name is one line, exit 2."""
+    from trainer.eval.hf_translate import load_model, resolve_dtype
+
+    model = load_model(model_dir, torch.device("cpu"), torch.bfloat16)
+    assert {t.dtype for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()} == {
+        torch.bfloat16
+    }
+    for dtype in ("bfloat16", "float16", "auto"):
+        out = io.StringIO()
+        argv = ["--model", str(model_dir), "--source_lang", "en", "--target_lang", "fr", "--dtype", dtype]
+        assert main(argv, io.StringIO("hello world\nthe cat\n"), out) == 0
+        lines = out.getvalue().split("\n")
+        assert len(lines) == 3 and all(w in WORDS for line in lines for w in line.split()), (dtype, lines)
+    assert resolve_dtype("auto", model_dir) == torch.float32  # save_hf_model records float32
+    argv = ["--model", str(model_dir), "--source_lang", "en", "--target_lang", "fr", "--dtype", "fp8"]
+    assert main(argv, io.StringIO("hello\n"), io.StringIO()) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("trainer.translate: error: --dtype 'fp8' is not valid") and "\n" not in err, err
