@@ -27,7 +27,11 @@ if TYPE_CHECKING:
     from parallel.parallelize import ParallelModel
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": None}
+# transformers' names, then the short ones `trainer.export --dtype` takes
+DTYPES = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": None,
+    "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+}  # fmt: skip
 
 
 @dataclass
@@ -127,9 +131,7 @@ def resolve_dtype(name: str, path: str | Path) -> torch.dtype:
     hf = json.loads(config.read_text()) if config.is_file() else {}
     recorded = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
     if DTYPES.get(recorded) is None:
-        raise TranslateError(
-            f"--dtype auto: {config} records dtype {recorded!r}; pass one of {list(DTYPES)[:3]}"
-        )
+        raise TranslateError(f"--dtype auto: {config} records dtype {recorded!r}; pass one of {list(DTYPES)}")
     return DTYPES[recorded]  # type: ignore[return-value]
 
 
