@@ -148,13 +148,14 @@ def test_fsdp_generation_then_training(pp: int, tp: int) -> None:
 
 
 # Evaluation on through the real trainer (issue 23: fsdp + bf16 with evaluation crashed before
-# step 1, decoding without autocast over FSDP's bf16 gathered weights). Each dp replica decodes
-# a different number of batches (3 per direction over 2 replicas), as the hang it also uncovered
-# needed: lean FSDP's backward prefetch followed the forwards evaluation had left on record.
+# step 1, decoding without autocast over FSDP's bf16 gathered weights). One batch per direction,
+# as configs/tiny.yaml has it: dp replica 0 decodes them all, replica 1 none, which the hang
+# found on the way needs (lean FSDP's first backward prefetched the unit each rank's evaluation
+# had run last: a decoder layer on one rank, the stage root on the other).
 EVAL_ON = {
     "do_eval": True,
-    "max_eval_samples": 6,
-    "per_device_eval_batch_size": 2,
+    "max_eval_samples": 4,
+    "per_device_eval_batch_size": 4,
     "generation_max_length": 12,
     "builtin_size": 300,
     "max_train_samples": 128,
