@@ -112,6 +112,7 @@ def test_fsdp_with_layerdrop_is_refused_before_anything_runs() -> None:
         (2, {"partition_method": "time"}, r"^partition_method='time' does nothing with one pipeline stage"),
         (2, {"fp16_initial_scale": 1024.0}, r"^fp16_initial_scale=1024\.0 does nothing without fp16=True"),
         (2, {"early_stopping_threshold": 0.1}, r"^early_stopping_threshold=0\.1 does nothing without early_stopping_patience"),
+        (2, {"hang_warning_s": 900.0}, r"^hang_warning_s=900 does nothing with dist_timeout_s=600"),
         (2, {"language_pairs": [], "source_lang": "en", "target_lang": "de", "sampling_temperature": 5.0},
          r"^sampling_temperature=5\.0 does nothing with one direction \(en-de\)"),
     ],
@@ -151,9 +152,16 @@ def test_options_transformers_accepts_are_warned_about_naming_the_field() -> Non
         "greater_is_better=True does nothing without metric_for_best_model, load_best_model_at_end or "
         "early_stopping_patience",
     ]
-    quiet = {**base, "eval_strategy": "no", "do_eval": False, "bf16_full_eval": True}
+    quiet = {
+        **base,
+        "eval_strategy": "no",
+        "do_eval": False,
+        "bf16_full_eval": True,
+        "generation_num_beams": 4,
+    }
     assert idle_option_warnings(load_config_dict(quiet)) == [
-        "bf16_full_eval=True does nothing: no evaluation runs (do_eval, do_predict false, eval_strategy 'no')"
+        f"{name} does nothing: no evaluation runs (do_eval, do_predict false, eval_strategy 'no')"
+        for name in ("bf16_full_eval=True", "generation_num_beams=4")
     ]
     assert idle_option_warnings(load_config_dict(base)) == []
 

@@ -132,6 +132,11 @@ def refuse_idle_options(cfg: JobConfig, dims: ParallelDims) -> None:
             "(pipeline_parallel_size=1): there is nothing to balance; remove it, or set "
             "pipeline_parallel_size > 1"
         )
+    if par.hang_warning_s >= par.dist_timeout_s:
+        raise ConfigError(
+            f"hang_warning_s={par.hang_warning_s:g} does nothing with dist_timeout_s={par.dist_timeout_s}: "
+            "a wait fails at the timeout before it would warn; set it below dist_timeout_s (0: the default)"
+        )
     if not tr.fp16:
         for name in ("fp16_initial_scale", "fp16_scale_growth_interval"):
             if getattr(tr, name) != _default(TrainingArguments, name):
@@ -168,10 +173,11 @@ def idle_option_warnings(cfg: JobConfig) -> list[str]:
             f"greater_is_better={tr.greater_is_better} does nothing without metric_for_best_model, "
             "load_best_model_at_end or early_stopping_patience"
         )
-    evaluates = tr.do_eval or tr.do_predict or tr.eval_strategy != "no"
-    for name in ("bf16_full_eval", "fp16_full_eval"):
-        if getattr(tr, name) and not evaluates:
-            out.append(
-                f"{name}=True does nothing: no evaluation runs (do_eval, do_predict false, eval_strategy 'no')"
-            )
+    if not (tr.do_eval or tr.do_predict or tr.eval_strategy != "no"):
+        for name in ("bf16_full_eval", "fp16_full_eval", "generation_num_beams", "generation_max_length"):
+            if getattr(tr, name) != _default(TrainingArguments, name):
+                out.append(
+                    f"{name}={getattr(tr, name)} does nothing: no evaluation runs (do_eval, do_predict "
+                    "false, eval_strategy 'no')"
+                )
     return out
