@@ -51,6 +51,7 @@ from parallel.pipeline.stage import PipelineStage
 from parallel.pipeline.timing import clock_for
 from parallel.pipeline.zero_bubble import WeightGradStore, enable_deferred_wgrad
 from parallel.remat import apply_remat
+from parallel.rng import uses_dropout
 from parallel.tp.layers import tp_local_slice
 
 
@@ -220,6 +221,7 @@ class ParallelModel:
         loss_scale: float | Tensor,
         timed: bool = False,
         skip_layers: frozenset[str] = frozenset(),
+        dropout_keys: Sequence[Sequence[int]] | None = None,
     ) -> list[FlushResult]:
         """Forward+backward over `gradient_accumulation_steps` flushes; grads are final after it.
 
@@ -231,10 +233,20 @@ class ParallelModel:
         `skip_layers`: the layers LayerDrop skips in this step (`models.m2m100.layerdrop_skips`,
         the same on every rank); their parameters end the step without gradients, as in one
         process, so AdamW leaves them untouched (the dp reduce fills zeros, removed here).
+        `dropout_keys` ([flush][micro-batch], `parallel.rng.microbatch_keys`) key each
+        micro-batch's dropout masks, so they do not depend on the mesh beyond tp; None (or a
+        model without dropout): the global generators.
         """
+        if dropout_keys is not None and [len(k) for k in dropout_keys] != [len(f) for f in flushes]:
+            raise ValueError(
+                f"dropout keys per flush {[len(k) for k in dropout_keys]} do not match the "
+                f"micro-batches per flush {[len(f) for f in flushes]}"
+            )
+        if not uses_dropout(self.model.config):
+            dropout_keys = None  # nothing to draw: no block re-seeds
         self.model.skip_layers = skip_layers
         try:
-            results = self._run_flushes(flushes, loss_scale, timed)
+            results = self._run_flushes(flushes, loss_scale, timed, dropout_keys)
         finally:
             self.model.skip_layers = frozenset()
         if skip_layers:
@@ -244,7 +256,11 @@ class ParallelModel:
         return results
 
     def _run_flushes(
-        self, flushes: Sequence[Sequence[Seq2SeqBatch]], loss_scale: float | Tensor, timed: bool
+        self,
+        flushes: Sequence[Sequence[Seq2SeqBatch]],
+        loss_scale: float | Tensor,
+        timed: bool,
+        keys: Sequence[Sequence[int]] | None,
     ) -> list[FlushResult]:
         on_device = [self._prepare(microbatches) for microbatches in flushes]
         if self.fsdp is not None:
@@ -259,7 +275,13 @@ class ParallelModel:
         with working_weights as working:
             self.meter.ignore(working)
             return [
-                self.executor.run_flush(mbs, loss_scale, last_flush=i == len(on_device) - 1, timed=timed)
+                self.executor.run_flush(
+                    mbs,
+                    loss_scale,
+                    last_flush=i == len(on_device) - 1,
+                    timed=timed,
+                    dropout_keys=None if keys is None else keys[i],
+                )
                 for i, mbs in enumerate(on_device)
             ]
 

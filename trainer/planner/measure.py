@@ -244,6 +244,9 @@ class _FixedBatch:
     def shard(self, dp_rank: int) -> list[list[Any]]:
         return [self.batches]
 
+    def slot_ids(self, dp_rank: int) -> list[list[int]]:
+        return [list(range(len(self.batches)))]
+
 
 def measure_overheads(
     cfg: JobConfig, mc: ModelConfig, shape: Shape, kinds: KindCosts, opt_s_per_param: float, repeats: int = 5
