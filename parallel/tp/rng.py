@@ -48,7 +48,9 @@ class TensorParallelRng:
 
     @torch._dynamo.disable  # generator state on the host: never traced into a compiled layer
     def _seed(self) -> int:
-        shared = int(torch.randint(0, 2**62, (), generator=torch.default_generator))  # CPU: no device read
+        # A host tensor read through numpy: no device read (nor an `aten._local_scalar_dense`
+        # that `parallel.dispatch_count` would count as one).
+        shared = int(torch.randint(0, 2**62, (1,), generator=torch.default_generator).numpy()[0])
         return stable_seed(shared, "tp", self.tp_rank)
 
     @contextmanager

@@ -148,10 +148,12 @@ def dp_overlap(rank: int, world: int, pp: int, schedule: str) -> tuple[int, floa
 def host_reads_in_step(rank: int, world: int, meshes: list[tuple[int, int, int, str, bool]]) -> list:
     """For each (pp, dp, tp, schedule, sequence_parallel): device-to-host reads and aten ops
     during two timed flushes of 4 micro-batches (gradient accumulation) plus the global
-    norm and clip. On a GPU each read would stall the launch of the next micro-batch."""
+    norm and clip. On a GPU each read would stall the launch of the next micro-batch.
+    Dropout is on, keyed per micro-batch (`parallel.rng`): re-seeding and tp forks read nothing."""
     from parallel.dispatch_count import DispatchCounter
 
-    cfg = ModelConfig(**TINY)
+    cfg = ModelConfig(**{**TINY, "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1})
+    keys = [[1, 2, 3, 4], [5, 6, 7, 8]]
     out = []
     for pp, dp, tp, schedule, sp in meshes:
         torch.manual_seed(0)
@@ -163,10 +165,12 @@ def host_reads_in_step(rank: int, world: int, meshes: list[tuple[int, int, int, 
         batch = random_batch(cfg, 8 * dp, seed=4)
         share = batch.select(slice(mesh.dp_rank * 8, (mesh.dp_rank + 1) * 8))
         flushes = [share.split(4), share.split(4)]
-        pm.train_step(flushes, loss_scale=1.0 / batch.num_tokens())  # warm-up
+        pm.train_step(flushes, loss_scale=1.0 / batch.num_tokens(), dropout_keys=keys)  # warm-up
         pm.model.zero_grad(set_to_none=True)
         with DispatchCounter() as counter:
-            results = pm.train_step(flushes, loss_scale=1.0 / batch.num_tokens(), timed=True)
+            results = pm.train_step(
+                flushes, loss_scale=1.0 / batch.num_tokens(), timed=True, dropout_keys=keys
+            )
             pm.grads.clip_(1.0)
         assert results[-1].timeline, "a timed flush has a timeline"
         out.append((pp, dp, tp, schedule, sp, counter.host_reads, counter.num_ops))
