@@ -248,7 +248,7 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint
     steps_per_epoch = len(sampler.epoch_plan(0))
     cfg.training.max_steps = resolve_max_steps(cfg.training, steps_per_epoch)  # -1: from num_train_epochs
     logger.info("training %d steps; an epoch is %d global batches", cfg.training.max_steps, steps_per_epoch)
-    balance, partition_text = choose_partition(cfg, mc, mesh, sampler, device)
+    balance, partition_text = choose_partition(cfg, mc, mesh, sampler, device, working_dtype(cfg.training))
     pm = build_model(cfg, mc, mesh, balance, device)
     optimizer = build_optimizer(pm.model, cfg.training, only=pm.optimizer_params())
     scheduler = build_scheduler(optimizer, cfg.training)
