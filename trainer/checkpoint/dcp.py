@@ -4,7 +4,7 @@ Layout of `output_dir/checkpoint-<step>/`:
 
     .metadata, __*.distcp   DCP shards: {"model": {fqn: tensor}, "optim": {fqn: {exp_avg, exp_avg_sq, step}}}
     trainer_state.json      step, scheduler, data position, mesh, partition (rank 0)
-    rng/rank-<r>.pt         each rank's RNG states
+    rng/rank-<r>.pt         each rank's RNG states (dropout masks need none: keyed by step, `parallel.rng`)
     COMMITTED               written last, by rank 0, after a barrier
 
 Every tensor is saved under its single-device name and *logical* (unsharded)

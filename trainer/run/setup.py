@@ -153,7 +153,9 @@ def build_model(
     tp-sharded there, then only its blocks' shards get memory on `device`, drawn from the
     keyed init of `seed` (equal on every mesh to the one-process model's) or read slice by
     slice from `model_name_or_path`. No rank ever holds the whole model."""
-    torch.manual_seed(cfg.training.seed)  # the global RNG (dropout) starts the same on every rank
+    torch.manual_seed(
+        cfg.training.seed
+    )  # the same global RNG on every rank (training dropout is keyed: parallel.rng)
     path = cfg.model.model_name_or_path
     p = cfg.parallel
     return build_parallel_model(
