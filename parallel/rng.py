@@ -74,24 +74,27 @@ def current_device() -> torch.device:
 
 
 @contextmanager
-def seeded(seed: int, device: torch.device | None = None) -> Iterator[None]:
-    """Within: the CPU generator and `device`'s default one (default `current_device()`)
-    start from `seed`; on exit both are back where they were.
+def seeded(seed: int, device: torch.device | None = None, cpu: bool = True) -> Iterator[None]:
+    """Within: `device`'s default generator (default `current_device()`) and, with `cpu`, the
+    CPU's start from `seed`; on exit they are back where they were.
 
-    Both are seeded because dropout on a GPU draws from the device's generator while a tp
-    fork takes its seed from the CPU's (`parallel.tp.rng`).
+    A block seeds both, because dropout on a GPU draws from the device's generator while a tp
+    fork takes its seed from the CPU's (`parallel.tp.rng`); the fork itself needs only the
+    device's. Host work only: a CUDA generator's state is its seed and offset.
     """
     device = current_device() if device is None else device
-    cuda = (
-        [device.index if device.index is not None else torch.cuda.current_device()]
-        if device.type == "cuda"
-        else []
-    )
-    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
-        torch.default_generator.manual_seed(seed)
-        for index in cuda:
-            torch.cuda.default_generators[index].manual_seed(seed)
+    generators = [torch.default_generator] if cpu or device.type == "cpu" else []
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        generators.append(torch.cuda.default_generators[index])
+    states = [g.get_state() for g in generators]
+    try:
+        for g in generators:
+            g.manual_seed(seed)
         yield
+    finally:
+        for g, state in zip(generators, states):
+            g.set_state(state)
 
 
 @contextmanager

@@ -56,7 +56,7 @@ class TensorParallelRng:
     @contextmanager
     def fork(self) -> Iterator[None]:
         """Within: the device generator draws this rank's stream; on exit the shared one goes on."""
-        with seeded(self._seed()):
+        with seeded(self._seed(), cpu=False):
             yield
 
 
