@@ -32,7 +32,8 @@ What follows, axis by axis:
 * remat: every block re-seeds at its start, and a tp fork takes its seed from the CPU
   generator, which `torch.utils.checkpoint(preserve_rng_state=True)` restores with the
   device's before it recomputes, so `full`, `selective` and `stage` recompute the masks
-  their forwards drew; zero-bubble's split backward recomputes nothing.
+  their forwards drew, also when a zero-bubble schedule recomputes in its I action (its W
+  reuses what I saved).
 
 Without keys (a runner that does not pass them, evaluation) the model draws from the global
 generators as it is, which every rank seeds alike (`trainer.run.setup`).
