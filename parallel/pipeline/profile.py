@@ -101,9 +101,15 @@ def profile_kinds(
     """Each block kind's `BlockPhases` on `batch`, measured on `one_layer_model` under `run`
     (sequence parallelism pads the batch to a multiple of tp, as the run does)."""
     model, loss_fn = one_layer_model(config, device, seed, run)
-    batch = batch.to(device)
+    return _profile_one_layer(model, loss_fn, batch, run, repeats, timed)
+
+
+def _profile_one_layer(
+    model: M2M100Translation, loss_fn: LossFn, batch: Seq2SeqBatch, run: RunSetting, repeats: int, timed: bool
+) -> dict[BlockKind, BlockPhases]:
+    batch = batch.to(next(model.parameters()).device)
     if run.tp > 1 and run.sequence_parallel:
-        batch = batch.pad_to_multiple(run.tp, config.pad_token_id)
+        batch = batch.pad_to_multiple(run.tp, model.config.pad_token_id)
     working = run.working_weights and run.dtype is not None
     phases = profile_block_phases(model, batch, repeats, run.dtype, timed, loss_fn, working)
     return {spec.kind: ph for spec, ph in zip(model.blocks, phases)}
@@ -118,9 +124,9 @@ def profile_blocks_by_kind(
     run: RunSetting = RunSetting(),
 ) -> tuple[list[float], list[float], list[int]]:
     """(seconds of forward + backward, bytes of parameters + activations, parameter count) for
-    every block of `config`'s model on one rank of `run`, from `profile_kinds`: the layers of a
-    stack are alike, so each gets its kind's cost. Parameters are the rank's shards (fp32
-    masters, the tied table at the source embedding); activations as the executor's meter
+    every block of `config`'s model on one rank of `run`, measured on `one_layer_model`: the
+    layers of a stack are alike, so each gets its kind's cost. Parameters are the rank's shards
+    (fp32 masters, the tied table at the source embedding); activations as the executor's meter
     counts a stage of that one block.
 
     Args:
@@ -131,15 +137,9 @@ def profile_blocks_by_kind(
         repeats: timed repetitions per block after a warm-up.
         run: the run's tp shard, precision and remat.
     """
-    kinds = profile_kinds(config, batch, device, run, repeats, seed=seed)
-    with torch.device("meta"):
-        small = M2M100Translation(replace(config, encoder_layers=1, decoder_layers=1))
-    if run.tp > 1:
-        from parallel.tp.apply import apply_tensor_parallel
-        from parallel.tp.comm import ShardOnlyGroup
-
-        apply_tensor_parallel(small, ShardOnlyGroup(run.tp, 0), run.sequence_parallel)
-    counts = dict(zip((s.kind for s in small.blocks), param_counts_per_block(small)))
+    model, loss_fn = one_layer_model(config, device, seed, run)
+    counts = dict(zip((s.kind for s in model.blocks), param_counts_per_block(model)))
+    kinds = _profile_one_layer(model, loss_fn, batch, run, repeats, timed=True)
     specs = block_specs(config)
     times = [kinds[s.kind].forward_s + kinds[s.kind].backward_s for s in specs]
     mems = [float(4 * counts[s.kind] + kinds[s.kind].activation_bytes) for s in specs]
