@@ -141,6 +141,36 @@ def test_wide_models_activation_bytes_extrapolate_exactly_from_two_narrow_copies
         blocks.narrow_config(mc, 3)
 
 
+def test_tp_layouts_are_costed_on_the_vocabulary_padded_to_tp() -> None:
+    """The trainer pads the vocabulary to a multiple of tp (`parallel.tp.layers.vocab_partition`):
+    a tp layout's head and table are costed on V' rows, and a wide model whose vocabulary the
+    narrow copies do not divide (NLLB-200's 256206) is padded for them instead of refused."""
+    from trainer.planner.measure import CostSource
+
+    mc = replace(MC, vocab_size=1001)
+    cfg = search.parse_config(["--config", str(ROOT / "configs" / "tiny.yaml")])
+    opts = PlanOptions(config="tiny.yaml", world_size=4, seq_len=6, repeats=1)
+    source = CostSource(cfg, opts, None)
+    source.mc = mc
+    shape = Shape(2, 6, 5)
+    head = {tp: source.kind_costs(shape, "none", tp)[blocks.BlockKind.HEAD].activation_bytes for tp in (1, 4)}
+    padded = measure_kind_costs(replace(mc, vocab_size=1004), shape, "none", bf16=False, timed=False)
+    assert head[4] == padded[blocks.BlockKind.HEAD].activation_bytes
+    assert head[4] - head[1] == 3 * 4 * shape.b * shape.t  # three padding columns of fp32 logits
+    assert block_param_counts(mc, 4)[1] == 1004 // 4 * mc.d_model
+    wide = replace(MC, d_model=128, encoder_ffn_dim=512, decoder_ffn_dim=512, vocab_size=1601)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(blocks, "WIDE_ONE_LAYER_PARAMS", 0)
+        mp.setattr(blocks, "NARROW_FACTORS", (2, 4))
+        narrow = blocks.activation_kind_costs(wide, Shape(1, 9, 7), "none")  # 1601: padded to 1604
+    direct = measure_kind_costs(
+        replace(wide, vocab_size=1604), Shape(1, 9, 7), "none", bf16=False, timed=False
+    )
+    assert {k: ph.activation_bytes for k, ph in narrow.items()} == {
+        k: ph.activation_bytes for k, ph in direct.items()
+    }
+
+
 def test_the_12b_config_runs_the_planned_mesh_on_2x8_and_4x8() -> None:
     from trainer.config.parse import parse_config
     from trainer.run.preflight import validate_early

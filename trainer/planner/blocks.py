@@ -5,6 +5,7 @@ from FLOPs and the device table (`table_kind_costs`); parameter counts per block
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -12,6 +13,7 @@ import torch
 from models.config import ModelConfig
 from models.m2m100 import IGNORE_INDEX, BlockKind, M2M100Translation, Seq2SeqBatch, block_specs
 from parallel.pipeline.profile import BlockPhases, profile_block_phases
+from parallel.tp.layers import vocab_partition
 from trainer.planner.hardware import DeviceSpec
 
 LAYER_KINDS = (BlockKind.ENC_LAYER, BlockKind.DEC_LAYER)
@@ -36,6 +38,16 @@ def synthetic_batch(mc: ModelConfig, shape: Shape, seed: int = 0) -> Seq2SeqBatc
     dec[:, 0] = mc.decoder_start_token_id
     dec[:, 1:] = labels[:, :-1].masked_fill(labels[:, :-1] == IGNORE_INDEX, mc.pad_token_id)
     return Seq2SeqBatch(src, torch.ones_like(src), dec, labels)
+
+
+def padded_vocab_config(mc: ModelConfig, multiple: int) -> ModelConfig:
+    """`mc` with its vocabulary padded to a multiple of `multiple`, as tensor parallelism pads it
+    (`parallel.tp.layers.vocab_partition`: V' = ceil(V / tp) tp rows, the padding never a real id).
+
+    The planner costs a tp layout on this model: its table rows, head FLOPs and logits count V'.
+    """
+    padded, _, _ = vocab_partition(mc.vocab_size, multiple, 0)
+    return mc if padded == mc.vocab_size else replace(mc, vocab_size=padded)
 
 
 def one_layer_config(mc: ModelConfig) -> ModelConfig:
@@ -95,11 +107,14 @@ def activation_kind_costs(mc: ModelConfig, shape: Shape, remat: str) -> KindCost
     Every saved tensor is either as wide as d_model, an FFN or the vocabulary (linear outputs,
     logits) or of no width (ids, masks, attention probabilities over the kept heads), so each
     byte count is A + B w in the width w = 1 / k: two narrow copies give A and B exactly, and
-    w = 1 the full model's, without allocating it.
+    w = 1 the full model's, without allocating it. A vocabulary that k does not divide (NLLB-200's
+    256206) is padded to a multiple of lcm(k1, k2) first, as tp pads it: it counts at most
+    lcm - 1 rows more than the layout's own padding (15 of 256206 with the default factors).
     """
     if one_layer_config(mc).num_parameters() <= WIDE_ONE_LAYER_PARAMS:
         return measure_kind_costs(mc, shape, remat, bf16=False, timed=False)
     k1, k2 = NARROW_FACTORS
+    mc = padded_vocab_config(mc, math.lcm(k1, k2))
     a = measure_kind_costs(narrow_config(mc, k1), shape, remat, bf16=False, timed=False)
     b = measure_kind_costs(narrow_config(mc, k2), shape, remat, bf16=False, timed=False)
 

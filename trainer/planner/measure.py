@@ -28,6 +28,7 @@ from trainer.planner.blocks import (
     activation_kind_costs,
     measure_kind_costs,
     one_layer_config,
+    padded_vocab_config,
     table_kind_costs,
 )
 from trainer.planner.cost import CostContext, block_costs, tp_shape
@@ -49,8 +50,8 @@ class CostSource:
         self.mc = self._load(cfg, opts)
         self.fetch_s: dict[tuple[int, ...], float] = {}
         self._shapes: dict[tuple[int, ...], Shape] = {}
-        self._costs: dict[tuple[Shape, str], KindCosts] = {}
-        self._acts: dict[tuple[int, int, str], KindCosts] = {}
+        self._costs: dict[tuple[Shape, str, int], KindCosts] = {}  # (shape, remat, padded vocab)
+        self._acts: dict[tuple[int, int, str, int], KindCosts] = {}
 
     def _load(self, cfg: JobConfig, opts: PlanOptions) -> ModelConfig:
         """The architecture; with data at hand (and no --seq_len), its tokenizer's vocabulary too."""
@@ -122,32 +123,35 @@ class CostSource:
         med = [round(float(np.median(x))) for x in (rows, src, tgt)]
         return Shape(max(1, med[0]), med[1], med[2])
 
-    def kind_costs(self, shape: Shape, remat: str) -> KindCosts:
-        """Per-kind costs of one micro-batch under `remat` ("stage" is costed as "none" here)."""
+    def kind_costs(self, shape: Shape, remat: str, tp: int = 1) -> KindCosts:
+        """Per-kind costs of one micro-batch under `remat` ("stage" is costed as "none" here), on
+        the model with its vocabulary padded to a multiple of `tp` as the trainer pads it
+        (`padded_vocab_config`: the head's FLOPs and logits count V' = ceil(V / tp) tp)."""
         remat = "none" if remat == "stage" else remat
-        key = (shape, remat)
+        mc = padded_vocab_config(self.mc, tp)
+        key = (shape, remat, mc.vocab_size)
         if key not in self._costs:
             bf16 = self.cfg.training.half_precision  # fp16 is costed as bf16: same bytes, same peak
             if self.device is None:
-                self._costs[key] = measure_kind_costs(self.mc, shape, remat, bf16, self.opts.repeats)
+                self._costs[key] = measure_kind_costs(mc, shape, remat, bf16, self.opts.repeats)
             else:
-                one = self._one_sentence_bytes(shape.s, shape.t, remat)
+                one = self._one_sentence_bytes(mc, shape.s, shape.t, remat)
                 scale = shape.b * (0.5 if bf16 else 1.0)  # bf16 keeps 2-byte activations
-                self._costs[key] = table_kind_costs(self.mc, shape, remat, self.device, one, scale)
+                self._costs[key] = table_kind_costs(mc, shape, remat, self.device, one, scale)
         return self._costs[key]
 
-    def _one_sentence_bytes(self, s: int, t: int, remat: str) -> KindCosts:
+    def _one_sentence_bytes(self, mc: ModelConfig, s: int, t: int, remat: str) -> KindCosts:
         """Activation bytes per block kind of one sentence, measured here in fp32 (table mode; times 0)."""
-        key = (s, t, remat)
+        key = (s, t, remat, mc.vocab_size)
         if key not in self._acts:
-            self._acts[key] = activation_kind_costs(self.mc, Shape(1, s, t), remat)
+            self._acts[key] = activation_kind_costs(mc, Shape(1, s, t), remat)
         return self._acts[key]
 
     def block_costs(self, shape: Shape, remat: str, tp: int, ctx: CostContext) -> list[BlockPhases]:
-        """Every block's costs on one tp rank (`plan_cost.block_costs`)."""
+        """Every block's costs on one tp rank (`plan_cost.block_costs`), the vocabulary padded for `tp`."""
         rank_shape, factor = tp_shape(shape, tp)
-        kinds = self.kind_costs(shape, remat)
-        return block_costs(kinds, self.kind_costs(rank_shape, remat), factor, self.mc, shape, tp, ctx)
+        kinds = self.kind_costs(shape, remat, tp)
+        return block_costs(kinds, self.kind_costs(rank_shape, remat, tp), factor, self.mc, shape, tp, ctx)
 
 
 def measure_optimizer_s_per_param(mc: ModelConfig, repeats: int = 3) -> float:
