@@ -40,6 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from models.errors import CheckpointMismatchError
 from trainer.checkpoint.commit import (
     COMMIT_MARKER,
     CheckpointCorruptError,
@@ -355,7 +356,7 @@ def load_checkpoint(
     `path` comes from `resolve_resume`, which has verified its files against the marker.
 
     Raises:
-        ValueError: the checkpoint does not fit the model (names or shapes).
+        CheckpointMismatchError: the checkpoint does not fit the model (names or shapes).
     """
     params = named_trainable(parts)
     model_tpl = {k: to_logical(k, p.detach()) for k, p in params.items()}
@@ -367,7 +368,7 @@ def load_checkpoint(
     except (CheckpointException, Exception) as e:  # CheckpointException derives from BaseException
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         cause = lines[-1] if lines else type(e).__name__
-        raise ValueError(f"checkpoint {path} does not fit this model: {cause[:300]}") from e
+        raise CheckpointMismatchError(f"checkpoint {path} does not fit this model: {cause[:300]}") from e
     # DCP loads in place into local tensors / DTensor local shards, which alias our params and state.
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     rng_file = path / "rng" / f"rank-{_rank()}.pt"

@@ -14,6 +14,7 @@ from models.config import ModelConfig
 from models.m2m100 import IGNORE_INDEX, BlockKind, M2M100Translation, Seq2SeqBatch, block_specs
 from parallel.pipeline.profile import BlockPhases, profile_block_phases
 from parallel.tp.layers import vocab_partition
+from trainer.errors import ConfigError
 from trainer.planner.hardware import DeviceSpec
 
 LAYER_KINDS = (BlockKind.ENC_LAYER, BlockKind.DEC_LAYER)
@@ -93,7 +94,7 @@ def narrow_config(mc: ModelConfig, k: int) -> ModelConfig:
     """The one-layer model with d_model, the FFNs and the vocabulary divided by k (heads kept)."""
     for name in ("d_model", "encoder_ffn_dim", "decoder_ffn_dim", "vocab_size"):
         if getattr(mc, name) % k:
-            raise ValueError(
+            raise ConfigError(
                 f"{name}={getattr(mc, name)} is not a multiple of {k}: cannot narrow the model by {k}"
             )
     return replace(one_layer_config(mc), d_model=mc.d_model // k, encoder_ffn_dim=mc.encoder_ffn_dim // k,

@@ -45,6 +45,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from trainer.errors import BadInputError
+
 if TYPE_CHECKING:
     from trainer.config.training_args import TrainingArguments
 # torch and trainer.config (transformers) are imported where used: taking or checking the
@@ -66,7 +68,7 @@ RUN_OUTPUTS = (
 _CKPT_RE = re.compile(r"^checkpoint-\d+$")
 
 
-class OutputDirBusyError(ValueError):
+class OutputDirBusyError(BadInputError):
     """Another live process holds the output directory's lock; the message names it."""
 
 
