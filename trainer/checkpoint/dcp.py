@@ -21,7 +21,8 @@ the newest checkpoint that verifies, with a warning; a named one that does not i
 an error naming the file. A failed write on any rank (ENOSPC, EDQUOT, EFBIG, EIO,
 ...) is agreed by all ranks, the partial directory is removed and every rank raises
 `CheckpointWriteError` naming the cause and the free space; older checkpoints are
-deleted by `save_total_limit` only after a commit. `async_save` (`trainer.checkpoint.async_save`)
+deleted by `save_total_limit` only after a commit, and so is what `overwrite_output_dir` moved
+aside (`trainer.run.outdir`). `async_save` (`trainer.checkpoint.async_save`)
 writes the shards in the background and commits through the same `finish_save`.
 """
 
@@ -54,6 +55,7 @@ from trainer.checkpoint.commit import (
     write_marker,
 )
 from trainer.checkpoint.write_failure import describe_write_failure, failed_here
+from trainer.run.outdir import discard_earlier_run
 
 logger = logging.getLogger("trainer")
 
@@ -308,6 +310,10 @@ def finish_save(
             shutil.rmtree(path, ignore_errors=True)
         _barrier()  # the partial directory is gone on every rank's return
         raise CheckpointWriteError(failure) from local
+    if rank == 0:
+        discard_earlier_run(
+            path.parent
+        )  # what overwrite_output_dir moved aside: this run has a checkpoint now
     if rank == 0 and save_total_limit:
         for old in rotation_victims(list_checkpoints(path.parent), save_total_limit, keep):
             shutil.rmtree(old, ignore_errors=True)
