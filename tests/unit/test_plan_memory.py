@@ -229,6 +229,7 @@ def test_nllb200_configs_run_the_planned_mesh_and_scale_down_by_flags(name: str)
     assert validate_early(scaled, world).shape == dims.shape and _layout_of(scaled) == _layout_of(cfg)
 
 
+@pytest.mark.slow  # 2.5-10 s per config on the 2-core machine
 @pytest.mark.parametrize("name", NLLB200)
 def test_nllb200_configs_plan_their_own_layout_first(name: str, tmp_path: Path) -> None:
     """Issue 23's row: `trainer.plan` for the NLLB-200 3.3B shape on 2 x 8 H100 exited 2 with
