@@ -7,6 +7,7 @@ written); negative warmup_steps, max_grad_norm and save_steps were accepted.
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
@@ -99,3 +100,54 @@ def test_fsdp_with_layerdrop_is_refused_before_anything_runs() -> None:
         validate_early(cfg, world=2)
     ok = load_config_dict(base)
     assert validate_early(ok, world=2).dp == 2
+
+
+def test_validation_raises_bad_input_types_internal_checks_do_not() -> None:
+    """The checks of user input in models/ and parallel/ raise their bad-input types (one line,
+    exit 2); internal consistency checks stay plain ValueErrors (a traceback, exit 1)."""
+    from models.config import ModelConfig
+    from parallel.mesh import ParallelDims, rank_to_coords
+    from parallel.pipeline.partition import validate_balance
+    from parallel.pipeline.schedule import build_schedule
+    from trainer.errors import BAD_INPUT
+
+    bad_input = [
+        lambda: ParallelDims(1, 2, 1, 1).validate(),  # dp x tp x pp != world
+        lambda: build_schedule("interleaved_1f1b", 2, 3, 2),  # m not a multiple of p
+        lambda: validate_balance([3, 3], 8, 2),
+        lambda: ModelConfig(d_model=10, encoder_attention_heads=3),
+    ]
+    for check in bad_input:
+        with pytest.raises(BAD_INPUT):
+            check()
+    with pytest.raises(ValueError) as internal:
+        rank_to_coords(9, (1, 2, 2))
+    assert not isinstance(internal.value, BAD_INPUT)
+
+
+@pytest.mark.parametrize("internal", [False, True])
+def test_entry_point_keeps_internal_tracebacks(internal: bool, monkeypatch, capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression (issue 23): `trainer.train` turned every ValueError into "bad input", exit 2,
+    without a traceback, internal ones too. Bad input keeps its one line; an internal error
+    propagates (Python prints its traceback, exit status 1)."""
+    from parallel.errors import ParallelConfigError
+    from trainer import train
+
+    def fail(cfg):  # type: ignore[no-untyped-def]
+        if internal:
+            raise ValueError("an internal check failed")
+        raise ParallelConfigError("tensor_parallel_size=3 does not divide 4 ranks; valid: 1, 2, 4")
+
+    monkeypatch.setattr(train, "run", fail)
+    monkeypatch.delenv("TRAINER_TRACEBACK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+    argv = ["--config", str(tiny), "--output_dir", str(tmp_path / "out")]
+    if internal:
+        with pytest.raises(ValueError, match="an internal check failed"):
+            train.cli(argv)
+        return
+    assert train.cli(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ParallelConfigError: tensor_parallel_size=3 does not divide 4 ranks")
+    assert err.count("\n") == 1 and "Traceback" not in err

@@ -6,6 +6,7 @@ from FLOPs and the device table (`table_kind_costs`); parameter counts per block
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -13,6 +14,8 @@ import torch
 from models.config import ModelConfig
 from models.m2m100 import IGNORE_INDEX, BlockKind, Seq2SeqBatch, block_specs
 from parallel.pipeline.profile import BlockPhases, RunSetting, profile_kinds
+from parallel.tp.layers import vocab_partition
+from trainer.errors import ConfigError
 from trainer.planner.hardware import DeviceSpec
 
 LAYER_KINDS = (BlockKind.ENC_LAYER, BlockKind.DEC_LAYER)
@@ -37,6 +40,16 @@ def synthetic_batch(mc: ModelConfig, shape: Shape, seed: int = 0) -> Seq2SeqBatc
     dec[:, 0] = mc.decoder_start_token_id
     dec[:, 1:] = labels[:, :-1].masked_fill(labels[:, :-1] == IGNORE_INDEX, mc.pad_token_id)
     return Seq2SeqBatch(src, torch.ones_like(src), dec, labels)
+
+
+def padded_vocab_config(mc: ModelConfig, multiple: int) -> ModelConfig:
+    """`mc` with its vocabulary padded to a multiple of `multiple`, as tensor parallelism pads it
+    (`parallel.tp.layers.vocab_partition`: V' = ceil(V / tp) tp rows, the padding never a real id).
+
+    The planner costs a tp layout on this model: its table rows, head FLOPs and logits count V'.
+    """
+    padded, _, _ = vocab_partition(mc.vocab_size, multiple, 0)
+    return mc if padded == mc.vocab_size else replace(mc, vocab_size=padded)
 
 
 def one_layer_config(mc: ModelConfig) -> ModelConfig:
@@ -80,7 +93,7 @@ def narrow_config(mc: ModelConfig, k: int) -> ModelConfig:
     """The one-layer model with d_model, the FFNs and the vocabulary divided by k (heads kept)."""
     for name in ("d_model", "encoder_ffn_dim", "decoder_ffn_dim", "vocab_size"):
         if getattr(mc, name) % k:
-            raise ValueError(
+            raise ConfigError(
                 f"{name}={getattr(mc, name)} is not a multiple of {k}: cannot narrow the model by {k}"
             )
     return replace(one_layer_config(mc), d_model=mc.d_model // k, encoder_ffn_dim=mc.encoder_ffn_dim // k,
@@ -96,7 +109,9 @@ def activation_kind_costs(
     Every saved tensor is either as wide as d_model, an FFN or the vocabulary (linear outputs,
     logits) or of no width (ids, masks, attention probabilities over the kept heads), so each
     byte count is A + B w in the width w = 1 / k: two narrow copies give A and B exactly, and
-    w = 1 the full model's, without allocating it.
+    w = 1 the full model's, without allocating it. A vocabulary that k does not divide (NLLB-200's
+    256206) is padded to a multiple of lcm(k1, k2) first, as tp pads it: it counts at most
+    lcm - 1 rows more than the layout's own padding (15 of 256206 with the default factors).
     """
     measure = functools.partial(
         measure_kind_costs, remat=remat, bf16=False, timed=False, tp=tp, sequence_parallel=sequence_parallel
@@ -104,6 +119,7 @@ def activation_kind_costs(
     if one_layer_config(mc).num_parameters() <= WIDE_ONE_LAYER_PARAMS:
         return measure(mc, shape)
     k1, k2 = NARROW_FACTORS
+    mc = padded_vocab_config(mc, math.lcm(k1, k2))
     a, b = measure(narrow_config(mc, k1), shape), measure(narrow_config(mc, k2), shape)
 
     def full(n1: int, n2: int) -> int:  # A + B at w = 1 from (1/k1, n1), (1/k2, n2)
