@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from models.errors import ModelConfigError
+
 
 @dataclass
 class ModelConfig:
@@ -42,7 +44,7 @@ class ModelConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the bad value and what would be valid."""
+        """Raise ModelConfigError naming the bad value and what would be valid."""
         for name in (
             "vocab_size",
             "d_model",
@@ -55,16 +57,16 @@ class ModelConfig:
             "max_position_embeddings",
         ):
             if int(getattr(self, name)) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be a positive integer")
+                raise ModelConfigError(f"{name}={getattr(self, name)} must be a positive integer")
         for heads_name in ("encoder_attention_heads", "decoder_attention_heads"):
             heads = getattr(self, heads_name)
             if self.d_model % heads != 0:
-                raise ValueError(
+                raise ModelConfigError(
                     f"d_model={self.d_model} is not divisible by {heads_name}={heads}; "
                     f"valid head counts divide d_model (e.g. {_divisors(self.d_model)})"
                 )
         if self.activation_function not in ACTIVATIONS:
-            raise ValueError(
+            raise ModelConfigError(
                 f"activation_function={self.activation_function!r} is unknown; valid: {sorted(ACTIVATIONS)}"
             )
         for name in (
@@ -76,7 +78,7 @@ class ModelConfig:
         ):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
-                raise ValueError(f"{name}={p} must be in [0, 1)")
+                raise ModelConfigError(f"{name}={p} must be in [0, 1)")
         for name in (
             "pad_token_id",
             "bos_token_id",
@@ -86,7 +88,7 @@ class ModelConfig:
         ):
             tid = getattr(self, name)
             if not 0 <= tid < self.vocab_size:
-                raise ValueError(f"{name}={tid} is outside the vocabulary [0, {self.vocab_size})")
+                raise ModelConfigError(f"{name}={tid} is outside the vocabulary [0, {self.vocab_size})")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

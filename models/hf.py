@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from models.config import ModelConfig
+from models.errors import CheckpointMismatchError, ModelConfigError
 from models.init import LocalSlice
 
 HF_PREFIX = "model."
@@ -50,10 +51,6 @@ _CONFIG_KEYS = (
     "eos_token_id",
     "decoder_start_token_id",
 )
-
-
-class CheckpointMismatchError(ValueError):
-    """A checkpoint does not fit the model (missing/unexpected keys or shapes)."""
 
 
 def to_hf_config(config: ModelConfig) -> Any:
@@ -151,10 +148,35 @@ def to_hf_state_dict(state: dict[str, Tensor], config: ModelConfig) -> dict[str,
 
 
 def read_hf_config(path: str | Path) -> ModelConfig:
+    """Our ModelConfig from the HF directory `path`'s config.json.
+
+    Raises:
+        CheckpointMismatchError: no config.json, not an M2M100/NLLB model, or an invalid architecture.
+    """
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
         raise CheckpointMismatchError(f"{path} has no config.json; expected a Hugging Face model directory")
-    return from_hf_config(json.loads(cfg_file.read_text()))
+    try:
+        return from_hf_config(json.loads(cfg_file.read_text()))
+    except ModelConfigError as e:
+        raise CheckpointMismatchError(f"{cfg_file}: {e}") from None
+
+
+def hf_tensor_shape(path: str | Path, name: str) -> tuple[int, ...]:
+    """The stored shape of our tensor `name` (`shared.weight`: under its tied aliases too) in the HF
+    directory `path`, read from the files' headers (nothing else is read).
+
+    Raises:
+        CheckpointMismatchError: no weight files, or no tensor of that name.
+    """
+    ckpt = _Checkpoint(Path(path))
+    try:
+        key = ckpt.key(hf_key(name))
+        if key is None:
+            raise CheckpointMismatchError(f"{path} holds no {hf_key(name)} (or a tied alias of it)")
+        return ckpt.shape(key)
+    finally:
+        ckpt.close()
 
 
 # Weight files of an HF directory, in the order looked for: (index, single file).

@@ -25,13 +25,15 @@ Tensor parallelism is applied from outside by swapping the `nn.Linear` /
 `nn.Embedding` / `LMHead` modules; attention therefore derives its local head count
 from the width of its projections' output rather than from the config. Attention
 projections are fused (q, k, v in one matmul; see `Attention`); `models.hf` maps
-them to and from HF's separate tensors.
+them to and from HF's separate tensors. Each dropout site draws inside a hook (`DropoutRng`)
+a runner may point at a stream of its own (tp draws per rank: `parallel.tp.rng`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from enum import Enum
 
@@ -46,6 +48,18 @@ from models.loss import IGNORE_INDEX as IGNORE_INDEX  # re-exported too
 from models.loss import cross_entropy_sum
 
 State = dict[str, Tensor]
+
+# A dropout site's generator context: entered around the draw of its mask. `nullcontext`, the
+# default, draws from torch's default generator.
+DropoutRng = Callable[[], AbstractContextManager[object]]
+
+
+def dropout_at(rng: DropoutRng, x: Tensor, p: float, training: bool) -> Tensor:
+    """`F.dropout(x, p, training)` with its mask drawn inside the site's context `rng`."""
+    if not training or p == 0.0:
+        return x
+    with rng():
+        return F.dropout(x, p, True)
 
 
 class BlockKind(str, Enum):
@@ -183,6 +197,7 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = d_model // num_heads
         self.dropout, self.cross = dropout, cross
+        self.dropout_rng: DropoutRng = nullcontext  # the attention-probability masks' generator
         if cross:
             self.q_proj = nn.Linear(d_model, d_model)
             self.kv_proj = nn.Linear(d_model, 2 * d_model)
@@ -217,18 +232,35 @@ class Attention(nn.Module):
             if cache is not None:  # one new token per step: no causal mask needed
                 k, v = cache.append(k, v)
         mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, S)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=causal and mask is None and cache is None,  # a cache means one query per step
-        )
+        p = self.dropout if self.training else 0.0
+        with self.dropout_rng() if p > 0.0 else nullcontext():
+            out = F.scaled_dot_product_attention(  # a cache: one query per step, no causal mask
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal and mask is None and cache is None
+            )
         return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
-class EncoderLayer(nn.Module):
+class _LayerBranches(nn.Module):
+    """What encoder and decoder layers share: the FFN and the residual branch, with their dropouts."""
+
+    fc1: nn.Module
+    fc2: nn.Module
+    act: Callable[[Tensor], Tensor]
+    dropout: float
+    activation_dropout: float
+    dropout_rng: DropoutRng  # residual-branch masks
+    activation_dropout_rng: DropoutRng  # FFN-hidden masks
+
+    def ffn(self, x: Tensor) -> Tensor:
+        h = self.act(self.fc1(x))
+        return self.fc2(dropout_at(self.activation_dropout_rng, h, self.activation_dropout, self.training))
+
+    def residual(self, x: Tensor, h: Tensor) -> Tensor:
+        """x + Drop(h)."""
+        return x + dropout_at(self.dropout_rng, h, self.dropout, self.training)
+
+
+class EncoderLayer(_LayerBranches):
     """Pre-LN: x + Drop(SelfAttn(LN(x))); x + Drop(FFN(LN(x)))."""
 
     def __init__(self, c: ModelConfig) -> None:
@@ -240,17 +272,14 @@ class EncoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(c.d_model)
         self.act = ACT_FNS[c.activation_function]
         self.dropout, self.activation_dropout = c.dropout, c.activation_dropout
-
-    def ffn(self, x: Tensor) -> Tensor:
-        return self.fc2(F.dropout(self.act(self.fc1(x)), self.activation_dropout, self.training))
+        self.dropout_rng = self.activation_dropout_rng = nullcontext
 
     def forward(self, x: Tensor, src_mask: Tensor | None) -> Tensor:
-        h = self.self_attn(self.self_attn_layer_norm(x), key_mask=src_mask)
-        x = x + F.dropout(h, self.dropout, self.training)
-        return x + F.dropout(self.ffn(self.final_layer_norm(x)), self.dropout, self.training)
+        x = self.residual(x, self.self_attn(self.self_attn_layer_norm(x), key_mask=src_mask))
+        return self.residual(x, self.ffn(self.final_layer_norm(x)))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(_LayerBranches):
     """Pre-LN: causal self-attention, cross-attention on the encoder output, FFN."""
 
     def __init__(self, c: ModelConfig) -> None:
@@ -264,9 +293,7 @@ class DecoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(c.d_model)
         self.act = ACT_FNS[c.activation_function]
         self.dropout, self.activation_dropout = c.dropout, c.activation_dropout
-
-    def ffn(self, x: Tensor) -> Tensor:
-        return self.fc2(F.dropout(self.act(self.fc1(x)), self.activation_dropout, self.training))
+        self.dropout_rng = self.activation_dropout_rng = nullcontext
 
     def forward(
         self,
@@ -277,13 +304,12 @@ class DecoderLayer(nn.Module):
         cross_kv: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """`self_cache` and `cross_kv` are for incremental decoding (`models.generate`)."""
-        h = self.self_attn(self.self_attn_layer_norm(x), causal=True, cache=self_cache)
-        x = x + F.dropout(h, self.dropout, self.training)
+        x = self.residual(x, self.self_attn(self.self_attn_layer_norm(x), causal=True, cache=self_cache))
         h = self.encoder_attn(
             self.encoder_attn_layer_norm(x), kv=encoder_out, key_mask=src_mask, cached_kv=cross_kv
         )
-        x = x + F.dropout(h, self.dropout, self.training)
-        return x + F.dropout(self.ffn(self.final_layer_norm(x)), self.dropout, self.training)
+        x = self.residual(x, h)
+        return self.residual(x, self.ffn(self.final_layer_norm(x)))
 
 
 class Stack(nn.Module):

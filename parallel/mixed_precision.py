@@ -73,6 +73,26 @@ def cast_weights(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
             slots[name] = t
 
 
+@contextmanager
+def evaluation_precision(
+    model: nn.Module, device_type: str, autocast_dtype: torch.dtype | None, eval_dtype: torch.dtype | None
+) -> Iterator[None]:
+    """Within: evaluation's precision (see the module docstring).
+
+    eval_dtype      every weight and buffer cast to it, no autocast (`bf16_full_eval`)
+    autocast_dtype  autocast to the run's working dtype, as training's forward
+    neither         fp32
+    """
+    if eval_dtype is not None:
+        with cast_weights(model, eval_dtype):
+            yield
+    elif autocast_dtype is not None:
+        with torch.autocast(device_type, dtype=autocast_dtype):
+            yield
+    else:
+        yield
+
+
 class WorkingWeights:
     """The step's low-precision copies of `model`'s parameters (layer norms excepted).
 

@@ -19,7 +19,7 @@ the last GR), then `grads.clip_` over the whole mesh, then the optimizer.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from parallel.dp.zero1 import ZeroOneSharding
 from parallel.grads import StepGradients
 from parallel.materialize import Fill, is_meta, keyed_init_fill, materialize, pretrained_fill
 from parallel.mesh import ParallelMesh
-from parallel.mixed_precision import WorkingWeights, cast_weights
+from parallel.mixed_precision import WorkingWeights, evaluation_precision
 from parallel.pipeline.executor import FlushResult, LossFn, PipelineExecutor, PipelineTopology
 from parallel.pipeline.memory import meter_for
 from parallel.pipeline.schedule import (
@@ -51,6 +51,7 @@ from parallel.pipeline.stage import PipelineStage
 from parallel.pipeline.timing import clock_for
 from parallel.pipeline.zero_bubble import WeightGradStore, enable_deferred_wgrad
 from parallel.remat import apply_remat
+from parallel.rng import uses_dropout
 from parallel.tp.layers import tp_local_slice
 
 
@@ -228,6 +229,7 @@ class ParallelModel:
         loss_scale: float | Tensor,
         timed: bool = False,
         skip_layers: frozenset[str] = frozenset(),
+        dropout_keys: Sequence[Sequence[int]] | None = None,
     ) -> list[FlushResult]:
         """Forward+backward over `gradient_accumulation_steps` flushes; grads are final after it.
 
@@ -239,10 +241,20 @@ class ParallelModel:
         `skip_layers`: the layers LayerDrop skips in this step (`models.m2m100.layerdrop_skips`,
         the same on every rank); their parameters end the step without gradients, as in one
         process, so AdamW leaves them untouched (the dp reduce fills zeros, removed here).
+        `dropout_keys` ([flush][micro-batch], `parallel.rng.microbatch_keys`) key each
+        micro-batch's dropout masks, so they do not depend on the mesh beyond tp; None (or a
+        model without dropout): the global generators.
         """
+        if dropout_keys is not None and [len(k) for k in dropout_keys] != [len(f) for f in flushes]:
+            raise ValueError(
+                f"dropout keys per flush {[len(k) for k in dropout_keys]} do not match the "
+                f"micro-batches per flush {[len(f) for f in flushes]}"
+            )
+        if not uses_dropout(self.model.config):
+            dropout_keys = None  # nothing to draw: no block re-seeds
         self.model.skip_layers = skip_layers
         try:
-            results = self._run_flushes(flushes, loss_scale, timed)
+            results = self._run_flushes(flushes, loss_scale, timed, dropout_keys)
         finally:
             self.model.skip_layers = frozenset()
         if skip_layers:
@@ -252,7 +264,11 @@ class ParallelModel:
         return results
 
     def _run_flushes(
-        self, flushes: Sequence[Sequence[Seq2SeqBatch]], loss_scale: float | Tensor, timed: bool
+        self,
+        flushes: Sequence[Sequence[Seq2SeqBatch]],
+        loss_scale: float | Tensor,
+        timed: bool,
+        keys: Sequence[Sequence[int]] | None,
     ) -> list[FlushResult]:
         on_device = [self._prepare(microbatches) for microbatches in flushes]
         if self.fsdp is not None:
@@ -267,7 +283,13 @@ class ParallelModel:
         with working_weights as working:
             self.meter.ignore(working)
             return [
-                self.executor.run_flush(mbs, loss_scale, last_flush=i == len(on_device) - 1, timed=timed)
+                self.executor.run_flush(
+                    mbs,
+                    loss_scale,
+                    last_flush=i == len(on_device) - 1,
+                    timed=timed,
+                    dropout_keys=None if keys is None else keys[i],
+                )
                 for i, mbs in enumerate(on_device)
             ]
 
@@ -311,27 +333,17 @@ class ParallelModel:
 
     @contextmanager
     def evaluating(self) -> Iterator[None]:
-        """Within: the weights as evaluation reads them, in the run's precision.
-
-            fsdp           every unit gathered (a collective over dp: every replica enters as often)
-            eval_dtype     every weight and buffer cast to it, no autocast (`bf16_full_eval`)
-            else           autocast to the working dtype (bf16 / fp16 runs), as training's forward
-
-        Re-entrant: a nested entry does nothing, so one evaluation gathers and casts once for
-        its loss and all its decoding, whatever the number of batches of each dp replica.
-        """
+        """Within: the weights as evaluation reads them, in the run's precision: fsdp units
+        gathered (a dp collective), then `parallel.mixed_precision.evaluation_precision`.
+        Re-entrant (a nested entry does nothing): one evaluation gathers and casts once."""
         if self._evaluating:
             yield
             return
         self._evaluating = True
+        gathered = self.fsdp.gathered() if self.fsdp is not None else nullcontext()
+        precision = evaluation_precision(self.model, self.device.type, self.autocast_dtype, self.eval_dtype)
         try:
-            with ExitStack() as stack:
-                if self.fsdp is not None:
-                    stack.enter_context(self.fsdp.gathered())
-                if self.eval_dtype is not None:
-                    stack.enter_context(cast_weights(self.model, self.eval_dtype))
-                elif self.autocast_dtype is not None:
-                    stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
+            with gathered, precision:
                 yield
         finally:
             self._evaluating = False

@@ -184,6 +184,7 @@ class PipelineExecutor:
         loss_scale: float | Tensor,
         last_flush: bool = True,
         timed: bool = False,
+        dropout_keys: Sequence[int] | None = None,
     ) -> FlushResult:
         """Execute the whole action list once over `microbatches` (m of them).
 
@@ -194,8 +195,12 @@ class PipelineExecutor:
             timed: mark the clock after every action (for the bubble and the timeline) and
                 meter activation memory (the saved-tensor meter's hooks cost host work, so
                 untimed flushes, the steps between log points, run without them).
+            dropout_keys: one key per micro-batch for its dropout masks (`parallel.rng`);
+                None: the global generators.
         """
-        st = _FlushState(microbatches, loss_scale, timed)
+        if dropout_keys is not None and len(dropout_keys) != len(microbatches):
+            raise ValueError(f"{len(dropout_keys)} dropout keys for {len(microbatches)} micro-batches")
+        st = _FlushState(microbatches, loss_scale, timed, dropout_keys)
         res = FlushResult(clock=self.clock)
         mark = self.clock.mark if timed else None
         if mark is not None:
@@ -259,7 +264,7 @@ class PipelineExecutor:
         )
         meter = self.meter.record((s, mb), inputs) if st.timed else nullcontext()
         with meter, autocast:
-            out = stage.forward(inputs, batch)
+            out = stage.forward(inputs, batch, None if st.keys is None else st.keys[mb])
             if stage.is_last:
                 loss_sum = self.loss_fn(out["logits"], batch.labels)
         if stage.is_last:
@@ -338,8 +343,15 @@ def _grad_or_zeros(t: Tensor) -> Tensor:
 class _FlushState:
     """Tensors in flight during one flush, keyed by (stage, micro-batch)."""
 
-    def __init__(self, batches: Sequence[Seq2SeqBatch], loss_scale: float | Tensor, timed: bool) -> None:
+    def __init__(
+        self,
+        batches: Sequence[Seq2SeqBatch],
+        loss_scale: float | Tensor,
+        timed: bool,
+        keys: Sequence[int] | None = None,
+    ) -> None:
         self.batches, self.loss_scale, self.timed = list(batches), loss_scale, timed
+        self.keys = None if keys is None else list(keys)  # dropout key per micro-batch
         self.inputs: dict[tuple[int, int], State] = {}
         self.outputs: dict[tuple[int, int], dict[str, Any]] = {}
         self.received: dict[tuple[int, int], State] = {}

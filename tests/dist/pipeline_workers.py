@@ -148,10 +148,12 @@ def dp_overlap(rank: int, world: int, pp: int, schedule: str) -> tuple[int, floa
 def host_reads_in_step(rank: int, world: int, meshes: list[tuple[int, int, int, str, bool]]) -> list:
     """For each (pp, dp, tp, schedule, sequence_parallel): device-to-host reads and aten ops
     during two timed flushes of 4 micro-batches (gradient accumulation) plus the global
-    norm and clip. On a GPU each read would stall the launch of the next micro-batch."""
+    norm and clip. On a GPU each read would stall the launch of the next micro-batch.
+    Dropout is on, keyed per micro-batch (`parallel.rng`): re-seeding and tp forks read nothing."""
     from parallel.dispatch_count import DispatchCounter
 
-    cfg = ModelConfig(**TINY)
+    cfg = ModelConfig(**{**TINY, "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1})
+    keys = [[1, 2, 3, 4], [5, 6, 7, 8]]
     out = []
     for pp, dp, tp, schedule, sp in meshes:
         torch.manual_seed(0)
@@ -163,10 +165,12 @@ def host_reads_in_step(rank: int, world: int, meshes: list[tuple[int, int, int, 
         batch = random_batch(cfg, 8 * dp, seed=4)
         share = batch.select(slice(mesh.dp_rank * 8, (mesh.dp_rank + 1) * 8))
         flushes = [share.split(4), share.split(4)]
-        pm.train_step(flushes, loss_scale=1.0 / batch.num_tokens())  # warm-up
+        pm.train_step(flushes, loss_scale=1.0 / batch.num_tokens(), dropout_keys=keys)  # warm-up
         pm.model.zero_grad(set_to_none=True)
         with DispatchCounter() as counter:
-            results = pm.train_step(flushes, loss_scale=1.0 / batch.num_tokens(), timed=True)
+            results = pm.train_step(
+                flushes, loss_scale=1.0 / batch.num_tokens(), timed=True, dropout_keys=keys
+            )
             pm.grads.clip_(1.0)
         assert results[-1].timeline, "a timed flush has a timeline"
         out.append((pp, dp, tp, schedule, sp, counter.host_reads, counter.num_ops))
@@ -240,3 +244,39 @@ def _count_queued(store) -> list[int]:  # type: ignore[no-untyped-def]
 
     store.put = counting_put
     return queued
+
+
+PROFILE_CASES = [  # (name, autocast dtype, micro-batches, sequence parallel, remat)
+    ("bf16 autocast (m=1)", torch.bfloat16, 1, False, "none"),
+    ("bf16 working weights (m=2)", torch.bfloat16, 2, False, "none"),
+    ("bf16 sequence parallel, selective remat", torch.bfloat16, 2, True, "selective"),
+    ("fp32 full remat", None, 1, False, "full"),
+]
+
+
+def profile_matches_meter(rank: int, world: int) -> list[tuple[str, float, int]]:
+    """Balancing measures what runs: per `PROFILE_CASES`, a stage's activation bytes summed from
+    `profile_kinds` (one tp rank's shard built without a process group, in the run's precision
+    and remat) and what the executor's meter counts for that stage in a real tp=`world` step
+    of the same model and micro-batch: (case, profiled, metered)."""
+    from models.m2m100 import block_specs
+    from parallel.pipeline.profile import RunSetting, profile_kinds
+    from trainer.planner.cost import stage_activation_bytes
+
+    drop = {"dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1}
+    cfg = ModelConfig(**{**TINY, "encoder_layers": 1, "decoder_layers": 1, **drop})
+    mesh = build_mesh(ParallelDims(pp=1, dp=1, tp=world, world_size=world))
+    batch = random_batch(cfg, 4, seed=7)
+    n = len(block_specs(cfg))
+    out = []
+    for name, dtype, m, sp, remat in PROFILE_CASES:
+        pm = build_parallel_model(
+            cfg, mesh, [n], m, "1f1b", 1, remat, 0.0, autocast_dtype=dtype, sequence_parallel=sp, seed=0
+        )
+        pm.model.train()
+        results = pm.train_step([[batch] * m], loss_scale=1.0 / (m * batch.num_tokens()), timed=True)
+        run = RunSetting(world, sp, dtype, working_weights=m > 1, remat=remat)
+        kinds = profile_kinds(cfg, batch, torch.device("cpu"), run, timed=False)
+        profiled = stage_activation_bytes([kinds[s.kind] for s in block_specs(cfg)], range(n))
+        out.append((name, profiled, results[0].peak_activation_bytes))
+    return out

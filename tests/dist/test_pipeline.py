@@ -53,6 +53,7 @@ def ranks2() -> dict[str, list]:
     from tests.dist.pipeline_workers import (
         bf16_sequence_parallel_grads,
         dp_overlap,
+        profile_matches_meter,
         zbv_parity,
         zero_bubble_defers_weight_grads,
     )
@@ -63,6 +64,7 @@ def ranks2() -> dict[str, list]:
         "zb-defers": (zero_bubble_defers_weight_grads, ()),
         "overlap-1-1f1b": (dp_overlap, (1, "1f1b")),
         "bf16-sp": (bf16_sequence_parallel_grads, ()),
+        "profile-vs-meter": (profile_matches_meter, ()),
     }
     return _group(2, calls, timeout=600)
 
@@ -140,3 +142,19 @@ def test_dp_reduce_overlaps_last_backward(pp: int, schedule: str, request: pytes
 def test_bf16_working_weights_keep_sequence_parallel_grad_sum(ranks2: dict[str, list]) -> None:
     for rank, worst in enumerate(ranks2["bf16-sp"]):
         assert worst == 0.0, f"rank {rank}: replicated gradients differ across tp by {worst:.3e}"
+
+
+@pytest.mark.dist
+def test_block_profile_counts_what_the_executor_meters_at_tp2(ranks2: dict[str, list]) -> None:
+    """`partition_method: time | memory` and the planner profile a block as the run executes it:
+    a stage's bytes summed from the profile of one tp rank's shard (built without a process
+    group), in bf16 with autocast or the step's working weights, under sequence parallelism and
+    remat, equal what the executor's meter counts in the real tp=2 step. The profile is the last
+    tp rank's, whose vocabulary slice holds the padding: the other rank keeps that mask's
+    bytes fewer. Before, the profile was an unsharded fp32 block without autocast."""
+    padded_vocab_slice = 31  # bytes of the padding mask (61 words over 2 ranks: 31 per rank)
+    for rank, rows in enumerate(ranks2["profile-vs-meter"]):
+        for name, profiled, metered in rows:
+            print(f"tp rank {rank}, {name}: profiled {profiled:.0f} B, metered {metered} B")
+            expected = metered if rank == 1 else metered + padded_vocab_slice
+            assert profiled == expected, f"tp rank {rank}, {name}: profiled {profiled}, metered {metered}"

@@ -7,6 +7,7 @@ written); negative warmup_steps, max_grad_norm and save_steps were accepted.
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
@@ -173,8 +174,66 @@ def test_shipped_configs_pass_their_own_checks_on_the_meshes_they_name() -> None
     from trainer.run.preflight import idle_option_warnings, validate_early
 
     root = Path(__file__).resolve().parents[2]
-    worlds = {"demo": 8, "m2m100_12b": 16, "m2m100_1b_4x8": 32}
+    worlds = {
+        "demo": 8,
+        "m2m100_12b": 16,
+        "m2m100_1b_4x8": 32,
+        "nllb200_distilled_600m": 8,
+        "nllb200_1.3b": 8,
+    }
+    worlds["nllb200_3.3b"] = 16
     for path in sorted((root / "configs").glob("*.yaml")):
         cfg = parse_config(["--config", str(path)])
         validate_early(cfg, worlds.get(path.stem, 1))
         assert idle_option_warnings(cfg) == [], path.name
+
+
+def test_validation_raises_bad_input_types_internal_checks_do_not() -> None:
+    """The checks of user input in models/ and parallel/ raise their bad-input types (one line,
+    exit 2); internal consistency checks stay plain ValueErrors (a traceback, exit 1)."""
+    from models.config import ModelConfig
+    from parallel.mesh import ParallelDims, rank_to_coords
+    from parallel.pipeline.partition import validate_balance
+    from parallel.pipeline.schedule import build_schedule
+    from trainer.errors import BAD_INPUT
+
+    bad_input = [
+        lambda: ParallelDims(1, 2, 1, 1).validate(),  # dp x tp x pp != world
+        lambda: build_schedule("interleaved_1f1b", 2, 3, 2),  # m not a multiple of p
+        lambda: validate_balance([3, 3], 8, 2),
+        lambda: ModelConfig(d_model=10, encoder_attention_heads=3),
+    ]
+    for check in bad_input:
+        with pytest.raises(BAD_INPUT):
+            check()
+    with pytest.raises(ValueError) as internal:
+        rank_to_coords(9, (1, 2, 2))
+    assert not isinstance(internal.value, BAD_INPUT)
+
+
+@pytest.mark.parametrize("internal", [False, True])
+def test_entry_point_keeps_internal_tracebacks(internal: bool, monkeypatch, capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression (issue 23): `trainer.train` turned every ValueError into "bad input", exit 2,
+    without a traceback, internal ones too. Bad input keeps its one line; an internal error
+    propagates (Python prints its traceback, exit status 1)."""
+    from parallel.errors import ParallelConfigError
+    from trainer import train
+
+    def fail(cfg):  # type: ignore[no-untyped-def]
+        if internal:
+            raise ValueError("an internal check failed")
+        raise ParallelConfigError("tensor_parallel_size=3 does not divide 4 ranks; valid: 1, 2, 4")
+
+    monkeypatch.setattr(train, "run", fail)
+    monkeypatch.delenv("TRAINER_TRACEBACK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+    argv = ["--config", str(tiny), "--output_dir", str(tmp_path / "out")]
+    if internal:
+        with pytest.raises(ValueError, match="an internal check failed"):
+            train.cli(argv)
+        return
+    assert train.cli(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ParallelConfigError: tensor_parallel_size=3 does not divide 4 ranks")
+    assert err.count("\n") == 1 and "Traceback" not in err

@@ -32,6 +32,7 @@ from models.hf_save import (
 )
 from models.m2m100 import M2M100Translation
 from trainer.checkpoint.commit import COMMIT_MARKER, is_complete, list_checkpoints, verify_checkpoint
+from trainer.errors import BadInputError
 from trainer.tokenizer.stock_m2m100 import (
     StockLayout,
     permute_tensor,
@@ -76,7 +77,7 @@ class ExportArguments:
     )
 
 
-class ExportError(ValueError):
+class ExportError(BadInputError):
     """Bad command-line input; the message names the bad value and what is valid."""
 
 

@@ -31,7 +31,8 @@ class TrainingArguments:
         default=False,
         metadata={
             "help": "Reuse a non-empty output_dir: a fresh start (no resume, not a torchrun restart) "
-            "first removes the earlier run's checkpoints, metrics, summary, tokenizer, configs and logs."
+            "first moves the earlier run's checkpoints, metrics, summary, tokenizer, configs and logs "
+            "into output_dir/overwritten_run/, removed when this run commits its first checkpoint."
         },
     )
     max_steps: int = field(

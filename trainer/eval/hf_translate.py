@@ -17,6 +17,7 @@ import torch
 
 from models.hf import CheckpointMismatchError, load_hf_weights, load_into, read_hf_config
 from models.m2m100 import M2M100Translation
+from trainer.errors import BadInputError
 from trainer.eval.decode import translate
 from trainer.tokenizer.vocab import Tokenizer
 
@@ -86,7 +87,7 @@ class TranslateArguments:
     )
 
 
-class TranslateError(ValueError):
+class TranslateError(BadInputError):
     """Bad command-line input; the message names the bad value and what is valid."""
 
 

@@ -5,13 +5,17 @@ from FLOPs and the device table (`table_kind_costs`); parameter counts per block
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, replace
 
 import torch
 
 from models.config import ModelConfig
-from models.m2m100 import IGNORE_INDEX, BlockKind, M2M100Translation, Seq2SeqBatch, block_specs
-from parallel.pipeline.profile import BlockPhases, profile_block_phases
+from models.m2m100 import IGNORE_INDEX, BlockKind, Seq2SeqBatch, block_specs
+from parallel.pipeline.profile import BlockPhases, RunSetting, profile_kinds
+from parallel.tp.layers import vocab_partition
+from trainer.errors import ConfigError
 from trainer.planner.hardware import DeviceSpec
 
 LAYER_KINDS = (BlockKind.ENC_LAYER, BlockKind.DEC_LAYER)
@@ -38,6 +42,16 @@ def synthetic_batch(mc: ModelConfig, shape: Shape, seed: int = 0) -> Seq2SeqBatc
     return Seq2SeqBatch(src, torch.ones_like(src), dec, labels)
 
 
+def padded_vocab_config(mc: ModelConfig, multiple: int) -> ModelConfig:
+    """`mc` with its vocabulary padded to a multiple of `multiple`, as tensor parallelism pads it
+    (`parallel.tp.layers.vocab_partition`: V' = ceil(V / tp) tp rows, the padding never a real id).
+
+    The planner costs a tp layout on this model: its table rows, head FLOPs and logits count V'.
+    """
+    padded, _, _ = vocab_partition(mc.vocab_size, multiple, 0)
+    return mc if padded == mc.vocab_size else replace(mc, vocab_size=padded)
+
+
 def one_layer_config(mc: ModelConfig) -> ModelConfig:
     """The model with one encoder and one decoder layer: every block kind once (layers are alike)."""
     return replace(mc, encoder_layers=1, decoder_layers=1)
@@ -54,22 +68,20 @@ def measure_kind_costs(
     repeats: int = 5,
     timed: bool = True,
     device: torch.device | None = None,
+    tp: int = 1,
+    sequence_parallel: bool = False,
 ) -> KindCosts:
-    """Profile each block kind of a one-layer copy of the model on this machine.
+    """Profile each block kind of a one-layer copy of the model on this machine, as one rank of
+    the layout executes it (`parallel.pipeline.profile.profile_kinds`): its tp shard, and with
+    `bf16` under autocast with bf16 working weights (whose bytes `trainer.planner.memory`
+    counts apart from the activations).
 
     "stage" remat is profiled as "none" (`layout_stage_costs` adds the stage's recompute and keeps
     only its input). Dropout stays as configured (the training mode's cost).
     """
-    from parallel.remat import apply_remat
-
-    torch.manual_seed(0)
-    model = M2M100Translation(one_layer_config(mc)).to(device or torch.device("cpu"))
-    model.train()
-    apply_remat(model, "none" if remat == "stage" else remat)
-    batch = synthetic_batch(mc, shape).to(device or torch.device("cpu"))
     dtype = torch.bfloat16 if bf16 else None
-    phases = profile_block_phases(model, batch, repeats, dtype, timed=timed)
-    return {spec.kind: ph for spec, ph in zip(model.blocks, phases)}
+    run = RunSetting(tp, sequence_parallel and tp > 1, dtype, working_weights=bf16, remat=remat)
+    return profile_kinds(mc, synthetic_batch(mc, shape), device or torch.device("cpu"), run, repeats, timed)
 
 
 # A one-layer copy above this many parameters is not built: its activation bytes come from two narrow copies
@@ -81,27 +93,34 @@ def narrow_config(mc: ModelConfig, k: int) -> ModelConfig:
     """The one-layer model with d_model, the FFNs and the vocabulary divided by k (heads kept)."""
     for name in ("d_model", "encoder_ffn_dim", "decoder_ffn_dim", "vocab_size"):
         if getattr(mc, name) % k:
-            raise ValueError(
+            raise ConfigError(
                 f"{name}={getattr(mc, name)} is not a multiple of {k}: cannot narrow the model by {k}"
             )
     return replace(one_layer_config(mc), d_model=mc.d_model // k, encoder_ffn_dim=mc.encoder_ffn_dim // k,
                    decoder_ffn_dim=mc.decoder_ffn_dim // k, vocab_size=mc.vocab_size // k)  # fmt: skip
 
 
-def activation_kind_costs(mc: ModelConfig, shape: Shape, remat: str) -> KindCosts:
-    """Activation bytes per block kind (times left 0), from the one-layer copy, or for a wide model
-    (`WIDE_ONE_LAYER_PARAMS`) extrapolated from two narrow copies (`narrow_config`).
+def activation_kind_costs(
+    mc: ModelConfig, shape: Shape, remat: str, tp: int = 1, sequence_parallel: bool = False
+) -> KindCosts:
+    """Activation bytes per block kind on a tp rank (times left 0), from the one-layer copy, or for
+    a wide model (`WIDE_ONE_LAYER_PARAMS`) extrapolated from two narrow copies (`narrow_config`).
 
     Every saved tensor is either as wide as d_model, an FFN or the vocabulary (linear outputs,
     logits) or of no width (ids, masks, attention probabilities over the kept heads), so each
     byte count is A + B w in the width w = 1 / k: two narrow copies give A and B exactly, and
-    w = 1 the full model's, without allocating it.
+    w = 1 the full model's, without allocating it. A vocabulary that k does not divide (NLLB-200's
+    256206) is padded to a multiple of lcm(k1, k2) first, as tp pads it: it counts at most
+    lcm - 1 rows more than the layout's own padding (15 of 256206 with the default factors).
     """
+    measure = functools.partial(
+        measure_kind_costs, remat=remat, bf16=False, timed=False, tp=tp, sequence_parallel=sequence_parallel
+    )
     if one_layer_config(mc).num_parameters() <= WIDE_ONE_LAYER_PARAMS:
-        return measure_kind_costs(mc, shape, remat, bf16=False, timed=False)
+        return measure(mc, shape)
     k1, k2 = NARROW_FACTORS
-    a = measure_kind_costs(narrow_config(mc, k1), shape, remat, bf16=False, timed=False)
-    b = measure_kind_costs(narrow_config(mc, k2), shape, remat, bf16=False, timed=False)
+    mc = padded_vocab_config(mc, math.lcm(k1, k2))
+    a, b = measure(narrow_config(mc, k1), shape), measure(narrow_config(mc, k2), shape)
 
     def full(n1: int, n2: int) -> int:  # A + B at w = 1 from (1/k1, n1), (1/k2, n2)
         slope = (n1 - n2) / (1 / k1 - 1 / k2)
@@ -115,7 +134,8 @@ def activation_kind_costs(mc: ModelConfig, shape: Shape, remat: str) -> KindCost
             pairs = lambda x, y: tuple((key, full(n, m)) for (key, n), (_, m) in zip(x, y))  # noqa: E731
             parts = replace(pa.parts, own=full(pa.parts.own, pb.parts.own),
                             inputs=pairs(pa.parts.inputs, pb.parts.inputs),
-                            outputs=pairs(pa.parts.outputs, pb.parts.outputs))  # fmt: skip
+                            outputs=pairs(pa.parts.outputs, pb.parts.outputs),
+                            batch=pairs(pa.parts.batch, pb.parts.batch))  # fmt: skip
         out[kind] = replace(pa, activation_bytes=full(pa.activation_bytes, pb.activation_bytes), parts=parts)
     return out
 
@@ -140,9 +160,16 @@ def block_forward_flops(mc: ModelConfig, kind: BlockKind, shape: Shape) -> tuple
 
 
 def table_kind_costs(
-    mc: ModelConfig, shape: Shape, remat: str, device: DeviceSpec, activations: KindCosts, act_scale: float
+    mc: ModelConfig,
+    shape: Shape,
+    remat: str,
+    device: DeviceSpec,
+    activations: KindCosts,
+    act_scale: float,
+    tp: int = 1,
 ) -> KindCosts:
-    """FLOP-based costs on `device`: max(FLOPs / (peak x efficiency), host time) per phase.
+    """FLOP-based costs of one tp rank on `device`: max(FLOPs / tp / (peak x efficiency), host
+    time) per phase (a tp rank runs every op of the block on 1/tp of its columns).
 
     Backward is twice the forward (I and W one each for the layers' linears; the head and
     embeddings compute their weight grads inside I). Host time: a third of the block overhead
@@ -154,7 +181,7 @@ def table_kind_costs(
     rate = device.peak_flops * device.efficiency
     host = device.block_overhead_s / 3
     for kind, measured in activations.items():
-        fwd, attn = block_forward_flops(mc, kind, shape)
+        fwd, attn = (f / tp for f in block_forward_flops(mc, kind, shape))
         share = {"full": 1.0, "selective": 0.5}.get(remat, 0.0) if kind in LAYER_KINDS else 0.0
         recompute = {"full": fwd, "selective": attn}.get(remat, 0.0) if kind in LAYER_KINDS else 0.0
         f = max(fwd / rate, host)

@@ -12,11 +12,13 @@ from typing import Any
 
 import torch
 
+from parallel.errors import ParallelConfigError
 from parallel.mesh import ParallelDims
 from parallel.pipeline.simulate import StageCosts
 from trainer.config.dims import parallel_dims
 from trainer.config.parse import parse_config
 from trainer.config.schema import JobConfig
+from trainer.errors import BAD_INPUT
 from trainer.planner.blocks import Shape, block_param_counts
 from trainer.planner.calibrate import Calibration, apply, calibrate, should_calibrate
 from trainer.planner.calibrate import report as calibration_rows
@@ -200,13 +202,13 @@ class TrainerCheck:
             try:
                 validate_early(self._config(layout), self.world)
                 self._seen[key] = ""
-            except ValueError as e:
+            except BAD_INPUT as e:
                 self._seen[key] = str(e)
         if self._seen[key] or len(layout.balance) < 2:
             return self._seen[key]
         try:
             validate_balance(list(layout.balance), sum(layout.balance), layout.pp * layout.v)
-        except ValueError as e:
+        except BAD_INPUT as e:
             return str(e)
         return ""
 
@@ -228,7 +230,7 @@ def _own_cut(cfg: JobConfig, world: int) -> tuple[int, int, int, int, bool]:
     """(micro-batch, m, g, dp, token mode) of the config's own layout (dp=1 if it does not fit)."""
     try:
         dp = parallel_dims(cfg.parallel, world, local_world_size=world).validate().dp
-    except ValueError:
+    except ParallelConfigError:
         dp = 1
     token = bool(cfg.data.max_tokens_per_microbatch)
     mb = int(cfg.data.max_tokens_per_microbatch or 0) if token else cfg.training.per_device_train_batch_size
@@ -259,7 +261,7 @@ def _layouts(
                 base = Layout(dims.pp, dims.tp, dims.dp, m, g, mb, schedule, v, remat, method, (), token_mode)
                 try:
                     balance = tuple(balance_from_costs(method, costs, params, dims.pp * v))
-                except ValueError as e:
+                except ParallelConfigError as e:
                     rejected.append({"layout": describe(base), "reason": str(e)})
                     break
                 if balance not in seen:
@@ -276,7 +278,7 @@ def own_layout(
     p = cfg.parallel
     try:
         dims = parallel_dims(p, world, local_world_size=gpn).validate(source.mc)
-    except ValueError as e:
+    except ParallelConfigError as e:
         return str(e)
     token = bool(cfg.data.max_tokens_per_microbatch)
     mb = int(cfg.data.max_tokens_per_microbatch or 0) if token else cfg.training.per_device_train_batch_size
@@ -295,5 +297,5 @@ def own_layout(
             [(0.0, layout, layout_stage_costs(layout, costs, shape, ctx), ctx)], fits or {}
         )
         return Candidate(layout, predict_step(layout, sc, lay_ctx), list(base_args))
-    except ValueError as e:
+    except BAD_INPUT as e:
         return str(e)

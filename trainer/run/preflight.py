@@ -14,6 +14,7 @@ from typing import Any
 
 from parallel.mesh import ParallelDims
 from trainer.config.dims import parallel_dims
+from trainer.config.pretrained import pretrained_sources
 from trainer.config.schema import LAYERDROP_FIELDS, JobConfig
 from trainer.config.training_args import TrainingArguments
 from trainer.data.sources import run_languages
@@ -24,18 +25,20 @@ from trainer.run.strategies import check_metric_name
 def validate_early(cfg: JobConfig, world: int) -> ParallelDims:
     """Every check that needs no data, before anything is written or any collective runs.
 
-    Mesh vs world size and node size, tp vs heads/FFN/d_model, blocks vs stages,
-    an explicit partition's length and sum, and the schedule's (p, m, v) constraints.
-    Raises ValueError (ConfigError, PartitionError, ...) naming the bad value.
+    Where the pretrained model and tokenizer come from (a model directory without tokenizer
+    files needs tokenizer_name), mesh vs world size and node size, tp vs heads/FFN/d_model,
+    blocks vs stages, an explicit partition's length and sum, and the schedule's (p, m, v)
+    constraints. Raises one of `trainer.errors.BAD_INPUT` naming the bad value.
     """
     from parallel.pipeline.partition import validate_balance
     from parallel.pipeline.schedule import build_schedule
 
     dims = parallel_dims(cfg.parallel, world)
-    if cfg.model.model_name_or_path:
+    pretrained = pretrained_sources(cfg.model.model_name_or_path, cfg.model.tokenizer_name)
+    if pretrained.model is not None:
         from models.hf import read_hf_config
 
-        arch = read_hf_config(cfg.model.model_name_or_path)
+        arch = read_hf_config(pretrained.model)
     else:
         arch = cfg.model.model_config(cfg.model.vocab_size, {})
     for name in LAYERDROP_FIELDS:
