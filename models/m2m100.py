@@ -450,11 +450,13 @@ class M2M100Translation(nn.Module):
         assert self.shared is not None
         return {"logits": self.lm_head(self.decoder.layer_norm(state["hidden"]), self.shared.weight)}
 
-    def run_blocks(
-        self, state: State, batch: Seq2SeqBatch, blocks: Sequence[BlockSpec] | None = None
-    ) -> State:
+    def run_blocks(self, state: State, batch: Seq2SeqBatch, blocks: Sequence[BlockSpec] | None = None,
+                   around: Callable[[BlockSpec], AbstractContextManager[None]] | None = None) -> State:  # fmt: skip
+        """`blocks` (default: all) in order, each inside `around(spec)` if given (a stage keys its
+        dropout so): one call per run of blocks, as hooks on this method (FSDP's) expect."""
         for spec in self.blocks if blocks is None else blocks:
-            state = self.run_block(spec, state, batch)
+            with around(spec) if around is not None else nullcontext():
+                state = self.run_block(spec, state, batch)
         return state
 
     def forward(self, batch: Seq2SeqBatch) -> Tensor:

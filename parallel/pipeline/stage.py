@@ -20,6 +20,7 @@ Given the micro-batch's dropout key, each block runs on its own keyed stream
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
@@ -98,9 +99,8 @@ class PipelineStage:
         return dict(zip(self.output_keys(), outs))
 
     def _run_blocks(self, state: State, batch: Seq2SeqBatch, rng_key: int | None) -> State:
-        if rng_key is None:
-            return self.model.run_blocks(state, batch, self.blocks)
-        for spec in self.blocks:
-            with keyed_block(rng_key, spec):
-                state = self.model.run_block(spec, state, batch)
-        return state
+        # One `run_blocks` call, keyed per block inside it: FSDP hooks that method (the stage
+        # root's unshard before it runs); calling `run_block` directly skipped the hook, and
+        # pp = 1 fsdp with dropout on crashed on the sharded embedding (issue 23's rehearsal).
+        around = None if rng_key is None else partial(keyed_block, rng_key)
+        return self.model.run_blocks(state, batch, self.blocks, around)
