@@ -3,8 +3,13 @@
     results = run_distributed(worker, world_size=4, args=(cfg,), timeout=180)
 
 `worker(rank, world_size, *args)` must be a module-level function (spawn pickles it
-by reference). Each rank gets WORLD_SIZE/RANK/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_*
-in its environment, an initialised gloo default group with a collective timeout,
+by reference). `preload=("torch", "trainer.run.loop")` starts the ranks from a forkserver
+that imported those modules once, instead of spawning fresh interpreters that each import
+them (seconds per rank on 2 cores): for a group that runs several jobs of little work. The
+first forkserver of the process fixes its preload and environment, so with `preload` pass
+environment variables through `env`, and preload only modules that start no thread.
+
+Each rank gets WORLD_SIZE/RANK/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_* in its environment, an initialised gloo default group with a collective timeout,
 and its return value is sent back (must be picklable). A rank that raises makes
 the whole call raise with that rank's traceback; a group that does not finish
 within `timeout` seconds is killed and the call raises TimeoutError.
@@ -16,7 +21,7 @@ import os
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -74,6 +79,7 @@ def run_distributed(
     timeout: float = 240,
     env: dict[str, str] | None = None,
     collective_timeout: float = 90,
+    preload: Sequence[str] = (),
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank.
 
@@ -81,7 +87,9 @@ def run_distributed(
         RuntimeError: a rank raised (its traceback is in the message).
         TimeoutError: the group did not finish in `timeout` seconds (all ranks are killed).
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver" if preload else "spawn")
+    if preload:
+        ctx.set_forkserver_preload(list(preload))
     queue = ctx.Queue()
     port = free_port()
     procs = [

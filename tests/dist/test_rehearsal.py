@@ -42,6 +42,11 @@ from tests.dist.rehearsal import (
 from tests.dist.rehearsal_workers import rehearse
 
 
+# Imported once by the forkserver the ranks fork from (none starts a thread; `datasets`, whose
+# pyarrow does, is imported by each rank as it reads the data).
+PRELOAD = ("torch", "transformers", "tests.dist.rehearsal_workers", "trainer.run.loop", "trainer.config.parse")
+
+
 def _groups() -> dict[int, list[str]]:
     by_world: dict[int, list[str]] = defaultdict(list)
     for path in shipped_configs():
@@ -123,7 +128,9 @@ def test_shipped_configs_rehearse_end_to_end(world: int, tmp_path: Path) -> None
         for r in rehearsals
     ]
     env = {"WANDB_MODE": "disabled", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    results = run_distributed(rehearse, world, args=(cases,), timeout=600, env=env, collective_timeout=120)
+    results = run_distributed(
+        rehearse, world, args=(cases,), timeout=600, env=env, collective_timeout=120, preload=PRELOAD
+    )
     for r, case in zip(rehearsals, cases):
         per_rank = [rank_results[cases.index(case)] for rank_results in results]
         last = _check_run(r, per_rank[0])
