@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from models.config import ModelConfig
 from parallel.mesh import ParallelDims
 from trainer.config.dims import parallel_dims
 from trainer.config.schema import LAYERDROP_FIELDS, JobConfig
@@ -15,18 +16,23 @@ from trainer.errors import ConfigError
 from trainer.run.strategies import check_metric_name
 
 
-def validate_early(cfg: JobConfig, world: int) -> ParallelDims:
+def validate_early(cfg: JobConfig, world: int, arch: ModelConfig | None = None) -> ParallelDims:
     """Every check that needs no data, before anything is written or any collective runs.
 
     Mesh vs world size and node size, tp vs heads/FFN/d_model, blocks vs stages,
     an explicit partition's length and sum, and the schedule's (p, m, v) constraints.
+    `arch`: the architecture when it is known already (a resume: the checkpoint's, so a
+    `model_name_or_path` that is gone since is never read); else `model_name_or_path`'s
+    config.json or the config's fields.
     Raises ValueError (ConfigError, PartitionError, ...) naming the bad value.
     """
     from parallel.pipeline.partition import validate_balance
     from parallel.pipeline.schedule import build_schedule
 
     dims = parallel_dims(cfg.parallel, world)
-    if cfg.model.model_name_or_path:
+    if arch is not None:
+        arch = ModelConfig.from_dict(arch.to_dict())  # a copy: the LayerDrop overrides below
+    elif cfg.model.model_name_or_path:
         from models.hf import read_hf_config
 
         arch = read_hf_config(cfg.model.model_name_or_path)
