@@ -29,10 +29,10 @@ With P the rank's parameters (its pp stages on its tp shard), dp the data-parall
 
 These are live bytes. A host CPU's glibc keeps freed chunks below its mmap threshold (which
 rises to 32 MiB after the first large free) resident in the heap, so a run's peak RSS can exceed
-them where such chunks churn: measured on scripts/bench_memory.py's 50M model, dp=4 zero1 1361 MiB
-(1163 with MALLOC_MMAP_THRESHOLD_=1 MiB, predicted 1144: the 25 MiB dp buckets stay resident
-under the broadcast) and dp=4 fsdp 1248 MiB (773 with the threshold fixed, predicted 789: the
-per-layer gathers). The bench reports both allocators (benchmarks/memory_cpu_small.md).
+them where such chunks churn: measured on scripts/bench_memory.py's 50M model, dp=4 zero1 1124 MiB
+(1047 with MALLOC_MMAP_THRESHOLD_=1 MiB, predicted 1010: the dp buckets stay resident under the
+broadcast) and dp=4 fsdp 1287 MiB (780 with the threshold fixed, predicted 789: the per-layer
+gathers). The bench reports both allocators (benchmarks/memory_cpu_small.md).
 
 Start-up (stage-local construction, `parallel.parallelize.build_parallel_model`): a rank builds
 on meta and materialises only its pp / tp shard, one parameter at a time: baseline + 4 P + the
