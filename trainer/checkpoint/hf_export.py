@@ -320,8 +320,8 @@ def load_full_state(checkpoint: str | Path, config: ModelConfig | None = None) -
     return read_model_tensors(path, list(stored), stored, config.vocab_size)
 
 
-# Checkpoint bytes one DCP read brings in while a shard is converted (a tensor larger than
-# this is read alone): the converted tensors join the shard, the read ones are dropped.
+# Checkpoint bytes one DCP read brings in while a shard is cast to another dtype (a tensor larger
+# than this is read alone): the cast copies join the shard, the read tensors are dropped.
 READ_BATCH_BYTES = 64 * 2**20
 
 
@@ -337,9 +337,10 @@ def export_weights(
 
     The shards are planned from DCP's metadata (output bytes per tensor: the stock layout's
     rows for the embedding, `dtype`'s size); then each shard is made alone: its tensors read
-    `READ_BATCH_BYTES` at a time and converted (vocabulary padding cut, stock permutation,
-    q/k/v split, cast) as they arrive, the shard written and dropped before the next is read.
-    The peak holds one output shard plus one read batch, not the model.
+    (`READ_BATCH_BYTES` at a time where the cast to `dtype` copies them) and converted
+    (vocabulary padding cut, stock permutation, q/k/v split, cast) as they arrive, the shard
+    written and dropped before the next is read. The peak holds one output shard (plus one
+    read batch), not the model.
 
     Raises:
         CheckpointMismatchError: the checkpoint does not hold `config`'s tensors.
@@ -359,7 +360,10 @@ def export_weights(
     def make_shard(group: Sequence[str]) -> dict[str, torch.Tensor]:
         shard: dict[str, torch.Tensor] = {}
         read_sizes = [(n, tensor_bytes(stored[n].shape, stored[n].dtype)) for n in group]
-        for batch in plan_shards(read_sizes, READ_BATCH_BYTES):
+        # Batches where the cast copies (the read tensors then die as their copies join the
+        # shard); a shard already in the stored dtype is the read tensors themselves: one read.
+        same = all(stored[n].dtype == dtype for n in group)
+        for batch in plan_shards(read_sizes, sum(b for _, b in read_sizes) if same else READ_BATCH_BYTES):
             tensors = read_model_tensors(checkpoint, batch, stored, config.vocab_size)
             for name in batch:
                 ours = tensors.pop(name)  # dropped as soon as converted
