@@ -68,45 +68,57 @@ def _worker(rank: int, world_size: int, hf_dir: str) -> dict[str, Any]:
     for pp, dp, tp in FSDP_MESHES:
         mesh = build_mesh(ParallelDims(pp=pp, dp=dp, tp=tp, world_size=world_size).validate(), "cpu")
         for case, kw in (("seed", {"seed": SEED}), ("pretrained", {"pretrained": hf_dir})):
-            name = f"fsdp{pp}{dp}{tp}-{case}"
-            try:
-                out.update(_fsdp_case(name, mesh, kw))
-            except Exception:  # noqa: BLE001 - reported by the tests below
-                out[name] = traceback.format_exc()
+            out.update(_fsdp_case(f"fsdp{pp}{dp}{tp}-{case}", mesh, kw))
     out["fsdp-checkpoint-zeros"] = _fsdp_for_checkpoint(mesh)
     return out
 
 
 def _fsdp_case(name: str, mesh: Any, kw: dict[str, Any]) -> dict[str, Any]:
     """Build under fsdp, recording the parameter bytes held at each value the fill yields; compare
-    the gathered weights and the loss with the one-process model's."""
+    the gathered weights and the loss with the one-process model's. The collectives run on every
+    rank whatever a rank's checks find, so a failure is reported, never a hang."""
     from tests.dist.fsdp_workers import full
 
     held: list[int] = []
     balance = [8] if mesh.size("pp") == 1 else BALANCE
-    with pytest.MonkeyPatch.context() as mp:
-        for fill in ("keyed_init_fill", "pretrained_fill"):
-            mp.setattr(parallelize, fill, _recording(getattr(parallelize, fill), held))
-        pm = build_parallel_model(_tiny_config(), mesh, balance, 2, "1f1b", 1, "none", 0.0, dp_sharding="fsdp", **kw)
-    assert pm.fsdp is not None
-    ref = M2M100Translation(_tiny_config(), seed=SEED)
-    if "pretrained" in kw:
-        load_hf_into(ref, kw["pretrained"])
-    want = {n: p.detach() for n, p in ref.named_parameters()}
-    tp_size, tp_rank = mesh.size("tp"), mesh.tp_rank
-    bad = []
-    for n, p in pm.named_params().items():
-        part = tp_local_slice(p, tp_size, tp_rank)  # this rank's tp piece, vocabulary padding zero
-        piece = part.pad(want[n][tuple(slice(*part.bounds(d)) for d in range(p.dim()))])
-        gathered = full(pm, n, p)  # collective: every rank gathers every parameter
-        if not (torch.equal(local(p), dp_chunk(p, piece)) and torch.equal(gathered, want[n])):
-            bad.append(n)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for fill in ("keyed_init_fill", "pretrained_fill"):
+                mp.setattr(parallelize, fill, _recording(getattr(parallelize, fill), held))
+            pm = build_parallel_model(_tiny_config(), mesh, balance, 2, "1f1b", 1, "none", 0.0,
+                                      dp_sharding="fsdp", **kw)  # fmt: skip
+        error = None
+    except Exception:  # noqa: BLE001 - reported by the tests below
+        error = traceback.format_exc()
+    if not _everywhere(error is None):  # no collective below unless every rank built
+        return {name: error or "the build failed on another rank"}
+    gathered = {n: full(pm, n, p) for n, p in pm.named_params().items()}  # collective
+    loss = pm.eval_loss([_batch(), _batch(s_len=6, t_len=5)])  # collective
+    try:
+        ref = M2M100Translation(_tiny_config(), seed=SEED)
+        if "pretrained" in kw:
+            load_hf_into(ref, kw["pretrained"])
+        want = {n: p.detach() for n, p in ref.named_parameters()}
+        bad = []
+        for n, p in pm.named_params().items():
+            part = tp_local_slice(p, mesh.size("tp"), mesh.tp_rank)  # this rank's tp piece, padding zero
+            piece = part.pad(want[n][tuple(slice(*part.bounds(d)) for d in range(p.dim()))])
+            if not (torch.equal(local(p), dp_chunk(p, piece)) and torch.equal(gathered[n], want[n])):
+                bad.append(n)
+        result = f"differ: {bad[:5]}" if bad else "ok"
+    except Exception:  # noqa: BLE001 - reported by the tests below
+        result = traceback.format_exc()
     stage_bytes = sum(p.numel() * p.element_size() for p in pm.params())  # the tp shard's, unsharded
-    return {
-        name: f"differ: {bad[:5]}" if bad else "ok",
-        f"{name}_held": max(held) / stage_bytes,
-        f"{name}_loss": pm.eval_loss([_batch(), _batch(s_len=6, t_len=5)]),
-    }
+    return {name: result, f"{name}_held": max(held) / stage_bytes, f"{name}_loss": loss}
+
+
+def _everywhere(ok: bool) -> bool:
+    """True on every rank iff `ok` is true on every rank (collective)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor(int(ok))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag)
 
 
 def _recording(make: Any, held: list[int]) -> Any:
