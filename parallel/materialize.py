@@ -4,6 +4,7 @@ given memory only for this rank's blocks and tp shards, on the target device.
     with torch.device("meta"): M2M100Translation(config)     shapes only, nothing drawn
       -> keep_only(this rank's blocks)                        (parallel.parallelize)
       -> apply_tensor_parallel                                local shapes, still meta
+      -> fully_shard (dp_sharding fsdp)                       dp shards of the tp shards, still meta
       -> materialize(model, device, fill)                     to_empty + fill, slice by slice
 
 `local_slices` says, for every local parameter, its logical (single-device) name, full
@@ -13,6 +14,13 @@ uses). Both fills read it: `keyed_init_fill` draws each part from the keyed gene
 (equal to the one-process model's slice for the same seed), `pretrained_fill` reads
 each part from an HF directory (`models.hf.read_hf_slices`). Either produces one
 tensor at a time, so no rank ever holds more than its shard plus one parameter's part.
+
+Under fsdp the parameters are already FSDP's dp-sharded DTensors when they get memory: each
+rank allocates only its dp shard, and keeps only its dp chunk of each part the fill yields
+(`parallel.dp.fsdp.dp_chunk`), so start-up peaks at the stage / dp plus one parameter's tp
+part, never the whole stage. Without a fill (resume: the checkpoint is loaded next) nothing
+is drawn or read: the parameters are zeroed (the vocabulary's tp padding rows, which no
+checkpoint holds, must be zero).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from torch import Tensor
 
 from models.init import LocalSlice
 from models.m2m100 import M2M100Translation
+from parallel.dp.fsdp import dp_chunk, is_fsdp_param, local
 from parallel.tp.layers import tp_local_slice
 
 Fill = Callable[[Mapping[str, LocalSlice]], Iterator[tuple[str, Tensor]]]
@@ -63,17 +72,20 @@ def is_meta(model: torch.nn.Module) -> bool:
 
 @torch.no_grad()
 def materialize(
-    model: M2M100Translation, device: torch.device, fill: Fill, tp_size: int = 1, tp_rank: int = 0
+    model: M2M100Translation, device: torch.device, fill: Fill | None, tp_size: int = 1, tp_rank: int = 0
 ) -> None:
     """Give a meta-built (pruned, sharded) model memory on `device` and fill every parameter.
 
     The tp marks (`tp_sharded`, ...) survive; computed buffers are recomputed. Each
-    value from `fill` is copied in and dropped before the next is made.
+    value from `fill` is copied in (an FSDP parameter: its dp chunk) and dropped before
+    the next is made.
 
     Args:
-        model: the model after `keep_only` and `apply_tensor_parallel`, parameters on meta.
+        model: the model after `keep_only`, `apply_tensor_parallel` and (fsdp) `fully_shard`,
+            parameters on meta.
         device: where this rank's parameters live.
-        fill: yields (logical name, local tensor) for the parts it is given.
+        fill: yields (logical name, tp-local tensor) for the parts it is given; None: every
+            parameter zeroed, for a checkpoint to be loaded into.
         tp_size, tp_rank: this rank's place in its tp group (1, 0 without tp).
 
     Raises:
@@ -87,13 +99,16 @@ def materialize(
         for key, value in marks[name].items():
             setattr(param, key, value)
     model.reset_buffers()
+    if fill is None:
+        for param in params.values():
+            local(param).zero_()
+        return
     unset = set(params)
     for name, value in fill(parts):
-        if tuple(value.shape) != tuple(params[name].shape):
-            raise ValueError(
-                f"{name}: filled with shape {tuple(value.shape)}, holds {tuple(params[name].shape)}"
-            )
-        params[name].copy_(value)
+        param = params[name]
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"{name}: filled with shape {tuple(value.shape)}, holds {tuple(param.shape)}")
+        local(param).copy_(dp_chunk(param, value) if is_fsdp_param(param) else value)
         unset.discard(name)
     if unset:
         raise ValueError(f"materialize left {len(unset)} parameters unset: {sorted(unset)[:5]}")

@@ -4,10 +4,11 @@
                                             identical on every rank)
       -> pipeline split (pp)                keep_only(the blocks of this rank's stages)
       -> tensor parallel (tp)               swap linears/embedding/head for Megatron-style modules
-      -> materialise (meta models)          this rank's shard only, keyed init or HF slices (parallel.materialize)
       -> rematerialisation                  wrap layers / attention in torch.utils.checkpoint
       -> regional compilation               torch.compile each layer (torch_compile: true)
       -> fully sharded dp (dp_sharding=fsdp) FSDP2 units on the dp axis (parallel.dp.fsdp)
+      -> materialise (meta models)          this rank's shard only (under fsdp its dp shard), keyed
+                                            init, HF slices or zeros for a checkpoint (parallel.materialize)
       -> zero-bubble weight-grad deferral   (zero_bubble and zbv: schedules with split backward)
       -> executor                           walks this rank's schedule; dp + tied-embedding reduce at GR
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from models.config import ModelConfig
 from models.loss import cross_entropy_sum
-from models.m2m100 import BlockSpec, M2M100Translation, Seq2SeqBatch
+from models.m2m100 import M2M100Translation, Seq2SeqBatch
 from parallel.dp.fsdp import FullySharded
 from parallel.dp.fsdp import logical as logical_fsdp
 from parallel.dp.zero1 import ZeroOneSharding
@@ -39,13 +39,10 @@ from parallel.mesh import ParallelMesh
 from parallel.mixed_precision import WorkingWeights, evaluation_precision
 from parallel.pipeline.executor import FlushResult, LossFn, PipelineExecutor, PipelineTopology
 from parallel.pipeline.memory import meter_for
+from parallel.pipeline.plan import PipelinePlan, make_plan
 from parallel.pipeline.schedule import (
     Action,
-    ActionType,
-    Placement,
-    build_schedule,
     forward_only,
-    placement_for,
 )
 from parallel.pipeline.stage import PipelineStage
 from parallel.pipeline.timing import clock_for
@@ -54,72 +51,42 @@ from parallel.remat import apply_remat
 from parallel.rng import uses_dropout
 from parallel.tp.layers import tp_local_slice
 
-
-@dataclass
-class PipelinePlan:
-    """Pure description of the split: blocks per stage (n = p * v stages), the schedule, and
-    where the schedule places the stages (`placement`: interleaved, or a V for ZB-V)."""
-
-    stage_blocks: list[list[BlockSpec]]
-    p: int
-    v: int
-    m: int
-    schedule_name: str
-    schedule: list[list[Action]] = field(default_factory=list)
-
-    @property
-    def n_stages(self) -> int:
-        return len(self.stage_blocks)
-
-    @property
-    def placement(self) -> Placement:
-        return placement_for(self.schedule_name, self.p, self.v)
-
-    @property
-    def last_stage_rank(self) -> int:
-        """pp rank of the last stage (the loss): p - 1, or 0 under ZB-V's V."""
-        return self.placement.rank_of(self.n_stages - 1)
-
-    @property
-    def split_backward(self) -> bool:
-        """Whether the schedule splits backwards into I and W (zero bubble: deferred weight grads)."""
-        return any(a.type is ActionType.BACKWARD_WEIGHT for actions in self.schedule for a in actions)
-
-    def rank_blocks(self, pp_rank: int) -> list[BlockSpec]:
-        return [b for s in self.placement.stages_of(pp_rank) for b in self.stage_blocks[s]]
-
-    def shared_embedding_ranks(self) -> list[int]:
-        """pp ranks whose stages hold a block using the tied embedding (first, tgt_embed, last);
-        one rank when all of them share it (ZB-V puts the first and last stage on rank 0)."""
-        return sorted(
-            {
-                self.placement.rank_of(s)
-                for s, blocks in enumerate(self.stage_blocks)
-                if any(b.uses_shared_embedding for b in blocks)
-            }
-        )
+DP_SHARDINGS = ("none", "zero1", "fsdp")
 
 
-def make_plan(
-    blocks: Sequence[BlockSpec], balance: Sequence[int], p: int, v: int, m: int, schedule_name: str
-) -> PipelinePlan:
-    """Cut `blocks` by `balance` (block counts per stage) and build the schedule.
+def check_dp_sharding(dp_sharding: str) -> None:
+    """Raises: ValueError: `dp_sharding` is not one of `DP_SHARDINGS`."""
+    if dp_sharding not in DP_SHARDINGS:
+        raise ValueError(f"dp_sharding {dp_sharding!r} is not one of {DP_SHARDINGS}")
+
+
+def shard_over_dp(
+    model: M2M100Translation,
+    plan: PipelinePlan,
+    mesh: ParallelMesh,
+    dp_sharding: str,
+    param_dtype: torch.dtype | None,
+) -> FullySharded | None:
+    """FSDP2 units over dp (`parallel.dp.fsdp`) when `dp_sharding` is "fsdp" and dp > 1, else None.
+
+    Applied before the parameters get memory (a meta model: each rank then materialises only its
+    dp shard) or to a model with weights (its parameters are cut over dp in place).
 
     Raises:
-        ValueError: balance does not fit the blocks / stages, or the schedule arguments are invalid.
+        ValueError: an unknown `dp_sharding`, or fsdp with LayerDrop.
     """
-    from parallel.pipeline.partition import validate_balance
-
-    validate_balance(list(balance), len(blocks), p * v)
-    cuts: list[list[BlockSpec]] = []
-    start = 0
-    for n in balance:
-        cuts.append(list(blocks[start : start + n]))
-        start += n
-    return PipelinePlan(cuts, p, v, m, schedule_name, build_schedule(schedule_name, p, m, v))
-
-
-DP_SHARDINGS = ("none", "zero1", "fsdp")
+    check_dp_sharding(dp_sharding)
+    if dp_sharding != "fsdp" or mesh.size("dp") == 1:
+        return None
+    c = model.config
+    if max(c.encoder_layerdrop, c.decoder_layerdrop) > 0:  # every config path ends here
+        raise ValueError(
+            f"dp_sharding='fsdp' does not support LayerDrop yet (encoder_layerdrop="
+            f"{c.encoder_layerdrop}, decoder_layerdrop={c.decoder_layerdrop}): a skipped layer "
+            f"leaves its FSDP unit unused; set both to 0 or use dp_sharding 'none' | 'zero1'"
+        )
+    deferred = plan.p > 1 or plan.split_backward  # see parallel.dp.fsdp
+    return FullySharded(model, mesh, param_dtype, deferred=deferred)
 
 
 class ParallelModel:
@@ -136,25 +103,15 @@ class ParallelModel:
         dp_sharding: str = "none",
         remat_stage: bool = False,
         saved_tensor_meter: bool = False,
+        fsdp: FullySharded | None = None,
         eval_dtype: torch.dtype | None = None,
     ) -> None:
         self.model, self.plan, self.mesh, self.tp_info = model, plan, mesh, tp_info
         # Evaluation's precision (`evaluating`): every weight cast to eval_dtype, or autocast.
         self.eval_dtype, self._evaluating = eval_dtype, False
         self.master_dtype = next(model.parameters()).dtype
-        if dp_sharding not in DP_SHARDINGS:
-            raise ValueError(f"dp_sharding {dp_sharding!r} is not one of {DP_SHARDINGS}")
-        self.fsdp: FullySharded | None = None
-        if dp_sharding == "fsdp" and mesh.size("dp") > 1:  # before anything holds the parameters
-            c = model.config
-            if max(c.encoder_layerdrop, c.decoder_layerdrop) > 0:  # every config path ends here
-                raise ValueError(
-                    f"dp_sharding='fsdp' does not support LayerDrop yet (encoder_layerdrop="
-                    f"{c.encoder_layerdrop}, decoder_layerdrop={c.decoder_layerdrop}): a skipped layer "
-                    f"leaves its FSDP unit unused; set both to 0 or use dp_sharding 'none' | 'zero1'"
-                )
-            deferred = plan.p > 1 or plan.split_backward  # see parallel.dp.fsdp
-            self.fsdp = FullySharded(model, mesh, autocast_dtype, deferred=deferred)
+        check_dp_sharding(dp_sharding)
+        self.fsdp = fsdp  # `shard_over_dp`: applied before the parameters got memory
         pp_rank = mesh.pp_rank
         self.stages = {
             s: PipelineStage(model, plan.stage_blocks[s], s, plan.n_stages, remat_stage=remat_stage)
@@ -391,17 +348,19 @@ def build_parallel_model(
     seed: int | None = None,
     pretrained: str | Path | None = None,
     eval_dtype: torch.dtype | None = None,
+    from_checkpoint: bool = False,
 ) -> ParallelModel:
     """Apply pipeline split, tensor parallelism and remat to `model` (in place) for this rank.
 
     Two ways in:
 
     * stage-local (no rank holds the whole model): `model` is a `ModelConfig` (or a model
-      built under `torch.device("meta")`) and one of `seed` / `pretrained` is given. The
-      model is cut and tp-sharded on meta, then only this rank's blocks and shards get
-      memory on `device` (`parallel.materialize`): drawn from the keyed init of `seed`
-      (equal to `M2M100Translation(config, seed=seed)`'s slices on any mesh) or read slice
-      by slice from the HF directory `pretrained`.
+      built under `torch.device("meta")`) and one of `seed` / `pretrained` /
+      `from_checkpoint` is given. The model is cut, tp-sharded and (fsdp) dp-sharded on
+      meta, then only this rank's blocks and shards get memory on `device`
+      (`parallel.materialize`): drawn from the keyed init of `seed` (equal to
+      `M2M100Translation(config, seed=seed)`'s slices on any mesh), read slice by slice
+      from the HF directory `pretrained`, or zeroed for a checkpoint the caller loads next.
     * from a real model: `model` is the full single-device model, identical on every rank
       (same seed or same checkpoint); `before_tp` may load weights into the pruned stage.
 
@@ -426,15 +385,18 @@ def build_parallel_model(
         autocast_dtype: the working dtype of bf16 / fp16 runs (autocast, working weights;
             evaluation autocasts to it too); None: fp32.
         eval_dtype: evaluation with every weight cast to it (`bf16_full_eval`); None: autocast.
+        from_checkpoint: stage-local only: neither draw nor read the weights (resume: the
+            caller loads a checkpoint into every parameter right after).
 
     Raises:
-        ValueError: `seed` / `pretrained` with a real model, neither (or `before_tp`) with a
-            meta one, or a balance / schedule that does not fit.
+        ValueError: `seed` / `pretrained` / `from_checkpoint` with a real model, not exactly
+            one of them (or `before_tp`) with a meta one, or a balance / schedule that does not fit.
     """
     if isinstance(model, ModelConfig):
         with torch.device("meta"):
             model = M2M100Translation(model)
-    fill = _stage_fill(model, seed, pretrained, before_tp)
+    meta = is_meta(model)
+    fill = _stage_fill(model, seed, pretrained, from_checkpoint, before_tp)
     p = mesh.size("pp")
     plan = make_plan(model.blocks, balance, p, v, m, schedule)
     model.keep_only(plan.rank_blocks(mesh.pp_rank))
@@ -450,16 +412,17 @@ def build_parallel_model(
         def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
             return tp_info.loss(logits, labels, label_smoothing)
 
-    if fill is not None:
-        tp_size, tp_rank = (tp_info.tp_size, tp_info.tp_rank) if tp_info is not None else (1, 0)
-        materialize(model, device or torch.device("cpu"), fill, tp_size, tp_rank)
-    elif device is not None:
+    if not meta and device is not None:
         model.to(device)
     apply_remat(model, remat)
     if compile_layers:
         from parallel.compile import apply_compile
 
         apply_compile(model)
+    fsdp = shard_over_dp(model, plan, mesh, dp_sharding, autocast_dtype)
+    if meta:
+        tp_size, tp_rank = (tp_info.tp_size, tp_info.tp_rank) if tp_info is not None else (1, 0)
+        materialize(model, device or torch.device("cpu"), fill, tp_size, tp_rank)
     return ParallelModel(
         model,
         plan,
@@ -471,26 +434,38 @@ def build_parallel_model(
         remat_stage=remat == "stage",
         saved_tensor_meter=saved_tensor_meter,
         eval_dtype=eval_dtype,
+        fsdp=fsdp,
     )
 
 
 def _stage_fill(
-    model: M2M100Translation, seed: int | None, pretrained: str | Path | None, before_tp: object
+    model: M2M100Translation,
+    seed: int | None,
+    pretrained: str | Path | None,
+    from_checkpoint: bool,
+    before_tp: object,
 ) -> Fill | None:
-    """How to fill a meta model's shard (None for a model with weights), the arguments checked."""
+    """How to fill a meta model's shard (None: it has weights, or they come from a checkpoint),
+    the arguments checked."""
+    given = {
+        "seed": seed is not None,
+        "pretrained": pretrained is not None,
+        "from_checkpoint": from_checkpoint,
+    }
     if not is_meta(model):
-        if seed is not None or pretrained is not None:
+        if any(given.values()):
             raise ValueError(
-                "seed= / pretrained= build stage-local from a ModelConfig or a meta model; this model "
-                "already has weights (build it under torch.device('meta') or pass its config)"
+                "seed= / pretrained= / from_checkpoint= build stage-local from a ModelConfig or a meta "
+                "model; this model already has weights (build it under torch.device('meta') or pass its config)"
             )
         return None
     if before_tp is not None:
         raise ValueError("before_tp needs a model with weights; for a meta model pass pretrained= instead")
-    if pretrained is not None and seed is None:
+    if sum(given.values()) != 1:
+        raise ValueError(
+            f"a meta model needs exactly one of seed=, pretrained= or from_checkpoint= (got seed={seed}, "
+            f"pretrained={pretrained}, from_checkpoint={from_checkpoint})"
+        )
+    if pretrained is not None:
         return pretrained_fill(pretrained, model)
-    if seed is not None and pretrained is None:
-        return keyed_init_fill(model, seed)
-    raise ValueError(
-        f"a meta model needs exactly one of seed= or pretrained= (got seed={seed}, pretrained={pretrained})"
-    )
+    return keyed_init_fill(model, seed) if seed is not None else None

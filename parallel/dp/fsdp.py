@@ -46,7 +46,7 @@ from parallel.dp.fsdp_internals import forget_forwards, local_tensor, post_backw
 from parallel.mesh import ParallelMesh
 
 # Marks parallel.tp puts on parameters; fully_shard makes new Parameters, which must keep them.
-_MARKS = ("tp_sharded", "tp_shard_dim", "sequence_parallel")
+_MARKS = ("tp_sharded", "tp_shard_dim", "tp_logical_size", "sequence_parallel")
 # Methods that run blocks without `forward` (pipeline stages call run_blocks).
 _FORWARD_METHODS = ("run_blocks",)
 
@@ -171,6 +171,30 @@ def is_fsdp_param(p: Tensor) -> bool:
 def local(t: Tensor) -> Tensor:
     """The rank's shard of an FSDP tensor (aliasing it), or `t` itself."""
     return local_tensor(t) if isinstance(t, DTensor) else t
+
+
+def dp_chunk(param: Tensor, value: Tensor) -> Tensor:
+    """This rank's piece of `value` (a tensor of the FSDP parameter `param`'s unsharded shape) as
+    FSDP shards it: `torch.chunk` over the dp sub-mesh along the sharded dim, empty for a rank
+    past the last chunk (FSDP2's `_chunk_with_empty`), so `local(param).copy_(dp_chunk(param, v))`
+    writes what `fully_shard` would have kept of a parameter holding `v`.
+
+    Raises:
+        ValueError: `param` is not sharded over one mesh dim, or the piece does not fit its shard.
+    """
+    assert isinstance(param, DTensor)
+    (place,) = param.placements
+    if not isinstance(place, Shard):
+        raise ValueError(f"dp_chunk expects a dp-sharded parameter, got placements {param.placements}")
+    mesh = param.device_mesh
+    chunks = torch.chunk(value, mesh.size(), dim=place.dim)
+    rank = mesh.get_local_rank()
+    piece = chunks[rank] if rank < len(chunks) else value.narrow(place.dim, 0, 0)
+    if piece.shape != local(param).shape:
+        raise ValueError(
+            f"dp chunk {tuple(piece.shape)} does not fit the local shard {tuple(local(param).shape)}"
+        )
+    return piece
 
 
 def local_grads(params: Iterator[nn.Parameter] | list[nn.Parameter]) -> list[Tensor]:

@@ -280,3 +280,51 @@ def profile_matches_meter(rank: int, world: int) -> list[tuple[str, float, int]]
         profiled = stage_activation_bytes([kinds[s.kind] for s in block_specs(cfg)], range(n))
         out.append((name, profiled, results[0].peak_activation_bytes))
     return out
+
+
+def dp_bounded_buffers(rank: int, world: int, bucket_bytes: int = 4096) -> dict[str, object]:
+    """dp = world with small buckets: the gradient reducer (overlapped with the backward) and
+    ZeRO-1's broadcast keep at most `MAX_BUCKETS_IN_FLIGHT` flat buckets alive, and their
+    results are bit-identical to one all-reduce / broadcast per tensor."""
+    import torch.distributed as dist
+
+    from parallel.dp.reduce import MAX_BUCKETS_IN_FLIGHT, GradReducer
+    from parallel.dp.zero1 import ZeroOneSharding
+
+    cfg = ModelConfig(**TINY)
+    torch.manual_seed(0)
+    model = M2M100Translation(cfg)
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    reducer = GradReducer([params], dist.group.WORLD, bucket_bytes=bucket_bytes)
+    batch = random_batch(cfg, 4, seed=20 + rank)  # each replica its own data
+    want = reference_grads(model, batch)
+    for g in want.values():
+        dist.all_reduce(g)  # one tensor at a time: the plain sum
+    model.zero_grad(set_to_none=True)
+    reducer.arm(0)
+    loss_sum, n = model.loss(batch)
+    (loss_sum / n).backward()
+    reducer.all_reduce()
+    grads_exact = all(torch.equal(p.grad, want[k]) for k, p in named)
+    largest = max(p.numel() * p.element_size() for p in params)
+
+    zero = ZeroOneSharding(named, dist.group.WORLD, bucket_bytes=bucket_bytes)
+    before = {k: p.detach().clone() for k, p in named}
+    with torch.no_grad():
+        for p in zero.owned():  # an "update" only the owner makes
+            p.add_(1.0 + rank)
+    zero.broadcast_updated()
+    params_exact = all(torch.equal(p, before[k] + (1.0 + zero.owner[k])) for k, p in named)
+    return {
+        "buckets": len(reducer.buckets),
+        "launched_during_backward": reducer.launched_during_backward,
+        "peak_in_flight": reducer.peak_in_flight,
+        "bound": MAX_BUCKETS_IN_FLIGHT,
+        "grads_exact": grads_exact,
+        "zero1_buckets": len(zero.buckets),
+        "zero1_peak_bytes": zero.peak_in_flight_bytes,
+        "zero1_bound_bytes": MAX_BUCKETS_IN_FLIGHT * max(bucket_bytes, largest),
+        "param_bytes": sum(p.numel() * p.element_size() for p in params),
+        "params_exact": params_exact,
+    }

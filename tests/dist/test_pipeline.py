@@ -52,6 +52,7 @@ def _group(world: int, calls: dict[str, tuple], timeout: float) -> dict[str, lis
 def ranks2() -> dict[str, list]:
     from tests.dist.pipeline_workers import (
         bf16_sequence_parallel_grads,
+        dp_bounded_buffers,
         dp_overlap,
         profile_matches_meter,
         zbv_parity,
@@ -65,6 +66,7 @@ def ranks2() -> dict[str, list]:
         "overlap-1-1f1b": (dp_overlap, (1, "1f1b")),
         "bf16-sp": (bf16_sequence_parallel_grads, ()),
         "profile-vs-meter": (profile_matches_meter, ()),
+        "dp-bounded": (dp_bounded_buffers, ()),
     }
     return _group(2, calls, timeout=600)
 
@@ -136,6 +138,21 @@ def test_dp_reduce_overlaps_last_backward(pp: int, schedule: str, request: pytes
         assert err <= TOL, f"rank {rank}: ||dg||/||g|| = {err:.2e}"
         if schedule != "zero_bubble":
             assert launched >= 1, f"rank {rank}: no bucket was launched during the backward"
+
+
+@pytest.mark.dist
+def test_dp_reduce_and_zero1_broadcast_hold_a_bounded_number_of_buckets(ranks2: dict[str, list]) -> None:
+    """Issue 23: the reducer kept every bucket's flat copy until GR and ZeRO-1 flattened every
+    owner's parameters at once (each a second copy of the rank's gradients or parameters). Now
+    at most two buckets are alive, the reduce still overlaps the backward, and the sums and
+    broadcast values are bit-identical to one collective per tensor."""
+    for rank, r in enumerate(ranks2["dp-bounded"]):
+        where = f"rank {rank}: {r}"
+        assert r["buckets"] > 2 * r["bound"] and r["launched_during_backward"] >= 1, where
+        assert 1 <= r["peak_in_flight"] <= r["bound"], where
+        assert r["grads_exact"] and r["params_exact"], where
+        assert r["zero1_buckets"] > 2 * r["bound"], where
+        assert 0 < r["zero1_peak_bytes"] <= r["zero1_bound_bytes"] < r["param_bytes"] / 4, where
 
 
 @pytest.mark.dist

@@ -310,10 +310,13 @@ def test_build_arguments_are_checked_before_anything_is_built() -> None:
 
     mc = _config()
     args = (None, [9], 1, "gpipe", 1, "none", 0.0)  # the mesh is never reached
-    with pytest.raises(ValueError, match="exactly one of seed= or pretrained= \\(got seed=None"):
+    one_of = "exactly one of seed=, pretrained= or from_checkpoint="
+    with pytest.raises(ValueError, match=f"{one_of} \\(got seed=None"):
         build_parallel_model(mc, *args)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="exactly one of seed= or pretrained="):
+    with pytest.raises(ValueError, match=one_of):
         build_parallel_model(mc, *args, seed=1, pretrained="x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=one_of):
+        build_parallel_model(mc, *args, seed=1, from_checkpoint=True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="this model already has weights"):
         build_parallel_model(M2M100Translation(mc, seed=0), *args, seed=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="before_tp needs a model with weights"):

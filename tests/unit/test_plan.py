@@ -15,7 +15,7 @@ import pytest
 
 from models.config import ModelConfig
 from models.m2m100 import BlockKind, M2M100Translation
-from parallel.parallelize import make_plan
+from parallel.pipeline.plan import make_plan
 from trainer import plan as planner
 from trainer.config.parse import parse_config
 from trainer.planner import space

@@ -14,6 +14,7 @@ import pytest
 
 from models.config import ModelConfig
 from models.m2m100 import M2M100Translation
+from parallel.dp.reduce import DEFAULT_BUCKET_BYTES
 from parallel.pipeline.simulate import StageCosts
 from trainer.planner import blocks, search
 from trainer.planner.blocks import Shape, block_param_counts, measure_kind_costs
@@ -72,7 +73,7 @@ def test_step_transients_by_mode_and_host() -> None:
     *_, alone = _predict("none", 1)
     assert alone.transients == {"grad_buckets": 0.0, "zero1_broadcast": 0.0, "optimizer_temporaries": 0.0}
     assert alone.memory["step_transients"] == 0.0
-    *_, none = _predict("none", 4)  # every bucket's flat copy lives until GR's wait: 4 P, not 25 MiB
+    *_, none = _predict("none", 4)  # a small model: both in-flight buckets hold all of it
     assert none.transients["grad_buckets"] == 4 * p and none.transients["zero1_broadcast"] == 0.0
     assert none.memory["step_transients"] == 4 * p - ACT  # the activations are freed by then
     *_, zero1 = _predict("zero1", 4)
@@ -84,6 +85,19 @@ def test_step_transients_by_mode_and_host() -> None:
     assert fsdp.transients["grad_buckets"] == 0.0 and fsdp.transients["optimizer_temporaries"] == p
     *_, host = _predict("none", 1, host_cpu=True, baseline=123.0)
     assert host.memory["baseline"] == 123.0 and host.transients["optimizer_temporaries"] == 4 * p
+
+
+def test_dp_buckets_and_zero1_broadcast_are_two_buckets_not_a_copy_of_the_rank() -> None:
+    """Issue 23: the reducer and ZeRO-1's broadcast held a flat copy of all the rank's gradients /
+    parameters (4 P, ~12 GB per rank on the 12B plan); now two buckets at a time."""
+    big = RankShape(params=10**9, largest_param=4 * 2**20, largest_layer=5 * 10**7, root=10**8)
+    for sharding in ("none", "zero1"):
+        _, transients = rank_memory(big, 0.0, sharding, 8, 1, False, MemorySettings(False))
+        assert transients["grad_buckets"] == 2 * DEFAULT_BUCKET_BYTES
+        assert transients["zero1_broadcast"] == (2 * DEFAULT_BUCKET_BYTES if sharding == "zero1" else 0.0)
+    table = replace(big, largest_param=2 * 10**7)  # an 80 MB tied table: a bucket of its own
+    _, transients = rank_memory(table, 0.0, "zero1", 8, 1, False, MemorySettings(False))
+    assert transients["grad_buckets"] == transients["zero1_broadcast"] == 2 * 4 * 2 * 10**7
 
 
 def test_startup_is_the_shard_plus_its_largest_parameter() -> None:
@@ -98,14 +112,35 @@ def test_startup_is_the_shard_plus_its_largest_parameter() -> None:
     assert pred.params_per_pp_rank == [held]
 
 
-def test_a_layout_whose_start_up_does_not_fit_is_rejected_with_the_reason() -> None:
-    """fsdp over 8 replicas needs ~1/8 of the model in steady state, but the stage is built whole."""
+def test_fsdp_start_up_is_the_dp_shard_plus_one_parameter() -> None:
+    """Issue 23: fsdp materialised the whole stage before cutting it over dp; now each rank
+    allocates its dp shard only (zero1 and none still build the whole tp / pp shard)."""
+    rank = RankShape(params=8000, largest_param=300, largest_layer=2000, root=1000)
+    settings = MemorySettings(False, host_baseline_bytes=50.0)
+    assert startup_memory(rank, settings, "fsdp", 8) == 50 + 4 * (1000 + 300)
+    assert startup_memory(rank, settings, "zero1", 8) == startup_memory(rank, settings) == 50 + 4 * 8300
     deep = replace(MC, encoder_layers=12, decoder_layers=12)
-    layout, sc, ctx, pred = _predict("fsdp", 8, mc=deep)
-    assert pred.startup_memory_bytes > sum(pred.memory.values())
-    assert pred.peak_memory_bytes == pred.startup_memory_bytes
+    *_, fsdp = _predict("fsdp", 8, mc=deep)
+    *_, one = _predict("none", 1, mc=deep)
+    table = deep.vocab_size * deep.d_model
+    assert fsdp.startup_memory_bytes == 4 * (deep.num_parameters() / 8 + table)
+    assert fsdp.startup_memory_bytes < sum(fsdp.memory.values()) < one.startup_memory_bytes
+
+
+def test_a_layout_whose_start_up_does_not_fit_is_rejected_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Start-up no longer exceeds the steady peak of any mode (fsdp builds its dp shard only), but
+    the search still checks it: a start-up term above the limit rejects the layout, naming it."""
+    from trainer.planner import cost
+
+    layout, sc, ctx, pred = _predict("fsdp", 8)
+    steady = sum(pred.memory.values())
+    monkeypatch.setattr(cost, "startup_memory", lambda *a: 3.0 * steady)
+    *_, pred = _predict("fsdp", 8)
+    assert pred.peak_memory_bytes == pred.startup_memory_bytes == 3.0 * steady
     opts = PlanOptions(config="x", world_size=8, memory_headroom=1.0)
-    limit_gib = (pred.startup_memory_bytes + sum(pred.memory.values())) / 2 / GIB  # between the two
+    limit_gib = 2.0 * steady / GIB  # between the steady peak and the start-up
     rejected: list[dict[str, str]] = []
     fits, _ = search._simulate_best([(0.0, layout, sc, ctx)], limit_gib, opts, rejected)
     assert fits == [] and "at start-up" in rejected[0]["reason"] and "sharding=fsdp" in rejected[0]["layout"]

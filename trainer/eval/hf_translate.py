@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, TextIO
 
 import torch
 
-from models.hf import CheckpointMismatchError, load_hf_weights, load_into, read_hf_config
+from models.hf import CheckpointMismatchError, read_hf_config
 from models.m2m100 import M2M100Translation
+from parallel.materialize import materialize, pretrained_fill
 from trainer.errors import BadInputError
 from trainer.eval.decode import translate
 from trainer.tokenizer.vocab import Tokenizer
@@ -142,14 +143,18 @@ def load_model(
     """Our model with the weights of an HF directory, in eval mode on `device`, every weight
     and buffer in `dtype` (as transformers' `from_pretrained(dtype=...)`).
 
+    Built on the meta device and given memory on `device` once, each tensor read into it in
+    turn (`parallel.materialize`): no initial weights drawn, no second copy of the weights.
+
     Raises:
         TranslateError: `path` is not a directory.
         CheckpointMismatchError: no config.json / safetensors, or weights that do not fit.
     """
     check_model_dir(path)
-    model = M2M100Translation(read_hf_config(path))
-    load_into(model, load_hf_weights(path))
-    return model.to(device=device, dtype=dtype).eval()
+    with torch.device("meta"):
+        model = M2M100Translation(read_hf_config(path))
+    materialize(model, device, pretrained_fill(path, model))
+    return model.to(dtype=dtype).eval()
 
 
 def write_lines(stdout: TextIO, hyps: Sequence[str]) -> None:

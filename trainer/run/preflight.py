@@ -12,6 +12,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from models.config import ModelConfig
 from parallel.mesh import ParallelDims
 from trainer.config.dims import parallel_dims
 from trainer.config.pretrained import pretrained_sources
@@ -22,25 +23,24 @@ from trainer.errors import ConfigError
 from trainer.run.strategies import check_metric_name
 
 
-def validate_early(cfg: JobConfig, world: int) -> ParallelDims:
+def validate_early(cfg: JobConfig, world: int, arch: ModelConfig | None = None) -> ParallelDims:
     """Every check that needs no data, before anything is written or any collective runs.
 
     Where the pretrained model and tokenizer come from (a model directory without tokenizer
     files needs tokenizer_name), mesh vs world size and node size, tp vs heads/FFN/d_model,
     blocks vs stages, an explicit partition's length and sum, and the schedule's (p, m, v)
-    constraints. Raises one of `trainer.errors.BAD_INPUT` naming the bad value.
+    constraints. `arch`: the architecture when it is known already (a resume: the checkpoint's,
+    so a `model_name_or_path` that is gone since is never read); else `model_name_or_path`'s
+    config.json or the config's fields. Raises one of `trainer.errors.BAD_INPUT` naming the bad value.
     """
     from parallel.pipeline.partition import validate_balance
     from parallel.pipeline.schedule import build_schedule
 
     dims = parallel_dims(cfg.parallel, world)
-    pretrained = pretrained_sources(cfg.model.model_name_or_path, cfg.model.tokenizer_name)
-    if pretrained.model is not None:
-        from models.hf import read_hf_config
-
-        arch = read_hf_config(pretrained.model)
+    if arch is not None:
+        arch = ModelConfig.from_dict(arch.to_dict())  # a copy: the LayerDrop overrides below
     else:
-        arch = cfg.model.model_config(cfg.model.vocab_size, {})
+        arch = _architecture(cfg)
     for name in LAYERDROP_FIELDS:
         if getattr(cfg.model, name) is not None:
             setattr(arch, name, getattr(cfg.model, name))
@@ -184,3 +184,14 @@ def idle_option_warnings(cfg: JobConfig) -> list[str]:
                     "false, eval_strategy 'no')"
                 )
     return out
+
+
+def _architecture(cfg: JobConfig) -> ModelConfig:
+    """The run's architecture: `model_name_or_path`'s config.json (resolved, and checked to come
+    with a tokenizer: `pretrained_sources`), else the config's fields."""
+    pretrained = pretrained_sources(cfg.model.model_name_or_path, cfg.model.tokenizer_name)
+    if pretrained.model is None:
+        return cfg.model.model_config(cfg.model.vocab_size, {})
+    from models.hf import read_hf_config
+
+    return read_hf_config(pretrained.model)

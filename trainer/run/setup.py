@@ -178,17 +178,27 @@ def build_loss_scale(args: TrainingArguments, device: torch.device) -> DynamicLo
 
 
 def build_model(
-    cfg: JobConfig, mc: ModelConfig, mesh: ParallelMesh, balance: list[int], device: torch.device
+    cfg: JobConfig,
+    mc: ModelConfig,
+    mesh: ParallelMesh,
+    balance: list[int],
+    device: torch.device,
+    resume: ResumePoint | None = None,
 ) -> ParallelModel:
     """This rank's share of the model, built stage-local: created on the meta device, cut and
-    tp-sharded there, then only its blocks' shards get memory on `device`, drawn from the
-    keyed init of `seed` (equal on every mesh to the one-process model's) or read slice by
-    slice from `model_name_or_path`. No rank ever holds the whole model."""
+    tp- (and, under fsdp, dp-) sharded there, then only its shards get memory on `device`, drawn
+    from the keyed init of `seed` (equal on every mesh to the one-process model's) or read slice
+    by slice from `model_name_or_path`. No rank ever holds the whole model.
+
+    On resume nothing is drawn or read (`model_name_or_path` may be gone): the parameters are
+    zeroed placeholders that `trainer.run.state.resume_state` loads the checkpoint into, once."""
     torch.manual_seed(
         cfg.training.seed
     )  # the same global RNG on every rank (training dropout is keyed: parallel.rng)
-    model = pretrained_sources(cfg.model.model_name_or_path, cfg.model.tokenizer_name).model
-    path = None if model is None else str(model)
+    path = None
+    if resume is None:
+        model = pretrained_sources(cfg.model.model_name_or_path, cfg.model.tokenizer_name).model
+        path = None if model is None else str(model)
     p = cfg.parallel
     return build_parallel_model(
         mc,
@@ -204,8 +214,9 @@ def build_model(
         sequence_parallel=p.sequence_parallel,
         dp_sharding=p.data_parallel_sharding,
         device=device,
-        seed=None if path else cfg.training.seed,
+        seed=None if path or resume is not None else cfg.training.seed,
         pretrained=path or None,
+        from_checkpoint=resume is not None,
         compile_layers=cfg.training.torch_compile,
         saved_tensor_meter=p.profile_activation_memory,
     )
@@ -284,7 +295,7 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint
     cfg.training.max_steps = resolve_max_steps(cfg.training, steps_per_epoch)  # -1: from num_train_epochs
     logger.info("training %d steps; an epoch is %d global batches", cfg.training.max_steps, steps_per_epoch)
     balance, partition_text = choose_partition(cfg, mc, mesh, sampler, device, working_dtype(cfg.training))
-    pm = build_model(cfg, mc, mesh, balance, device)
+    pm = build_model(cfg, mc, mesh, balance, device, resume)
     optimizer = build_optimizer(pm.model, cfg.training, only=pm.optimizer_params())
     scheduler = build_scheduler(optimizer, cfg.training)
     startup_host = peak_host_bytes()  # the start-up peak: model and optimizer built, no step run yet
