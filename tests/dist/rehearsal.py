@@ -60,6 +60,7 @@ class Rehearsal:
     name: str
     config: Path
     world: int
+    mesh: dict[str, int]  # the (pp, dp, tp) it must run on, as run_summary.json records it
     flags: dict[str, Any]
     directions: list[tuple[str, str]]
     fine_tune: bool
@@ -106,8 +107,8 @@ def directions(file: dict[str, Any]) -> list[tuple[str, str]]:
     return [(file["source_lang"], file["target_lang"])]
 
 
-def mesh_flags(file: dict[str, Any]) -> tuple[int, dict[str, Any], list[str]]:
-    """(world, parallel flags, what was cut): pp and virtual stages kept, tp / dp / ep cut to fit."""
+def mesh_flags(file: dict[str, Any]) -> tuple[dict[str, int], dict[str, Any], list[str]]:
+    """(mesh, parallel flags, what was cut): pp and virtual stages kept, tp / dp / ep cut to fit."""
     pp = int(file.get("pipeline_parallel_size", 1))
     tp_cfg = int(file.get("tensor_parallel_size", 1))
     dp_cfg = int(file.get("data_parallel_size", -1))
@@ -129,15 +130,16 @@ def mesh_flags(file: dict[str, Any]) -> tuple[int, dict[str, Any], list[str]]:
         cut.append(f"dp {dp_cfg}->{dp}")
     elif dp_cfg == -1 and dp > 1:
         cut.append(f"dp -1 (inferred {dp})")
+    mesh = {"pp": pp, "dp": dp, "tp": tp}
     if ep_cfg > 1:
-        ep = math.gcd(ep_cfg, dp)
-        flags["expert_parallel_size"] = ep
-        cut.append(f"ep {ep_cfg}->{ep}")
+        mesh["ep"] = math.gcd(ep_cfg, dp)  # run_summary.json names ep where experts are spread
+        flags["expert_parallel_size"] = mesh["ep"]
+        cut.append(f"ep {ep_cfg}->{mesh['ep']}")
     m = int(file.get("num_microbatches", 1))
     if pp > 1 and m > pp:
         flags["num_microbatches"] = pp
         cut.append(f"m {m}->{pp}")
-    return pp * tp * dp, flags, cut
+    return mesh, flags, cut
 
 
 def stages(file: dict[str, Any]) -> int:
@@ -238,26 +240,18 @@ def data_flags(file: dict[str, Any], tmp: Path, world_dp: int) -> tuple[dict[str
 def plan(path: Path, tmp: Path) -> Rehearsal:
     """The rehearsal of `path` with its outputs under `tmp` (nothing is written here)."""
     file = load(path)
-    world, flags, cut = mesh_flags(file)
-    dp = world // (int(file.get("pipeline_parallel_size", 1)) * min(int(file.get("tensor_parallel_size", 1)), 2))
-    if "num_microbatches" in flags:
-        file_m = dict(file, num_microbatches=flags["num_microbatches"])
-    else:
-        file_m = file
-    more, more_cut = model_flags(file)
+    mesh, flags, cut = mesh_flags(file)
+    model, model_cut = model_flags(file)
     train, train_cut = training_flags(file)
-    data, data_files, data_cut = data_flags(file_m, tmp, dp)
-    flags.update(more)
-    flags.update(train)
-    flags.update(data)
-    flags["output_dir"] = str(tmp / "run")
+    data, data_files, data_cut = data_flags({**file, **flags}, tmp, mesh["dp"])
+    flags.update({**model, **train, **data, "output_dir": str(tmp / "run")})
     fine_tune = bool(file.get("model_name_or_path")) or path.stem in FINE_TUNE_RECIPES
     if fine_tune:
         flags["model_name_or_path"] = flags["tokenizer_name"] = str(tmp / "pretrained")
         cut.append("fine-tune of a tiny pretrained directory")
-    return Rehearsal(
-        path.stem, path, world, flags, directions(file), fine_tune, data_files, cut + more_cut + train_cut + data_cut
-    )
+    world = mesh["pp"] * mesh["dp"] * mesh["tp"]
+    cuts = cut + model_cut + train_cut + data_cut
+    return Rehearsal(path.stem, path, world, mesh, flags, directions(file), fine_tune, data_files, cuts)
 
 
 def write_data(rehearsal: Rehearsal, seed: int = 1) -> None:
@@ -301,7 +295,11 @@ def training_texts(rehearsal: Rehearsal) -> list[str]:
 def make_pretrained(rehearsal: Rehearsal) -> Path:
     """A tiny pretrained directory of the config's family at `model_name_or_path`: its SentencePiece
     tokenizer with the config's codes as tags (`save_pretrained`: NllbTokenizer files, as
-    `trainer.export` writes them) and random weights of the cut architecture (`models.hf_save`)."""
+    `trainer.export` writes them) and random weights of the cut architecture (`models.hf_save`:
+    an M2M100, or an NLLB-MoE where the config has experts), every other architecture field the
+    config's (dropouts, LayerDrop, activation, experts' routing)."""
+    from dataclasses import fields
+
     from models.config import ModelConfig
     from models.hf_save import save_hf_model
     from models.m2m100 import M2M100Translation
@@ -311,12 +309,9 @@ def make_pretrained(rehearsal: Rehearsal) -> Path:
     codes = sorted({lang for d in rehearsal.directions for lang in d})
     tok = train_tokenizer(training_texts(rehearsal), codes, VOCAB, seed=0)
     tok.save_pretrained(out)
+    names = {f.name for f in fields(ModelConfig)} - {"vocab_size", *tok.special_ids()}
     file = load(rehearsal.config)
-    arch = {k: rehearsal.flags[k] for k in rehearsal.flags if k.startswith(("encoder_", "decoder_"))}
-    arch = {k: v for k, v in arch.items() if k.endswith(("_layers", "_heads", "_ffn_dim"))}
-    keep = ("activation_function", "dropout", "attention_dropout", "activation_dropout", "scale_embedding")
-    arch.update({k: file[k] for k in keep if k in file})
-    arch.update({k: file[k] or 0.0 for k in ("encoder_layerdrop", "decoder_layerdrop") if k in file})
-    mc = ModelConfig(vocab_size=tok.vocab_size, d_model=D_MODEL, **arch, **tok.special_ids())
+    arch = {k: v for k, v in {**file, **rehearsal.flags}.items() if k in names and v is not None}
+    mc = ModelConfig(vocab_size=tok.vocab_size, **arch, **tok.special_ids())
     save_hf_model(M2M100Translation(mc).state_dict(), mc, out)
     return out

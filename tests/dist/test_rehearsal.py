@@ -78,6 +78,8 @@ def _check_run(r: Rehearsal, result: dict) -> int:
         assert evals and evals[-1]["step"] == last, (r.name, evals)
     assert all(row["loss"] == row["loss"] for row in rows if "loss" in row), r.name  # finite
     assert (out / f"checkpoint-{last}" / "COMMITTED").is_file(), r.name
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["mesh"] == r.mesh, (r.name, summary["mesh"], r.mesh)
     return last
 
 
