@@ -13,7 +13,8 @@ an entry here:
   lr schedule, beams, evaluation / save strategies, best model, early stopping, predict, async
   save and report_to are the config's;
 - sizes: d_model 32, at most 4 heads, FFN 64, the fewest layers that give every stage a block
-  (at least 2 per side, and one sparse layer per side for MoE), at most 4 experts, vocabulary 256,
+  (at least 2 per side, two blocks to spare under an explicit balance, one sparse layer per side
+  for MoE), at most 4 experts, vocabulary 256,
   sentences of 16 tokens, micro-batches of 2 pairs or 64 tokens, m cut to pp, 4 optimizer steps
   (or 2 epochs of 2 steps), a save every 2, evaluation before and after training on 8 samples,
   decoding 12 tokens;
@@ -166,7 +167,9 @@ def model_flags(file: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     n_stages = stages(file)
     sparse_steps = [int(file.get(f"{side}_sparse_step", 0) or 0) for side in ("encoder", "decoder")]
     moe = int(file.get("num_experts", 0) or 0) > 0
-    layers = max(2, math.ceil((n_stages - 4) / 2), *(sparse_steps if moe else []))
+    balance = str(file.get("partition_method", "uniform"))
+    spare = 2 if "," in balance else 0  # an explicit balance keeps its shape: two blocks to spare
+    layers = max(2, math.ceil((n_stages + spare - 4) / 2), *(sparse_steps if moe else []))
     flags: dict[str, Any] = {"d_model": D_MODEL, "vocab_size": VOCAB}
     cut = [f"d_model {file.get('d_model', 256)}->{D_MODEL}", f"vocab {file.get('vocab_size', 8000)}->{VOCAB}"]
     for side in ("encoder", "decoder"):
@@ -178,7 +181,6 @@ def model_flags(file: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         experts = min(int(file["num_experts"]), MAX_EXPERTS)
         flags["num_experts"] = experts
         cut.append(f"experts {file['num_experts']}->{experts}")
-    balance = str(file.get("partition_method", "uniform"))
     if "," in balance:
         counts = [int(x) for x in balance.strip("[]").split(",")]
         flags["partition_method"] = ",".join(map(str, rescale_balance(counts, 2 * layers + 4)))

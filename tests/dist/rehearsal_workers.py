@@ -37,9 +37,14 @@ def rehearse(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[st
             run(parse_config(case["first"]))
         except Preempted as e:
             preempted_at = e.step
+        except Exception as e:
+            raise RuntimeError(f"rehearsal of {case['name']} failed: {reproduce(case, world, 'first')}") from e
         finally:
             del os.environ[FAULT_ENV]
-        summary = run(parse_config(case["resume"]))
+        try:
+            summary = run(parse_config(case["resume"]))
+        except Exception as e:
+            raise RuntimeError(f"rehearsal of {case['name']} failed: {reproduce(case, world, 'resume')}") from e
         out.append(
             {
                 "name": case["name"],
@@ -50,3 +55,9 @@ def rehearse(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[st
             }
         )
     return out
+
+
+def reproduce(case: dict[str, Any], world: int, launch: str) -> str:
+    """The command that runs the failed launch by hand."""
+    fault = f"{FAULT_ENV}=term:rank=0:step={case['term_at']} " if launch == "first" else ""
+    return f"{fault}torchrun --nproc-per-node {world} -m trainer.train {' '.join(case[launch])}"

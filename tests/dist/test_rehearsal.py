@@ -74,8 +74,8 @@ def _check_run(r: Rehearsal, result: dict) -> int:
     last = result["final_step"]
     assert steps == list(range(1, last + 1)), (r.name, steps)
     if r.evaluates:
-        evals = [row for row in rows if "eval_bleu" in row]
-        assert evals and evals[-1]["step"] == last, (r.name, evals)
+        evals = [row["step"] for row in rows if "eval_bleu" in row]
+        assert evals[0] == 0 and evals[-1] == last, (r.name, evals)  # before training, at the end
     assert all(row["loss"] == row["loss"] for row in rows if "loss" in row), r.name  # finite
     assert (out / f"checkpoint-{last}" / "COMMITTED").is_file(), r.name
     summary = json.loads((out / "run_summary.json").read_text())

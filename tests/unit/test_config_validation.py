@@ -237,3 +237,13 @@ def test_entry_point_keeps_internal_tracebacks(internal: bool, monkeypatch, caps
     err = capsys.readouterr().err
     assert err.startswith("error: ParallelConfigError: tensor_parallel_size=3 does not divide 4 ranks")
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_readme_rehearsal_table_names_every_shipped_config() -> None:
+    """The README's rehearsal table (the list of combinations tests/dist/test_rehearsal.py covers)
+    has a row per configs/*.yaml: a config added without its row fails here."""
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    section = readme.split("### Every shipped config, rehearsed", 1)[1].split("\n## ", 1)[0]
+    missing = [p.stem for p in sorted((root / "configs").glob("*.yaml")) if f"\n| {p.stem} |" not in section]
+    assert not missing, f"README rehearsal table lacks {missing}"
