@@ -27,6 +27,10 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+# What a group running the trainer preloads (`preload=`): torch, transformers and the trainer,
+# none of which starts a thread at import (`datasets`, whose pyarrow does, is imported by each rank).
+TRAINER_PRELOAD = ("torch", "transformers", "trainer.run.loop", "trainer.config.parse")
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

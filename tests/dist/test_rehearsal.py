@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist.harness import run_distributed
+from tests.dist.harness import TRAINER_PRELOAD, run_distributed
 from tests.dist.rehearsal import (
     EVAL_SAMPLES,
     TERM_AT,
@@ -40,11 +40,6 @@ from tests.dist.rehearsal import (
     write_data,
 )
 from tests.dist.rehearsal_workers import rehearse
-
-
-# Imported once by the forkserver the ranks fork from (none starts a thread; `datasets`, whose
-# pyarrow does, is imported by each rank as it reads the data).
-PRELOAD = ("torch", "transformers", "tests.dist.rehearsal_workers", "trainer.run.loop", "trainer.config.parse")
 
 
 def _groups() -> dict[int, list[str]]:
@@ -131,7 +126,7 @@ def test_shipped_configs_rehearse_end_to_end(world: int, tmp_path: Path) -> None
     ]
     env = {"WANDB_MODE": "disabled", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
     results = run_distributed(
-        rehearse, world, args=(cases,), timeout=600, env=env, collective_timeout=120, preload=PRELOAD
+        rehearse, world, args=(cases,), timeout=600, env=env, collective_timeout=120, preload=TRAINER_PRELOAD
     )
     for r, case in zip(rehearsals, cases):
         per_rank = [rank_results[cases.index(case)] for rank_results in results]
