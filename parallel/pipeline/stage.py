@@ -101,6 +101,6 @@ class PipelineStage:
     def _run_blocks(self, state: State, batch: Seq2SeqBatch, rng_key: int | None) -> State:
         # One `run_blocks` call, keyed per block inside it: FSDP hooks that method (the stage
         # root's unshard before it runs); calling `run_block` directly skipped the hook, and
-        # pp = 1 fsdp with dropout on crashed on the sharded embedding (issue 23's rehearsal).
+        # fsdp with dropout on crashed on the sharded embedding (issue 23's rehearsal).
         around = None if rng_key is None else partial(keyed_block, rng_key)
         return self.model.run_blocks(state, batch, self.blocks, around)

@@ -188,16 +188,17 @@ def test_dropout_masks_follow_the_data_on_every_mesh_of_a_tp(reference, tmp_path
     tp1 = {  # 4 slots of 4 pairs
         "dp4": mesh(dp=4, **DROPOUT),
         "pp2-dp2-m2-gpipe": mesh(pp=2, dp=2, m=2, pipeline_schedule="gpipe", **DROPOUT),
-        # keyed dropout ran each block outside FSDP's hooked `run_blocks`: pp = 1 fsdp (the
-        # NLLB-200 configs' mesh) crashed on the sharded embedding (issue 23's rehearsal)
+        # keyed dropout ran each block outside FSDP's hooked `run_blocks`: fsdp with dropout (the
+        # NLLB-200 configs' meshes, pp = 1 and 2) crashed on the sharded embedding (issue 23's rehearsal)
         "dp4-fsdp": mesh(dp=4, data_parallel_sharding="fsdp", **DROPOUT),
+        "pp2-dp2-m2-fsdp": mesh(pp=2, dp=2, m=2, data_parallel_sharding="fsdp", **DROPOUT),
     }
     got = _run(4, {**tp2, **tp1}, tmp, tokenizer)
     straight = got["tp2-dp2-save"]
     assert max(abs(a[1] - b[1]) for a, b in zip(straight, ref_plain)) > 1e-3, "dropout changed nothing"
     assert max(abs(a[1] - b[1]) for a, b in zip(straight, got["dp4"])) > 1e-4, "tp=2 drew tp=1's masks"
     _assert_matches(straight, {k: got[k] for k in ("pp2-tp2-m2-selective", "pp2-tp2-m2-zero_bubble-stage")})
-    _assert_matches(got["dp4"], {k: got[k] for k in ("pp2-dp2-m2-gpipe", "dp4-fsdp")})
+    _assert_matches(got["dp4"], {k: got[k] for k in ("pp2-dp2-m2-gpipe", "dp4-fsdp", "pp2-dp2-m2-fsdp")})
     resumed = got["resume-pp2-tp2-m2-full"]
     assert [s for s, _, _ in resumed] == [3, 4, 5], resumed
     err = max(
