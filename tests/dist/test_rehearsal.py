@@ -43,6 +43,8 @@ from tests.dist.rehearsal import (
 )
 from tests.dist.rehearsal_workers import rehearse
 
+pytestmark = pytest.mark.dist
+
 
 def _groups() -> dict[int, list[str]]:
     by_world: dict[int, list[str]] = defaultdict(list)
