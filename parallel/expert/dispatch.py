@@ -160,8 +160,8 @@ class AllToAllDispatcher:
         h = y.shape[-1]
         rows = y.reshape(-1, h).index_select(0, ctx.index)  # (R, H) in received order
         back = all_to_all(rows, ctx.send, ctx.recv, self.group, self.stats)  # (A, H) in send order
-        weighted = back * ctx.gate.unsqueeze(1).to(back.dtype)
-        return weighted.new_zeros(ctx.num_tokens, h).index_add(0, ctx.token, weighted)
+        weighted = back.float() * ctx.gate.unsqueeze(1).float()  # in fp32, as LocalDispatcher
+        return weighted.new_zeros(ctx.num_tokens, h).index_add(0, ctx.token, weighted).to(y.dtype)
 
 
 def _buffer_index(recv_qe: list[int], ep: int, e_local: int, cap: int, device: torch.device) -> Tensor:
