@@ -31,6 +31,7 @@ backward, the count tables left out), host arithmetic on the splits.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -89,7 +90,7 @@ def _exchange(
     out = x.new_empty((sum(recv), *x.shape[1:]))
     if stats is not None:
         me = dist.get_rank(group)
-        row = x[0].numel() * x.element_size() if x.dim() > 0 else x.element_size()
+        row = math.prod(x.shape[1:]) * x.element_size()
         stats.bytes_sent += row * (sum(send) - send[me])
         stats.calls += 1
     what = watchdog.collective(f"ep all-to-all of expert tokens ({phase})", group)
