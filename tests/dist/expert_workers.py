@@ -92,8 +92,8 @@ def reference(case: Case) -> tuple[list[tuple[float, float]], int]:
     return out, dropped
 
 
-def on_mesh(rank: int, world: int, case: Case) -> tuple[list[tuple[float, float]], int]:
-    """The case on the whole group: (loss, grad norm) per step, and the all-to-all bytes rank sent."""
+def build(world: int, case: Case) -> Any:
+    """The case's ParallelModel on the whole group, built stage- and expert-locally (seed 0)."""
     from parallel.mesh import ParallelDims, build_mesh
     from parallel.parallelize import build_parallel_model
     from parallel.pipeline.partition import uniform_partition
@@ -117,9 +117,14 @@ def on_mesh(rank: int, world: int, case: Case) -> tuple[list[tuple[float, float]
         sequence_parallel=case.sequence_parallel,
     )
     _configure(pm.model, case)
-    opt = torch.optim.AdamW(pm.optimizer_params(), lr=LR, foreach=True)
+    return pm
+
+
+def train(pm: Any, case: Case, opt: torch.optim.Optimizer, steps: range) -> list[tuple[float, float]]:
+    """`steps` optimizer steps on the global batches of those steps: (loss, grad norm) each."""
+    mesh, cfg = pm.mesh, pm.model.config
     out = []
-    for step in range(STEPS):
+    for step in steps:
         batch = random_batch(cfg, BATCH, seed=100 + step)
         n = batch.num_tokens()
         mbs = _microbatches(batch, case.dp, case.m)[mesh.dp_rank]
@@ -132,6 +137,14 @@ def on_mesh(rank: int, world: int, case: Case) -> tuple[list[tuple[float, float]
         total = torch.zeros(()) if loss is None or mesh.tp_rank else loss.detach().clone()
         dist.all_reduce(total)  # the last stage's dp replicas (tp rank 0) hold the loss
         out.append((float(total) / n, float(norm)))
+    return out
+
+
+def on_mesh(rank: int, world: int, case: Case) -> tuple[list[tuple[float, float]], int]:
+    """The case on the whole group: (loss, grad norm) per step, and the all-to-all bytes rank sent."""
+    pm = build(world, case)
+    opt = torch.optim.AdamW(pm.optimizer_params(), lr=LR, foreach=True)
+    out = train(pm, case, opt, range(STEPS))
     sent = pm.ep_info.stats.bytes_sent if pm.ep_info is not None else 0
     return out, sent
 
@@ -145,3 +158,32 @@ def mesh_cases(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]]
         err = max(max(abs(a - b) / abs(b) for a, b in zip(g, r)) for g, r in zip(got, ref))
         results.append({"err": err, "bytes": sent, "dropped": dropped, "got": got, "ref": ref})
     return results
+
+
+def reshard_cases(rank: int, world: int, tmp: str, save: Case, loads: list[Case]) -> list[float]:
+    """Train `save` 2 steps, checkpoint (DCP: weights and AdamW state, per-expert names), train
+    step 3; then each of `loads` restores the checkpoint on its mesh and trains step 3. Returns
+    per load the largest relative error of step 3's (loss, grad norm) against `save`'s."""
+    from pathlib import Path
+
+    from trainer.checkpoint.dcp import load_checkpoint, save_checkpoint
+
+    path = Path(tmp) / "ckpt"
+    pm = build(world, save)
+    opt = torch.optim.AdamW(pm.optimizer_params(), lr=LR, foreach=True)
+    train(pm, save, opt, range(2))
+    save_checkpoint(path, [pm.model], opt, {"step": 2}, to_logical=pm.to_logical)
+    [want] = train(pm, save, opt, range(2, 3))
+    errs = []
+    for case in loads:
+        pm = build(world, case)
+        opt = torch.optim.AdamW(pm.optimizer_params(), lr=LR, foreach=True)
+        load_checkpoint(path, [pm.model], opt, to_logical=pm.to_logical, restore_rng=False)
+        [got] = train(pm, case, opt, range(2, 3))
+        errs.append(max(abs(a - b) / abs(b) for a, b in zip(got, want)))
+    return errs
+
+
+def group_run(rank: int, world: int, tmp: str, cases: list[Case], save: Case, loads: list[Case]) -> dict[str, Any]:
+    """Both checks in one spawned group: `mesh_cases` and `reshard_cases`."""
+    return {"meshes": mesh_cases(rank, world, cases), "reshard": reshard_cases(rank, world, tmp, save, loads)}
