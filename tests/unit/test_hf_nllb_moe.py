@@ -260,3 +260,40 @@ def test_logits_and_generate_match_transformers_4(tmp_path: Path) -> None:
     for beams, ref in zip(request["beams"], out["generated"]):
         got = generate(ours, batch.input_ids, batch.attention_mask, 7, num_beams=beams, max_length=10)
         assert got.tolist() == ref, f"num_beams={beams}"
+
+
+def test_translate_cli_matches_transformers_generate(fixed_combine, tmp_path: Path) -> None:
+    """`trainer.translate --model DIR` on a directory `NllbMoeForConditionalGeneration.save_pretrained`
+    wrote (with a stock NllbTokenizer): the same greedy and beam translations as its `generate`."""
+    import io
+
+    from transformers import AutoTokenizer
+
+    from tests.unit.test_hf_tokenizer import _lines, stock_nllb
+    from trainer.eval.hf_translate import TranslateArguments
+    from trainer.eval.hf_translate import run as translate_run
+
+    tok_dir = stock_nllb(_lines("en", 200) + _lines("de", 200), tmp_path / "tok")
+    hf_tok = AutoTokenizer.from_pretrained(str(tok_dir), src_lang="eng_Latn")
+    hf = make_hf(vocab_size=len(hf_tok))
+    hf.save_pretrained(tmp_path / "model", max_shard_size="100KB")
+    hf_tok.save_pretrained(str(tmp_path / "model"))
+    lines = _lines("en", 3)
+    tag = hf_tok.convert_tokens_to_ids("deu_Latn")
+    for beams in (1, 3):
+        out = io.StringIO()
+        args = TranslateArguments(
+            model=str(tmp_path / "model"), source_lang="eng_Latn", target_lang="deu_Latn",
+            num_beams=beams, max_length=12, device="cpu",
+        )  # fmt: skip
+        translate_run(args, io.StringIO("\n".join(lines) + "\n"), out)
+        expected = []
+        for line in lines:
+            enc = hf_tok(line, return_tensors="pt")
+            with torch.no_grad():
+                ids = hf.generate(
+                    **enc, forced_bos_token_id=tag, num_beams=beams, max_length=12, do_sample=False
+                )
+            expected.append(hf_tok.decode(ids[0], skip_special_tokens=True))
+        assert out.getvalue().splitlines() == expected, f"num_beams={beams}"
+        assert all(expected), expected  # real translations, not empty lines
