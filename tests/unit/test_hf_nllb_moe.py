@@ -297,3 +297,42 @@ def test_translate_cli_matches_transformers_generate(fixed_combine, tmp_path: Pa
             expected.append(hf_tok.decode(ids[0], skip_special_tokens=True))
         assert out.getvalue().splitlines() == expected, f"num_beams={beams}"
         assert all(expected), expected  # real translations, not empty lines
+
+
+@pytest.mark.parametrize("per_expert", [False, True])
+def test_export_reads_stacked_or_per_expert_checkpoint_entries(tmp_path: Path, per_expert: bool) -> None:
+    """A DCP checkpoint holding the experts stacked (one process) or one entry per expert under
+    its transformers name (expert parallelism's, resharding across ep) exports the same weights."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from models.hf import load_hf_weights
+    from models.hf_save import write_hf_config
+    from models.moe import expert_param_name, is_expert_param
+    from trainer.checkpoint.hf_export import export_weights, load_full_state
+
+    cfg = read_hf_config(_saved(make_hf(), tmp_path / "hf"))
+    model = M2M100Translation(cfg, seed=1)
+    entries: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        if per_expert and is_expert_param(name):
+            entries.update((expert_param_name(name, e), p.detach()[e].clone()) for e in range(p.shape[0]))
+        else:
+            entries[name] = p.detach()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": entries}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    (tmp_path / "ckpt" / "trainer_state.json").write_text(json.dumps({"model_config": cfg.to_dict()}))
+    state = load_full_state(tmp_path / "ckpt")
+    assert state.keys() == model.state_dict().keys()
+    write_hf_config(cfg, tmp_path / "out")
+    export_weights(tmp_path / "ckpt", cfg, tmp_path / "out", torch.float32, 10**6, None)
+    back = load_hf_weights(tmp_path / "out")
+    for name, value in model.state_dict().items():
+        assert torch.equal(state[name], value) and torch.equal(back[name], value), name
+
+
+def _saved(hf: NllbMoeForConditionalGeneration, path: Path) -> Path:
+    hf.save_pretrained(path)
+    return path
