@@ -7,6 +7,7 @@ or `NllbMoeConfig` (`num_experts` > 0) so exported directories load in stock `tr
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -116,15 +117,16 @@ class ModelConfig:
             )
         if self.router_dtype not in ROUTER_DTYPES:
             raise ValueError(f"router_dtype={self.router_dtype!r} is unknown; valid: {list(ROUTER_DTYPES)}")
-        if not 0.0 <= self.moe_token_dropout < 1.0:
+        if not 0.0 <= self.moe_token_dropout < 1.0:  # NaN fails too
             raise ValueError(f"moe_token_dropout={self.moe_token_dropout} must be in [0, 1)")
-        if self.moe_eval_capacity_token_fraction > 1.0:
+        frac = self.moe_eval_capacity_token_fraction
+        if not (frac <= 1.0 and math.isfinite(frac)):
             raise ValueError(
-                f"moe_eval_capacity_token_fraction={self.moe_eval_capacity_token_fraction} must be <= 1 "
-                "(<= 0: the training capacity)"
+                f"moe_eval_capacity_token_fraction={frac} must be <= 1 (<= 0: the training capacity)"
             )
-        if self.router_aux_loss_coef < 0:
-            raise ValueError(f"router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(f"{name}={getattr(self, name)} must be a finite number >= 0")
 
     @property
     def is_moe(self) -> bool:

@@ -29,7 +29,7 @@ from parallel.pipeline.simulate import bubble_theory
 from parallel.watchdog import RankIdentity, default_warn_after, start_watchdog
 from trainer.checkpoint.async_save import CheckpointSaver
 from trainer.checkpoint.resume import ResumePoint, adopt_tokenizer, log_changes
-from trainer.config.schema import LAYERDROP_FIELDS, JobConfig
+from trainer.config.schema import JobConfig
 from trainer.config.training_args import TrainingArguments
 from trainer.data.batching import BatchLayout, GlobalBatchSampler
 from trainer.data.sampling import DirectionSampling
@@ -118,13 +118,7 @@ def model_config_for(cfg: JobConfig, tok: Tokenizer) -> ModelConfig:
     if cfg.model.model_name_or_path:
         from models.hf import read_hf_config
 
-        mc = read_hf_config(cfg.model.model_name_or_path)
-        for k in ("dropout", "attention_dropout", "activation_dropout"):
-            setattr(mc, k, getattr(cfg.model, k))  # regularisation is the run's choice
-        for k in LAYERDROP_FIELDS:  # LayerDrop: the checkpoint's unless the run sets it
-            if getattr(cfg.model, k) is not None:
-                setattr(mc, k, getattr(cfg.model, k))
-        mc.validate()
+        mc = cfg.model.apply_session(read_hf_config(cfg.model.model_name_or_path))
         if tok.vocab_size > mc.vocab_size:
             raise ConfigError(
                 f"tokenizer has {tok.vocab_size} entries but the model at "
@@ -156,7 +150,7 @@ def build_model(
     torch.manual_seed(cfg.training.seed)  # the global RNG (dropout) starts the same on every rank
     path = cfg.model.model_name_or_path
     p = cfg.parallel
-    return build_parallel_model(
+    pm = build_parallel_model(
         mc,
         mesh,
         balance,
@@ -174,6 +168,9 @@ def build_model(
         compile_layers=cfg.training.torch_compile,
         saved_tensor_meter=p.profile_activation_memory,
     )
+    pm.model.moe.dropless = cfg.model.moe_dropless  # NLLB-MoE routing options of the run
+    pm.model.moe.capacity_factor = cfg.model.moe_capacity_factor
+    return pm
 
 
 @dataclass

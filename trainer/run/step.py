@@ -39,6 +39,7 @@ from parallel.parallelize import ParallelModel
 from parallel.pipeline.executor import FlushResult
 from trainer.config.training_args import TrainingArguments
 from trainer.run.guard import StepGuard
+from trainer.run.moe_load import ExpertLoad
 
 
 def build_optimizer(
@@ -128,6 +129,7 @@ def train_step(
             dist.barrier()
     skips = layerdrop_skips(pm.model.config, seed, step)
     loss_scale = (1.0 if scaler is None else scaler.scale) / global_batch.num_tokens
+    # NLLB-MoE: ParallelModel.train_step keys the routing by (seed, step) and scales the aux loss
     results = pm.train_step(flushes, loss_scale=loss_scale, timed=timed, skip_layers=skips, step=step)
     # Unscale before clipping: the norm and the clip threshold are in true-gradient units.
     found = scaler.unscale_(p.grad for p in pm.params()) if scaler is not None else None
@@ -178,6 +180,10 @@ class LogWindow:
         self, pm: ParallelModel, peak_flops: float | None = None, scaler: DynamicLossScale | None = None
     ) -> None:
         self.pm, self.peak_flops, self.scaler = pm, peak_flops, scaler
+        # NLLB-MoE: expert load, read with the loss (tp ranks > 0 repeat tp rank 0's routing).
+        self.moe = (
+            ExpertLoad(pm.model, pm.device, counts=pm.mesh.tp_rank == 0) if pm.model.config.is_moe else None
+        )
         self.total_tokens, self.total_s = 0, 0.0
         self._reset()
 
@@ -197,6 +203,8 @@ class LogWindow:
         self.src_tokens += st.num_src_tokens
         self.flops += flops
         self.seconds += seconds
+        if self.moe is not None:
+            self.moe.collect()
         if st.skipped and not st.overflow:
             return
         self.loss_tokens += st.num_tokens
@@ -217,7 +225,11 @@ class LogWindow:
             with watchdog.waiting(watchdog.collective("dp all-reduce of the logged loss", dp_group)):
                 dist.all_reduce(loss_sum, group=dp_group)
         values = [loss_sum, st.grad_norm.float()] + ([self.scaler.scale] if self.scaler is not None else [])
-        loss, grad_norm, *scale = torch.stack(values).tolist()  # the one sync
+        read = torch.stack(values).double()
+        if self.moe is not None:  # the expert load rides in the same read
+            read = torch.cat([read, self.moe.values()])
+        loss, grad_norm, *rest = read.tolist()  # the one sync
+        scale, moe = rest[: len(values) - 2], rest[len(values) - 2 :]
         wall = self.seconds + time.perf_counter() - start
         tokens = self.tokens + self.src_tokens
         self.total_tokens += tokens
@@ -229,6 +241,7 @@ class LogWindow:
             "step_time_s": wall / max(self.steps, 1),
             "num_tokens": float(self.tokens),
             **({"loss_scale": scale[0]} if scale else {}),
+            **(self.moe.row(moe) if self.moe is not None else {}),
         }
         if self.peak_flops:
             row["mfu"] = self.flops / wall / self.peak_flops
