@@ -36,7 +36,7 @@ from models.moe import is_expert_param as is_stacked_expert
 from parallel.dp.fsdp import FullySharded
 from parallel.dp.fsdp import logical as logical_fsdp
 from parallel.dp.zero1 import ZeroOneSharding
-from parallel.expert.apply import ExpertParallelInfo, apply_expert_parallel
+from parallel.expert.apply import ExpertParallelInfo, apply_expert_parallel, replicated_tokens
 from parallel.expert.logical import expert_entries
 from parallel.expert.params import is_expert_param
 from parallel.grads import StepGradients
@@ -329,12 +329,15 @@ class ParallelModel:
         """Sum of token losses and token count over `batches` (meaningful on the last stage).
 
         Runs `parallel.pipeline.schedule.forward_only` (any number of batches, any placement).
+        Every rank evaluates the same batches, so sparse layers spread over ep take their
+        tokens as replicated (`parallel.expert.apply.replicated_tokens`: no all-to-all).
         """
         if not batches:
             return 0.0, 0
         batches = self._prepare(batches)
         actions = forward_only(self.plan.placement, len(batches))[self.mesh.pp_rank]
-        res = self._executor(actions, grads=None).run_flush(batches, 1.0, last_flush=False, timed=False)
+        with replicated_tokens(self.model):
+            res = self._executor(actions, grads=None).run_flush(batches, 1.0, last_flush=False, timed=False)
         if self.fsdp is not None:
             self.fsdp.reshard()
         return (0.0 if res.loss_sum is None else float(res.loss_sum)), res.num_tokens

@@ -28,6 +28,8 @@ transformers names follow.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +40,7 @@ from torch.distributed import ProcessGroup
 
 from models.m2m100 import M2M100Translation
 from models.moe import Experts, batched_linear
-from parallel.expert.dispatch import A2AStats, AllToAllDispatcher
+from parallel.expert.dispatch import A2AStats, AllToAllDispatcher, ReplicatedDispatcher
 from parallel.expert.params import mark_expert_param
 from parallel.tp.comm import copy_to_tp, reduce_from_tp
 from parallel.tp.layers import _mark
@@ -109,6 +111,25 @@ def apply_expert_parallel(
             assert tp_group is not None
             ffn.experts = TensorParallelExperts.from_experts(experts, tp_group, tp, tp_rank)
     return info
+
+
+@contextmanager
+def replicated_tokens(model: M2M100Translation) -> Iterator[None]:
+    """Within: the sparse layers take their tokens as the same on every rank of the ep group
+    (`ReplicatedDispatcher`: local experts, then a sum over ep), for evaluation and decoding,
+    where the ep peers run the same batch. A no-op without expert parallelism."""
+    swapped = [
+        (ffn, ffn.dispatcher)
+        for ffn in model.sparse_ffns().values()
+        if isinstance(ffn.dispatcher, AllToAllDispatcher)
+    ]
+    try:
+        for ffn, a2a in swapped:
+            ffn.dispatcher = ReplicatedDispatcher(a2a.group)
+        yield
+    finally:
+        for ffn, a2a in swapped:
+            ffn.dispatcher = a2a
 
 
 def _cut_experts(experts: Experts, first: int, count: int) -> None:

@@ -27,6 +27,13 @@ kept tokens. Works on gloo and NCCL (`all_to_all_single` with uneven splits).
 
 `bytes_sent` counts the payload bytes this rank sent to other ranks (forward and
 backward, the count tables left out), host arithmetic on the splits.
+
+`ReplicatedDispatcher` is for tokens every rank of the ep group holds alike (evaluation and
+decoding, where the ep peers run the same batch): each rank runs its own experts on their
+share of the tokens (the model's `LocalDispatcher` on the local expert range) and the ep
+group sums the combined outputs (all-reduce forward, identity backward: Megatron's g, as
+for tp). No all-to-all, no token sent; in fp32 the sum equals one process exactly (a
+token's two weighted outputs, or one and a zero).
 """
 
 from __future__ import annotations
@@ -34,27 +41,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from models.moe import Experts, LocalDispatcher, Routing
 from parallel import watchdog
-
-
-class RoutingLike(Protocol):
-    """What the dispatcher reads of `models.moe.Routing`."""
-
-    expert_index: Tensor  # (N, 2) long, global expert ids
-    gate: Tensor  # (N, 2) combine weights
-    slot: Tensor  # (N, 2) long, -1: not dispatched (dropped or padding)
-
-
-class ExpertsLike(Protocol):
-    num_experts: int
-    expert_offset: int
+from parallel.tp.comm import reduce_from_tp
 
 
 @dataclass
@@ -129,7 +125,7 @@ class AllToAllDispatcher:
         self.group, self.stats = group, stats
         self.ep = dist.get_world_size(group)
 
-    def dispatch(self, x: Tensor, routing: RoutingLike, experts: ExpertsLike) -> tuple[Tensor, _DispatchCtx]:
+    def dispatch(self, x: Tensor, routing: Routing, experts: Experts) -> tuple[Tensor, _DispatchCtx]:
         """Tokens (N, H) -> this rank's expert buffer (E_l, C, H) and the context `combine` needs."""
         n, h = x.shape
         e_global = experts.num_experts
@@ -155,7 +151,7 @@ class AllToAllDispatcher:
         gate = routing.gate.reshape(-1)[order]
         return buffer, _DispatchCtx(token, gate, send, recv, index, n)
 
-    def combine(self, y: Tensor, routing: RoutingLike, ctx: _DispatchCtx) -> Tensor:
+    def combine(self, y: Tensor, routing: Routing, ctx: _DispatchCtx) -> Tensor:
         """Expert outputs (E_l, C, H) -> tokens (N, H): each kept assignment's row times its gate,
         summed per token (a token's two choices; nothing for a dropped one)."""
         h = y.shape[-1]
@@ -178,3 +174,18 @@ def _buffer_index(recv_qe: list[int], ep: int, e_local: int, cap: int, device: t
     base, flat, run_start = (t.to(device, non_blocking=True) for t in (base, flat, run_start))
     offset = torch.repeat_interleave(base - run_start, flat, output_size=total)  # (R,)
     return offset + torch.arange(total, device=device)
+
+
+class ReplicatedDispatcher(LocalDispatcher):
+    """Dispatch of tokens replicated over the ep group (see the module docstring).
+
+    Args:
+        group: this rank's ep group.
+    """
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+
+    def combine(self, y: Tensor, routing: Routing, ctx: Tensor) -> Tensor:
+        """This rank's experts' weighted outputs (N, H), summed over the ep group."""
+        return reduce_from_tp(super().combine(y, routing, ctx), self.group)
