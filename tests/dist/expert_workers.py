@@ -1,6 +1,6 @@
 """Workers for the expert-parallel tests (module-level so spawn can pickle them).
 
-`mesh_cases` builds, on one spawned group, the (pp, dp, tp, ep) model of each case stage- and
+`trainer_cases` runs the real trainer on each case. `mesh_cases` builds, on one spawned group, the (pp, dp, tp, ep) model of each case stage- and
 expert-locally (meta device, keyed init), trains 3 AdamW steps and compares the per-step loss
 and grad norm with one process computed on the same rank (a plain model, no collectives) that
 routes the same micro-batches.
@@ -184,6 +184,35 @@ def reshard_cases(rank: int, world: int, tmp: str, save: Case, loads: list[Case]
     return errs
 
 
-def group_run(rank: int, world: int, tmp: str, cases: list[Case], save: Case, loads: list[Case]) -> dict[str, Any]:
-    """Both checks in one spawned group: `mesh_cases` and `reshard_cases`."""
-    return {"meshes": mesh_cases(rank, world, cases), "reshard": reshard_cases(rank, world, tmp, save, loads)}
+def trainer_cases(rank: int, world: int, base: dict[str, Any], cases: list[dict[str, Any]]) -> list[Any]:
+    """Train each case with the real trainer; per case the logging rank's metrics rows (empty elsewhere)."""
+    import logging
+
+    from trainer.config.parse import load_config_dict
+    from trainer.run.loop import run
+
+    logging.basicConfig(level=logging.WARNING)
+    out = []
+    for i, case in enumerate(cases):
+        values = {**base, **case}
+        values["output_dir"] = case.get("output_dir", f"{base['output_dir']}-{i}")
+        out.append(run(load_config_dict(values)).get("history"))
+    return out
+
+
+def group_run(
+    rank: int,
+    world: int,
+    tmp: str,
+    base: dict[str, Any],
+    runs: list[dict[str, Any]],
+    cases: list[Case],
+    save: Case,
+    loads: list[Case],
+) -> dict[str, Any]:
+    """Every check of one spawned group: trainer runs, `mesh_cases` and `reshard_cases`."""
+    return {
+        "trainer": trainer_cases(rank, world, base, runs),
+        "meshes": mesh_cases(rank, world, cases),
+        "reshard": reshard_cases(rank, world, tmp, save, loads),
+    }
