@@ -191,11 +191,12 @@ def _sparse_mlp_4_57(self: Any, hidden_states: torch.Tensor, padding_mask: Any =
     return masked_hidden_states.sum(dim=0).reshape(batch_size, sequence_length, hidden_dim)
 
 
-def one_process(args: argparse.Namespace) -> dict[str, Any]:
-    """Step times of ours (capacity and dropless) and HF (as shipped and with 4.57's combine)."""
+def one_process(args: argparse.Namespace, b: int, seq: int) -> dict[str, Any]:
+    """Step times of ours (grouped, buffer, dropless) and HF (as shipped, with 4.57.6's forward)
+    on a batch of `b` pairs of up to `seq` tokens."""
     mc = moe_config(args)
     base = M2M100Translation(mc, seed=0)
-    batch = make_batch(mc, args.batch, args.seq)
+    batch = make_batch(mc, b, seq)
     n = batch.input_ids.numel()
     capacity = 2 * -(-n // mc.num_experts)
     sides = {
@@ -230,7 +231,7 @@ def one_process(args: argparse.Namespace) -> dict[str, Any]:
             "vocab": mc.vocab_size,
             "num_experts": mc.num_experts,
             "sparse_layers": mc.sparse_layers(),
-            "batch": f"{args.batch} x {args.seq} (lengths in [{args.seq // 2}, {args.seq}])",
+            "batch": f"{b} x {seq} (lengths in [{seq // 2}, {seq}])",
             "capacity": capacity,
             "parameters": mc.num_parameters(),
         },
@@ -243,8 +244,7 @@ def one_process(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def report(res: dict[str, Any]) -> str:
-    c, s, r = res["config"], res["step_s"], res["ratios"]
+def report(results: list[dict[str, Any]]) -> str:
     lines = [
         "# NLLB-MoE speed, CPU",
         "",
@@ -253,7 +253,15 @@ def report(res: dict[str, Any]) -> str:
         "Produced by `scripts/bench_moe.py`.",
         "",
         "## One process: our step vs transformers' NllbMoe (same config, weights, batch)",
-        "",
+    ]
+    for res in results:
+        lines += ["", *_one_table(res)]
+    return "\n".join(lines) + "\n"
+
+
+def _one_table(res: dict[str, Any]) -> list[str]:
+    c, s, r = res["config"], res["step_s"], res["ratios"]
+    lines = [
         f"d_model {c['d_model']}, layers {c['layers']}, FFN {c['ffn']}, vocab {c['vocab']}, "
         f"**{c['num_experts']} experts** in {len(c['sparse_layers'])} sparse layers "
         f"({', '.join(c['sparse_layers'])}), {c['parameters'] / 1e6:.1f}M parameters; batch {c['batch']}; "
@@ -274,7 +282,7 @@ def report(res: dict[str, Any]) -> str:
         f"Goal: ours <= {res['goal_ours_over_hf']}x HF (the correct one, 4.57.6's forward): "
         + ("met." if r["ours_over_hf_4_57"] <= GOAL else "not met."),
     ]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _init_single_process_group() -> None:
@@ -293,8 +301,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--ffn", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4, help="encoder and decoder layers each")
     ap.add_argument("--vocab", type=int, default=8000)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=48)
+    ap.add_argument("--batches", default="16x48,32x64", help="pairs x longest length, comma-separated")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument(
@@ -303,7 +310,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     _init_single_process_group()
-    res = {"one_process": one_process(args)}
+    shapes = [tuple(int(v) for v in x.split("x")) for x in args.batches.split(",") if x]
+    res = {"one_process": [one_process(args, b, seq) for b, seq in shapes]}
     text = report(res["one_process"])
     print(text)
     if args.out:

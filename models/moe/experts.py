@@ -145,6 +145,16 @@ class Experts(nn.Module):
         return F.dropout(y, self.dropout, self.training)
 
 
+def takes_groups(experts: Any) -> bool:
+    """Whether `experts.forward` takes the grouped layout: `Experts`' own forward, or a class that
+    says so itself (`supports_groups = True` in its body); a subclass overriding `forward` (a
+    tensor-parallel shard) is given the buffer."""
+    cls = type(experts)
+    return getattr(cls, "forward", None) is Experts.forward or bool(
+        cls.__dict__.get("supports_groups", False)
+    )
+
+
 class LocalDispatcher:
     """Hands `experts` their tokens and back, on one process (E_l = E): grouped rows where
     `torch._grouped_mm` runs (`grouped` None: decided per call), else the (E_l, C, H) buffer.
@@ -156,8 +166,16 @@ class LocalDispatcher:
     capacity (dropless): C = the largest expert count, read once.
     """
 
+    grouped: bool | None = None  # a class default too: subclasses need not call __init__
+
     def __init__(self, grouped: bool | None = None) -> None:
         self.grouped = grouped
+
+    def use_groups(self, x: Tensor, experts: Any) -> bool:
+        """The grouped layout: where `torch._grouped_mm` runs (or as forced), and only for experts
+        that take it (`takes_groups`)."""
+        wanted = self.grouped if self.grouped is not None else grouped_mm_runs(x)
+        return wanted and takes_groups(experts)
 
     def capacity(self, routing: Routing) -> int:
         if routing.capacity is not None:
@@ -167,7 +185,7 @@ class LocalDispatcher:
     def dispatch(self, x: Tensor, routing: Routing, experts: Experts) -> tuple[Tensor, Any]:
         """x (N, H) -> (buffer (E_l, C, H), ctx: the flat buffer row of each choice (N, 2)), or
         (rows (2N, H), ctx: `GroupedRows`)."""
-        if self.grouped if self.grouped is not None else grouped_mm_runs(x):
+        if self.use_groups(x, experts):
             return self._dispatch_grouped(x, routing, experts)
         n, h = x.shape
         e_local, c = experts.num_local, self.capacity(routing)

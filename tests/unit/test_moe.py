@@ -302,6 +302,24 @@ def test_sparse_ffn_equals_per_token_loop(dropless, grouped) -> None:
     assert out.reshape(-1, H)[pad.reshape(-1)].abs().max() == 0  # padding gets no expert output
 
 
+def test_experts_that_override_forward_get_the_buffer() -> None:
+    """A subclass of `Experts` with its own forward (a tensor-parallel shard) takes only the
+    buffer: the dispatcher picks the buffer layout for it, whatever the device."""
+
+    class BufferOnly(Experts):
+        def forward(self, x):  # noqa: ANN001, ANN202
+            assert x.dim() == 3
+            return super().forward(x)
+
+    ffn = sparse_ffn(grouped=True)
+    only = BufferOnly(H, FF, E, F.relu)
+    only.load_state_dict(ffn.experts.state_dict())
+    x = torch.randn(2, 5, H)
+    ref = ffn(x)
+    ffn.experts = only
+    torch.testing.assert_close(ffn(x), ref, rtol=1e-5, atol=1e-6)
+
+
 def test_grouped_and_buffer_layouts_give_the_same_values_and_gradients() -> None:
     x = torch.randn(3, 11, H)
     outs, grads = [], []
