@@ -36,15 +36,24 @@ Randomness (Gumbel noise, the `random` policy, EOM) comes from generators keyed 
 (seed, step, micro-batch slot, layer) (`MoERun`, `MoECall`), so a recomputation under
 remat, or another mesh, draws the same values.
 
-Host reads: none, except where a buffer's size must be known and no capacity bounds it:
-dropless routing (and an evaluation capacity >= N, which cannot drop) sizes the buffer
-by the largest expert count, one read per layer call.
+Experts run together, one call per projection (`models.moe.experts`): on the group's rows
+sorted by expert with `torch._grouped_mm` where it runs (CPUs; CUDA sm90+ in bf16), else on a
+(E, C, H) capacity buffer with `torch.baddbmm`. Host reads: none, except the buffer layout
+without a capacity (dropless routing, or an evaluation capacity >= N that cannot drop): it
+sizes the buffer by the largest expert count, one read per layer call.
 
 Legend: N tokens of the routing group, H d_model, F ffn dim, E experts (global), E_l
 local experts, C capacity (slots per expert), k in {0, 1} the first / second choice.
 """
 
-from models.moe.experts import Experts, LocalDispatcher, batched_linear
+from models.moe.experts import (
+    Experts,
+    GroupedLinear,
+    GroupedRows,
+    LocalDispatcher,
+    batched_linear,
+    grouped_mm_runs,
+)
 from models.moe.layer import (
     AuxLossScaler,
     LayerStats,
@@ -67,6 +76,8 @@ __all__ = [
     "EXPERT_PARAMS",
     "AuxLossScaler",
     "Experts",
+    "GroupedLinear",
+    "GroupedRows",
     "LayerStats",
     "LocalDispatcher",
     "MoECall",
@@ -78,6 +89,7 @@ __all__ = [
     "batched_linear",
     "build_sparse_ffn",
     "expert_param_name",
+    "grouped_mm_runs",
     "is_expert_param",
     "keyed_expert_init",
     "keyed_generator",

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from models.config import ModelConfig
-from models.moe.experts import Experts, LocalDispatcher
+from models.moe.experts import Experts, GroupedRows, LocalDispatcher
 from models.moe.router import Routing, Top2Router, keyed_generator
 
 
@@ -161,7 +161,10 @@ class SparseFFN(nn.Module):
         routing = self.router(flat, pad, self.capacity(flat.shape[0]), generator=gen)
         routing = self._mask_outputs(routing, x.device, call)
         buffer, ctx = self.dispatcher.dispatch(flat, routing, self.experts)
-        out = self.dispatcher.combine(self.experts(buffer), routing, ctx)
+        # The grouped layout only when the dispatcher chose it; experts modules are called with the
+        # buffer alone otherwise (a tensor-parallel shard's forward takes just that).
+        y = self.experts(buffer, ctx) if isinstance(ctx, GroupedRows) else self.experts(buffer)
+        out = self.dispatcher.combine(y, routing, ctx)
         if self.training:
             self._record(routing, call)
             scale = self._aux_scale(call)

@@ -225,13 +225,50 @@ def test_experts_batched_equal_per_expert_loop() -> None:
         torch.testing.assert_close(a, b)
 
 
-def sparse_ffn(capacity_factor: float = 1.0, dropless: bool = False, token_dropout: float = 0.0) -> SparseFFN:
+def test_grouped_experts_equal_per_expert_loop() -> None:
+    """`torch._grouped_mm` over rows sorted by expert (and our backward for it): the values and
+    gradients of each expert's FFN on its rows, zero rows past the groups, empty experts included."""
+    from models.moe import GroupedRows
+
+    torch.manual_seed(1)
+    ex = Experts(H, FF, E, F.relu)
+    for p in ex.parameters():
+        torch.nn.init.normal_(p)
+    counts = torch.tensor([3, 0, 2, 5, 1, 0, 4, 2])
+    m = int(counts.sum()) + 3  # three rows past the groups (dropped assignments)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    expert = torch.repeat_interleave(torch.arange(E), counts)
+    groups = GroupedRows(
+        offs, torch.cat([expert, torch.full((3,), E - 1)]), torch.arange(m) < offs[-1], torch.zeros(0)
+    )
+    x = torch.randn(m, H, requires_grad=True)
+    y = ex(x, groups)
+    ref = [
+        F.linear(F.relu(F.linear(x[r], ex.fc1_weight[e], ex.fc1_bias[e])), ex.fc2_weight[e], ex.fc2_bias[e])
+        for r, e in enumerate(expert.tolist())
+    ]
+    ref = torch.cat([torch.stack(ref), torch.zeros(3, H)])
+    torch.testing.assert_close(y, ref)
+    gy = torch.randn_like(y)
+    params = [x, ex.fc1_weight, ex.fc1_bias, ex.fc2_weight, ex.fc2_bias]
+    for a, b in zip(torch.autograd.grad(y, params, gy), torch.autograd.grad(ref, params, gy)):
+        torch.testing.assert_close(a, b)
+
+
+def sparse_ffn(
+    capacity_factor: float = 1.0,
+    dropless: bool = False,
+    token_dropout: float = 0.0,
+    grouped: bool | None = None,
+) -> SparseFFN:
     torch.manual_seed(2)
     ex = Experts(H, FF, E, F.relu)
     for p in ex.parameters():
         torch.nn.init.normal_(p, std=0.3)
     run = MoERun(dropless=dropless, capacity_factor=capacity_factor)
-    return SparseFFN(router(), ex, SparseSettings(E, token_dropout=token_dropout, name="l"), run)
+    ffn = SparseFFN(router(), ex, SparseSettings(E, token_dropout=token_dropout, name="l"), run)
+    ffn.dispatcher = LocalDispatcher(grouped)
+    return ffn
 
 
 def naive_ffn(ffn: SparseFFN, x: torch.Tensor, routing) -> torch.Tensor:
@@ -249,9 +286,10 @@ def naive_ffn(ffn: SparseFFN, x: torch.Tensor, routing) -> torch.Tensor:
     return torch.stack(rows)
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("dropless", [False, True])
-def test_sparse_ffn_equals_per_token_loop(dropless) -> None:
-    ffn = sparse_ffn(capacity_factor=0.5, dropless=dropless).train()
+def test_sparse_ffn_equals_per_token_loop(dropless, grouped) -> None:
+    ffn = sparse_ffn(capacity_factor=0.5, dropless=dropless, grouped=grouped).train()
     x = torch.randn(4, 9, H)
     pad = torch.zeros(4, 9, dtype=torch.bool)
     pad[1, 6:] = True
@@ -264,11 +302,45 @@ def test_sparse_ffn_equals_per_token_loop(dropless) -> None:
     assert out.reshape(-1, H)[pad.reshape(-1)].abs().max() == 0  # padding gets no expert output
 
 
+def test_experts_that_override_forward_get_the_buffer() -> None:
+    """A subclass of `Experts` with its own forward (a tensor-parallel shard) takes only the
+    buffer: the dispatcher picks the buffer layout for it, whatever the device."""
+
+    class BufferOnly(Experts):
+        def forward(self, x):  # noqa: ANN001, ANN202
+            assert x.dim() == 3
+            return super().forward(x)
+
+    ffn = sparse_ffn(grouped=True)
+    only = BufferOnly(H, FF, E, F.relu)
+    only.load_state_dict(ffn.experts.state_dict())
+    x = torch.randn(2, 5, H)
+    ref = ffn(x)
+    ffn.experts = only
+    torch.testing.assert_close(ffn(x), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_and_buffer_layouts_give_the_same_values_and_gradients() -> None:
+    x = torch.randn(3, 11, H)
+    outs, grads = [], []
+    for grouped in (False, True):
+        ffn = sparse_ffn(capacity_factor=0.7, grouped=grouped).train()
+        ffn.run.aux_loss_coef, ffn.run.loss_scale = 0.1, 0.02
+        xg = x.clone().requires_grad_(True)
+        out = ffn(xg, MoECall(num_tokens=30))
+        (out * torch.linspace(-1, 1, H)).sum().backward()
+        outs.append(out)
+        grads.append([xg.grad] + [p.grad for p in ffn.parameters()])
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_dispatcher_buffer_holds_each_kept_assignment_once() -> None:
     ffn = sparse_ffn()
     x = torch.randn(20, H)
     routing = ffn.router(x, None, 4)
-    buf, rows = LocalDispatcher().dispatch(x, routing, ffn.experts)
+    buf, rows = LocalDispatcher(grouped=False).dispatch(x, routing, ffn.experts)
     assert buf.shape == (E, 4, H)
     for t in range(20):
         for k in range(2):

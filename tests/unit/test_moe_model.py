@@ -51,9 +51,9 @@ def batch(rows: int = 4, seed: int = 0) -> Seq2SeqBatch:
     for i, (s, t) in enumerate(zip(src_lens, tgt_lens)):
         src[i, :s] = torch.randint(4, 61, (s,), generator=g)
         lab[i, :t] = torch.randint(4, 61, (t,), generator=g)
-    dec = torch.full_like(lab, 1)
-    dec[:, 0] = 2
-    dec[:, 1:] = lab[:, :-1].masked_fill(lab[:, :-1] == IGNORE_INDEX, 1)
+    dec = torch.full_like(lab, 1)  # as trainer.data.batching.collate: `</s> y[:-1]`, then pad
+    for i, t in enumerate(tgt_lens):
+        dec[i, :t] = torch.cat([torch.tensor([2]), lab[i, : t - 1]])
     return Seq2SeqBatch(src, (src != 1).long(), dec, lab)
 
 
@@ -165,3 +165,33 @@ def test_keyed_init_of_an_expert_range_equals_the_whole_models_slice() -> None:
 def test_bad_moe_config_is_one_line_naming_the_field(overrides: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ModelConfig(**{**CFG, **overrides})
+
+
+def test_expert_load_row_sums_the_window_without_reading_per_step() -> None:
+    """`trainer.run.moe_load.ExpertLoad`: per layer, assignments per expert per step, the dropped
+    fraction and the token-weighted aux loss over the window's micro-batches."""
+    from trainer.run.moe_load import ExpertLoad, load_line
+
+    m = model()
+    load = ExpertLoad(m, torch.device("cpu"))
+    parts = batch(rows=6).split(3)
+    recorded = []
+    for step in (1, 2):
+        m.moe.begin_step(0, step, 0.0)
+        for b in parts:
+            m.loss(b)
+        recorded.append({k: list(f.last_stats.values()) for k, f in m.sparse_ffns().items()})
+        load.collect()
+    row = load.row(load.values().tolist())
+    for name, short in (("encoder.layers.1", "enc1"), ("decoder.layers.0", "dec0")):
+        stats = [s for r in recorded for s in r[name]]
+        per_expert = torch.stack([s.tokens_per_expert for s in stats]).sum(0).double() / 2
+        assert row[f"moe_{short}_tokens_max"] == pytest.approx(per_expert.max().item())
+        assert row[f"moe_{short}_tokens_mean"] == pytest.approx(per_expert.mean().item())
+        dropped = sum(int(s.dropped) for s in stats) / (2 * per_expert.sum().item())
+        assert row[f"moe_{short}_dropped"] == pytest.approx(dropped)
+        aux = sum(float(s.aux_loss) * s.num_tokens for s in stats) / sum(s.num_tokens for s in stats)
+        assert row[f"moe_{short}_aux_loss"] == pytest.approx(aux)
+    assert row["moe_dec0_tokens_mean"] * 8 == pytest.approx(2 * sum(b.num_tokens() for b in parts))
+    assert "enc1 max/mean" in load_line(row)
+    assert load.row(load.values().tolist())["moe_enc1_tokens_max"] == 0  # the window was reset
