@@ -40,6 +40,7 @@ from torch.distributed import ProcessGroup
 
 from models.m2m100 import M2M100Translation
 from models.moe import Experts, batched_linear
+from models.moe.experts import GroupedRows
 from parallel.expert.dispatch import A2AStats, AllToAllDispatcher, ReplicatedDispatcher
 from parallel.expert.params import mark_expert_param
 from parallel.tp.comm import copy_to_tp, reduce_from_tp
@@ -189,7 +190,10 @@ class TensorParallelExperts(Experts):
             setattr(out, name, _mark(shard, True, dim))
         return out
 
-    def forward(self, x: Tensor) -> Tensor:  # (E_l, C, H) -> (E_l, C, H)
+    def forward(self, x: Tensor, groups: GroupedRows | None = None) -> Tensor:  # (E_l, C, H) -> (E_l, C, H)
+        """The buffer layout only (`models.moe.experts.takes_groups` is False for this class)."""
+        if groups is not None:
+            raise ValueError("TensorParallelExperts takes the (E_l, C, H) buffer, not grouped rows")
         x = copy_to_tp(x, self.group)
         h = self.act(batched_linear(x, self.fc1_weight, self.fc1_bias))  # (E_l, C, F/p)
         h = F.dropout(h, self.activation_dropout, self.training)
