@@ -216,3 +216,21 @@ def group_run(
         "meshes": mesh_cases(rank, world, cases),
         "reshard": reshard_cases(rank, world, tmp, save, loads),
     }
+
+
+def translate_lines(rank: int, world: int, flags: dict[str, Any], lines: list[str]) -> str | None:
+    """`trainer.translate` on this group's mesh (`flags`: TranslateArguments fields); rank 0's stdout."""
+    import io
+
+    from trainer.eval.hf_translate import TranslateArguments, run
+
+    out = io.StringIO()
+    run(TranslateArguments(**flags), io.StringIO("\n".join(lines) + "\n"), out)
+    return out.getvalue() if rank == 0 else None
+
+
+def trainer_and_translate(
+    rank: int, world: int, base: dict[str, Any], runs: list[dict[str, Any]], flags: dict[str, Any], lines: list[str]
+) -> dict[str, Any]:
+    """The 8-rank group: trainer runs, then `trainer.translate` on the mesh in `flags`."""
+    return {"trainer": trainer_cases(rank, world, base, runs), "translate": translate_lines(rank, world, flags, lines)}

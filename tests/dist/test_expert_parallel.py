@@ -12,7 +12,8 @@ off; 5 steps of 16 pairs): per-step loss and grad norm match one process within 
 
 on (pp 2, dp 2, ep 2) with 1F1B and ZB-V and on (pp 2, tp 2, dp 2, ep 2) with ZB-V; evaluation
 at the end runs through the mesh (eval loss, and BLEU/chrF decoded on pp x ep (x tp), the ep
-peers decoding together) and equals one process's.
+peers decoding together) and equals one process's; `trainer.translate --model DIR` on
+(pp 2, tp 2, dp 2, ep 2) writes the lines one process writes for a `save_pretrained` NllbMoe.
 
 A random `NllbMoeForConditionalGeneration` saved by `save_pretrained` as sharded safetensors
 (with the run's tokenizer) fine-tunes on (pp 2, dp 2, ep 2): its step-0 eval loss equals stock
@@ -41,7 +42,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.dist.expert_workers import Case, group_run, trainer_cases
+from tests.dist.expert_workers import Case, group_run, trainer_and_translate, trainer_cases
 from tests.dist.harness import run_distributed
 from tests.dist.test_export import ENV, stock_eval_loss
 from tests.dist.train_workers import mesh_overrides as mesh
@@ -157,12 +158,31 @@ def test_trainer_pp2_dp2_ep2_equals_one_process(reference, group4) -> None:
     assert any(r.get("moe_dropped", 0) > 0 for r in _rows(trained, 1)), "capacity dropped nothing"
 
 
-def test_trainer_pp2_tp2_dp2_ep2_equals_one_process(reference, tmp_path: Path) -> None:
+def test_trainer_and_translate_on_pp2_tp2_dp2_ep2_equal_one_process(reference, tmp_path: Path) -> None:
+    """The trainer on (pp 2, tp 2, dp 2, ep 2), then `trainer.translate --model DIR` on the same mesh
+    for a `save_pretrained` NllbMoe directory: the lines one process writes (beam 2)."""
+    import io
+
+    from trainer.eval.hf_translate import TranslateArguments
+    from trainer.eval.hf_translate import run as translate
+
     values, (_, ref_aux) = reference
     values = {**values, "output_dir": str(tmp_path / "run")}
+    hf_dir = _stock_nllb_moe(tmp_path, values)
     runs = [mesh(pp=2, tp=2, dp=2, m=2, pipeline_schedule="zbv", **EP2, **AUX_CAPACITY, **EVAL)]
-    results = run_distributed(trainer_cases, 8, args=(values, runs), timeout=600, env=ENV, collective_timeout=300)
-    _check("pp2-tp2-dp2-ep2-zbv-aux-capacity", _rows(results, 0), ref_aux, evaluated=True)
+    flags = dict(model=str(hf_dir), source_lang="en", target_lang="de", num_beams=2, max_length=8,
+                 batch_size=2, device="cpu")  # fmt: skip
+    lines = ["one hundred and three", "twenty", "the fourth of May", "seven thousand"]
+    mesh_flags = dict(flags, pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=2,
+                      expert_parallel_size=2)  # fmt: skip
+    results = run_distributed(trainer_and_translate, 8, args=(values, runs, mesh_flags, lines), timeout=600,
+                              env=ENV, collective_timeout=300)  # fmt: skip
+    _check("pp2-tp2-dp2-ep2-zbv-aux-capacity", _rows([r["trainer"] for r in results], 0), ref_aux, evaluated=True)
+    one = io.StringIO()
+    translate(TranslateArguments(**flags), io.StringIO("\n".join(lines) + "\n"), one)
+    on_mesh = results[0]["translate"]
+    print(f"trainer.translate on (pp2, tp2, dp2, ep2): {on_mesh.splitlines()}")
+    assert on_mesh == one.getvalue() and len(on_mesh.splitlines()) == len(lines)
 
 
 def test_hf_checkpoint_fine_tunes_on_pp2_ep2_and_exports(group4, monkeypatch: pytest.MonkeyPatch) -> None:
