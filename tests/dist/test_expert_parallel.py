@@ -26,7 +26,7 @@ Below the trainer (`tests/dist/expert_workers.py`; a 4-expert model built stage-
 expert-locally, 3 AdamW steps, one process computed on each rank): ZB-V with full remat and
 keyed routing randomness (`sampling` second expert, expert output masking), interleaved 1F1B
 with stage remat and the aux loss, tp over the experts' FFN dim with sequence parallelism,
-ZeRO-1 with capacity drops and FSDP over edp, within 1e-5; and a DCP checkpoint of a
+ZeRO-1 with capacity drops and FSDP over edp (with and without a pipeline), within 1e-5; and a DCP checkpoint of a
 (dp 4, ep 2) run (per-expert transformers names, AdamW state) resuming on ep 4, on pp x tp
 with ep 1, on tp x ep with ZeRO-1 and on FSDP.
 
@@ -73,6 +73,7 @@ BELOW = {
     "dp2-tp2-ep2-sequence-parallel-aux": Case(dp=2, tp=2, ep=2, sequence_parallel=True, aux=0.01),
     "dp4-ep2-zero1-capacity": Case(dp=4, ep=2, m=1, sharding="zero1", dropless=False, capacity_factor=0.5),
     "dp4-ep4-fsdp-gpipe": Case(dp=4, ep=4, schedule="gpipe", sharding="fsdp"),
+    "pp2-dp2-ep2-fsdp-interleaved": Case(pp=2, dp=2, ep=2, schedule="interleaved_1f1b", sharding="fsdp"),
 }
 RESHARD_FROM = Case(dp=4, ep=2, m=1)
 RESHARD = {
