@@ -14,7 +14,9 @@ buffer's length (the most tokens any local expert received).
       counts (E,) --all_to_all--> counts from each peer (P, E_l)   rows --all_to_all^-1--> (A, H)
       one host read of both count tables (the splits)              out[token] += gate * row
       rows x[token] (A, H) --all_to_all--> received (R, H)         (index_add: (N, H))
-      received rows -> buffer (E_l, C, H), zero-padded
+      received rows -> sorted by local expert: grouped rows (R, H) for `torch._grouped_mm`
+      where it runs (`models.moe.experts.grouped_mm_runs`, experts that take it), else the
+      (E_l, C, H) buffer, zero-padded to the busiest local expert
 
 Every kept assignment crosses once each way; capacity (when set) was already applied by
 the router, which decided each rank's drops on its own routing group, so a mesh drops
@@ -49,6 +51,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from models.moe import Experts, LocalDispatcher, Routing
+from models.moe.experts import GroupedRows, grouped_mm_runs, takes_groups
 from parallel import watchdog
 from parallel.tp.comm import reduce_from_tp
 
@@ -109,8 +112,16 @@ class _DispatchCtx:
     gate: Tensor  # (A,) its combine weight
     send: list[int]  # rows sent to each ep rank
     recv: list[int]  # rows received from each ep rank
-    index: Tensor  # (R,) flat buffer position (e * C + c) of each received row
+    index: Tensor  # (R,) flat position of each received row (buffer: e * C + c; grouped: its row)
     num_tokens: int
+
+
+@dataclass
+class _GroupedDispatchCtx(GroupedRows):
+    """The grouped layout's `GroupedRows` (the experts read offs / expert / valid), with what
+    `AllToAllDispatcher.combine` needs."""
+
+    a2a: _DispatchCtx | None = None
 
 
 class AllToAllDispatcher:
@@ -125,8 +136,11 @@ class AllToAllDispatcher:
         self.group, self.stats = group, stats
         self.ep = dist.get_world_size(group)
 
-    def dispatch(self, x: Tensor, routing: Routing, experts: Experts) -> tuple[Tensor, _DispatchCtx]:
-        """Tokens (N, H) -> this rank's expert buffer (E_l, C, H) and the context `combine` needs."""
+    def dispatch(
+        self, x: Tensor, routing: Routing, experts: Experts
+    ) -> tuple[Tensor, _DispatchCtx | _GroupedDispatchCtx]:
+        """Tokens (N, H) -> this rank's experts' rows (grouped, or the (E_l, C, H) buffer) and the context
+        `combine` needs."""
         n, h = x.shape
         e_global = experts.num_experts
         e_local = e_global // self.ep
@@ -143,17 +157,34 @@ class AllToAllDispatcher:
         send = [sum(send_e[q * e_local : (q + 1) * e_local]) for q in range(self.ep)]
         recv = [sum(recv_qe[q * e_local : (q + 1) * e_local]) for q in range(self.ep)]
         per_expert = [sum(recv_qe[q * e_local + j] for q in range(self.ep)) for j in range(e_local)]
-        cap = max(per_expert, default=0)
         token = order // 2
         rows = all_to_all(x.index_select(0, token), recv, send, self.group, self.stats)  # (R, H)
-        index = _buffer_index(recv_qe, self.ep, e_local, cap, x.device)  # (R,)
-        buffer = rows.new_zeros(e_local * cap, h).index_copy(0, index, rows).view(e_local, cap, h)
         gate = routing.gate.reshape(-1)[order]
+        r = sum(recv)
+        if r and grouped_mm_runs(x) and takes_groups(experts):  # rows sorted by local expert, no padding
+            starts = [sum(per_expert[:j]) for j in range(e_local)]
+            index = _row_index(recv_qe, self.ep, e_local, starts, x.device)  # (R,)
+            ctx = _DispatchCtx(token, gate, send, recv, index, n)
+            sizes = torch.tensor(per_expert, dtype=torch.long).to(x.device, non_blocking=True)
+            groups = _GroupedDispatchCtx(
+                offs=sizes.cumsum(0).to(torch.int32),
+                expert=torch.repeat_interleave(torch.arange(e_local, device=x.device), sizes, output_size=r),
+                valid=torch.ones(r, dtype=torch.bool, device=x.device),
+                inverse=index.new_empty(0),
+                a2a=ctx,
+            )
+            return rows.new_empty(r, h).index_copy(0, index, rows), groups
+        cap = max(per_expert, default=0)
+        index = _row_index(recv_qe, self.ep, e_local, [j * cap for j in range(e_local)], x.device)  # (R,)
+        buffer = rows.new_zeros(e_local * cap, h).index_copy(0, index, rows).view(e_local, cap, h)
         return buffer, _DispatchCtx(token, gate, send, recv, index, n)
 
-    def combine(self, y: Tensor, routing: Routing, ctx: _DispatchCtx) -> Tensor:
-        """Expert outputs (E_l, C, H) -> tokens (N, H): each kept assignment's row times its gate,
-        summed per token (a token's two choices; nothing for a dropped one)."""
+    def combine(self, y: Tensor, routing: Routing, ctx: _DispatchCtx | _GroupedDispatchCtx) -> Tensor:
+        """Expert outputs (E_l, C, H) or grouped rows (R, H) -> tokens (N, H): each kept assignment's
+        row times its gate, summed per token (a token's two choices; nothing for a dropped one)."""
+        if isinstance(ctx, _GroupedDispatchCtx):
+            assert ctx.a2a is not None
+            ctx = ctx.a2a
         h = y.shape[-1]
         rows = y.reshape(-1, h).index_select(0, ctx.index)  # (R, H) in received order
         back = all_to_all(rows, ctx.send, ctx.recv, self.group, self.stats)  # (A, H) in send order
@@ -161,13 +192,16 @@ class AllToAllDispatcher:
         return weighted.new_zeros(ctx.num_tokens, h).index_add(0, ctx.token, weighted).to(y.dtype)
 
 
-def _buffer_index(recv_qe: list[int], ep: int, e_local: int, cap: int, device: torch.device) -> Tensor:
-    """Flat buffer position `j * cap + c` of every received row. Rows arrive grouped by peer q and,
-    within a peer, by local expert j; expert j's rows are stacked in peer order. From the host
-    count table: small (P, E_l) tables copied to the device, then one repeat_interleave."""
+def _row_index(recv_qe: list[int], ep: int, e_local: int, starts: list[int], device: torch.device) -> Tensor:
+    """Flat position `starts[j] + c` of every received row in the experts' layout (buffer: starts
+    j * C; grouped: where expert j's group begins). Rows arrive grouped by peer q and, within a
+    peer, by local expert j; expert j's rows are stacked in peer order. From the host count
+    table: small (P, E_l) tables copied to the device, then one repeat_interleave."""
     counts = torch.tensor(recv_qe, dtype=torch.long).view(ep, e_local)  # (P, E_l)
     before_peer = counts.cumsum(0) - counts  # rows of expert j from peers before q
-    base = (torch.arange(e_local) * cap + before_peer).reshape(-1)  # (P E_l,) first slot of each run
+    base = (torch.tensor(starts, dtype=torch.long) + before_peer).reshape(
+        -1
+    )  # (P E_l,) first slot of each run
     flat = counts.reshape(-1)
     run_start = flat.cumsum(0) - flat  # first received row of each (q, j) run
     total = int(flat.sum())
