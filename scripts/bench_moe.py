@@ -327,6 +327,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.out and Path(args.out + ".json").is_file():
         earlier = json.loads(Path(args.out + ".json").read_text())
     res: dict[str, Any] = {k: earlier[k] for k in ("one_process", "expert_parallel") if k in earlier}
+    ep_file = ROOT / "benchmarks" / "moe_ep_cpu.json"  # what scripts/bench_moe_ep.py wrote on its own
+    if "expert_parallel" not in res and ep_file.is_file():
+        res["expert_parallel"] = json.loads(ep_file.read_text())
     if "one" in parts:
         _init_single_process_group()
         shapes = [tuple(int(v) for v in x.split("x")) for x in args.batches.split(",") if x]
