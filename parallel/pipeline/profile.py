@@ -82,11 +82,18 @@ def profile_blocks(
 
 
 def profile_blocks_by_kind(
-    config: ModelConfig, batch: Seq2SeqBatch, device: torch.device, seed: int = 0, repeats: int = 3
+    config: ModelConfig,
+    batch: Seq2SeqBatch,
+    device: torch.device,
+    seed: int = 0,
+    repeats: int = 3,
+    ep: int = 1,
 ) -> tuple[list[float], list[float], list[int]]:
     """`profile_blocks`'s (seconds, bytes, parameter count) for every block of `config`'s model,
     measured on a model with one block of each kind (one encoder and one decoder layer), never
-    the whole model: the layers of a stack are alike, so each gets its kind's cost.
+    the whole model: the layers of a stack are alike, so each gets its kind's cost. An NLLB-MoE's
+    sparse layers are a kind of their own (measured on a one-layer copy whose layers are sparse),
+    and a rank holds E / ep of their experts: their parameter count and bytes are this rank's.
 
     Args:
         config: the model to partition.
@@ -94,12 +101,36 @@ def profile_blocks_by_kind(
         device: where to build the one-layer model and run it.
         seed: its init seed (the values do not change the costs).
         repeats: timed repetitions per block after a warm-up.
+        ep: expert-parallel size.
     """
-    with torch.device(device):
-        small = M2M100Translation(replace(config, encoder_layers=1, decoder_layers=1), seed=seed)
-    costs = dict(zip((s.kind for s in small.blocks), zip(*profile_blocks(small, batch, repeats))))
-    per_block = [costs[spec.kind] for spec in block_specs(config)]
+    costs: dict[tuple[BlockKind, bool], tuple[float, float, int]] = {}
+    for sparse in (False, True) if config.sparse_layers() else (False,):
+        step = 1 if sparse else 0
+        one = replace(
+            config, encoder_layers=1, decoder_layers=1, encoder_sparse_step=step, decoder_sparse_step=step
+        )
+        with torch.device(device):
+            small = M2M100Translation(one, seed=seed)
+        experts = expert_params_per_block(small)
+        for spec, t, m, c, x in zip(small.blocks, *profile_blocks(small, batch, repeats), experts):
+            cut = x - x // ep  # the experts other ranks hold
+            costs.setdefault((spec.kind, x > 0), (t, m - 4.0 * cut, c - cut))
+    per_block = [costs[(s.kind, _is_sparse(config, s))] for s in block_specs(config)]
     return [c[0] for c in per_block], [c[1] for c in per_block], [c[2] for c in per_block]
+
+
+def _is_sparse(config: ModelConfig, spec: BlockSpec) -> bool:
+    layer = spec.kind in (BlockKind.ENC_LAYER, BlockKind.DEC_LAYER)
+    return layer and config.is_sparse(spec.kind is BlockKind.DEC_LAYER, spec.index)
+
+
+def expert_params_per_block(model: M2M100Translation) -> list[int]:
+    """Expert parameters of each block of `model` (0 but for its sparse layers; meta models too)."""
+    ffns = model.sparse_ffns()
+    return [
+        sum(p.numel() for p in ffns[spec.name].experts.parameters()) if spec.name in ffns else 0
+        for spec in model.blocks
+    ]
 
 
 def param_counts_per_block(model: M2M100Translation) -> list[int]:
