@@ -352,3 +352,9 @@ def test_moe_params_memory_and_meshes_follow_expert_parallelism() -> None:
     assert preds[4].memory["optimizer"] == pytest.approx(8 * (dense / 4 + experts / 4))
     assert preds[1].memory["optimizer"] == pytest.approx(8 * (dense + experts) / 4)
     assert preds[4].memory["parameters"] < preds[1].memory["parameters"]
+    # the trainer's partition counts a sparse layer with this rank's experts too
+    from trainer.run.balance import _param_counts
+
+    four, _ = block_param_counts(mc, ep=4)
+    got = _param_counts(mc, ep=4)
+    assert got[1:] == four[1:] and got[0] == four[0] + table
