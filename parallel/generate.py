@@ -25,6 +25,12 @@ KV caches hold this rank's heads only. Sequence parallelism is suspended while
 decoding (`parallel.tp.apply.sequence_parallel_suspended`): one token per step
 cannot be split along T, and the forward values do not depend on it. Nothing per token reads the device except
 what the search needs (its finished check on the leader, the command on the others).
+
+Expert parallelism (ep > 1): the ep peers of a replica decode the same batch together,
+as tp ranks do: each runs its own experts on their share of every token and the ep
+group sums the outputs (`parallel.expert.apply.replicated_tokens`), so every peer gets
+the same logits and takes the same number of steps (no all-to-all to keep in lockstep
+across replicas decoding different batches; the callers hand ep peers the same batches).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from models.generate import (
     special_tokens,
 )
 from models.m2m100 import BlockSpec, Seq2SeqBatch, State
+from parallel.expert.apply import replicated_tokens
 from parallel.parallelize import ParallelModel
 from parallel.pipeline.p2p import PendingSend, Transfer, exchange, wait_sends
 from parallel.tp.apply import sequence_parallel_suspended
@@ -220,7 +227,8 @@ def pipeline_generate(
     Args:
         pm: this rank's parallel model (sequence parallelism, if on, is suspended for the
             call: one token per step cannot be split along T; FSDP parameters are gathered
-            for it, a collective over dp: every dp replica calls as often).
+            for it, a collective over dp: every dp replica calls as often; with ep > 1 the ep
+            peers must pass the same batch).
         input_ids: (B, S) `__src__ tokens </s>` right-padded.
         attention_mask: (B, S) 1 on real tokens.
         forced_bos_token_id: one tag, one per row, or None (see `generate`).
@@ -238,7 +246,11 @@ def pipeline_generate(
     ids, mask = input_ids.to(pm.device), attention_mask.to(pm.device)
     sp = pm.tp_info is not None and pm.tp_info.sequence_parallel
     gathered = pm.fsdp.gathered() if pm.fsdp is not None else nullcontext()
-    with gathered, sequence_parallel_suspended(pm.model) if sp else nullcontext():
+    with (
+        gathered,
+        sequence_parallel_suspended(pm.model) if sp else nullcontext(),
+        replicated_tokens(pm.model),
+    ):
         return _generate(pm, ids, mask, special, settings)
 
 

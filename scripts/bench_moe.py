@@ -26,8 +26,9 @@ CPU seconds of the (single-threaded: OMP_NUM_THREADS=1) process per step, which 
 shared machine disturb less than wall time (also recorded), and ours / HF as the median of the
 alternating steps' ratios. Goal (issue 24): ours <= 0.5x HF on 32 experts.
 
-The expert-parallel parts (memory per rank, all-to-all bytes) extend this script: add a
-function beside `one_process` and a section of the report.
+Expert parallelism (`--parts ep`, `scripts/bench_moe_ep.py`): peak memory per rank of an
+expert-heavy model on (dp 4, ep 4) against one process (goal <= 0.40x), and the all-to-all bytes
+the dispatcher sent against the planner's formula (goal: within 5%).
 """
 
 from __future__ import annotations
@@ -244,7 +245,7 @@ def one_process(args: argparse.Namespace, b: int, seq: int) -> dict[str, Any]:
     }
 
 
-def report(results: list[dict[str, Any]]) -> str:
+def report(results: list[dict[str, Any]], expert_parallel: dict[str, Any] | None = None) -> str:
     lines = [
         "# NLLB-MoE speed, CPU",
         "",
@@ -256,6 +257,11 @@ def report(results: list[dict[str, Any]]) -> str:
     ]
     for res in results:
         lines += ["", *_one_table(res)]
+    if expert_parallel:
+        from bench_moe_ep import report as ep_report
+
+        lines += ["", "## Expert parallelism (4 gloo ranks): memory per rank, all-to-all bytes", "",
+                  ep_report(expert_parallel["memory"], expert_parallel["a2a"])]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -307,12 +313,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--out", default=str(ROOT / "benchmarks" / "moe_cpu"), help="PATH: writes PATH.md and PATH.json"
     )
+    ap.add_argument(
+        "--parts",
+        default="one,ep",
+        help="one: one process vs transformers; ep: expert parallelism on 4 gloo ranks (scripts/bench_moe_ep.py: "
+        "memory per rank, all-to-all bytes). A part left out keeps its earlier results from PATH.json.",
+    )
+    ap.add_argument("--ep_skip_memory", action="store_true", help="ep part: the all-to-all bytes only")
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
     torch.manual_seed(0)
-    _init_single_process_group()
-    shapes = [tuple(int(v) for v in x.split("x")) for x in args.batches.split(",") if x]
-    res = {"one_process": [one_process(args, b, seq) for b, seq in shapes]}
-    text = report(res["one_process"])
+    earlier: dict[str, Any] = {}
+    if args.out and Path(args.out + ".json").is_file():
+        earlier = json.loads(Path(args.out + ".json").read_text())
+    res: dict[str, Any] = {k: earlier[k] for k in ("one_process", "expert_parallel") if k in earlier}
+    if "one" in parts:
+        _init_single_process_group()
+        shapes = [tuple(int(v) for v in x.split("x")) for x in args.batches.split(",") if x]
+        res["one_process"] = [one_process(args, b, seq) for b, seq in shapes]
+    if "ep" in parts:
+        from bench_moe_ep import expert_parallel
+
+        res["expert_parallel"] = expert_parallel(skip_memory=args.ep_skip_memory)
+    text = report(res.get("one_process", []), res.get("expert_parallel"))
     print(text)
     if args.out:
         Path(args.out + ".json").write_text(json.dumps(res, indent=1) + "\n")

@@ -126,6 +126,7 @@ MAY_CHANGE = (
     "pipeline_parallel_size",
     "tensor_parallel_size",
     "data_parallel_size",
+    "expert_parallel_size",  # checkpoints keep one entry per expert: they reshard across ep
     "pipeline_schedule",
     "virtual_pipeline_stages",
     "activation_checkpointing",

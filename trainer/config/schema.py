@@ -188,6 +188,13 @@ class ParallelArguments:
         default=1, metadata={"help": "Tensor-parallel ranks (tp axis, innermost)."}
     )
     data_parallel_size: int = field(default=-1, metadata={"help": "Data-parallel replicas; -1 = inferred."})
+    expert_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Expert-parallel ranks (ep, a sub-group of the dp axis): each sparse layer's experts "
+            "spread over ep replicas, E / ep per rank; must divide data_parallel_size and num_experts."
+        },
+    )
     num_microbatches: int = field(default=1, metadata={"help": "Micro-batches per pipeline flush."})
     pipeline_schedule: str = field(default="1f1b", metadata={"help": f"One of {list(SCHEDULE_CHOICES)}."})
     virtual_pipeline_stages: int = field(
@@ -236,6 +243,7 @@ class ParallelArguments:
         names = (
             "pipeline_parallel_size",
             "tensor_parallel_size",
+            "expert_parallel_size",
             "num_microbatches",
             "virtual_pipeline_stages",
         )

@@ -23,6 +23,7 @@ from models.m2m100 import M2M100Translation
 from parallel.pipeline.profile import BlockPhases
 from trainer.config.schema import JobConfig
 from trainer.planner.blocks import (
+    SPARSE,
     KindCosts,
     Shape,
     activation_kind_costs,
@@ -143,11 +144,14 @@ class CostSource:
             self._acts[key] = activation_kind_costs(self.mc, Shape(1, s, t), remat)
         return self._acts[key]
 
-    def block_costs(self, shape: Shape, remat: str, tp: int, ctx: CostContext) -> list[BlockPhases]:
-        """Every block's costs on one tp rank (`plan_cost.block_costs`)."""
+    def block_costs(
+        self, shape: Shape, remat: str, tp: int, ctx: CostContext, ep: int = 1
+    ) -> list[BlockPhases]:
+        """Every block's costs on one (tp, ep) rank (`plan_cost.block_costs`)."""
         rank_shape, factor = tp_shape(shape, tp)
         kinds = self.kind_costs(shape, remat)
-        return block_costs(kinds, self.kind_costs(rank_shape, remat), factor, self.mc, shape, tp, ctx)
+        rank_kinds = self.kind_costs(rank_shape, remat)
+        return block_costs(kinds, rank_kinds, factor, self.mc, shape, tp, ctx, ep, recompute=remat == "full")
 
 
 def measure_optimizer_s_per_param(mc: ModelConfig, repeats: int = 3) -> float:
@@ -278,7 +282,7 @@ def _step_overheads(cfg, mc, shape, kinds, opt_s_per_param, repeats, mesh) -> di
     from trainer.run.step import build_optimizer, build_scheduler, train_step
 
     small = one_layer_config(mc)
-    block_s = sum(ph.forward_s + ph.backward_s for ph in kinds.values())
+    block_s = sum(ph.forward_s + ph.backward_s for k, ph in kinds.items() if not k.endswith(SPARSE))
     over = {}
     for m in (1, 3):
         torch.manual_seed(0)

@@ -129,8 +129,8 @@ def train_step(
             dist.barrier()
     skips = layerdrop_skips(pm.model.config, seed, step)
     loss_scale = (1.0 if scaler is None else scaler.scale) / global_batch.num_tokens
-    pm.model.moe.begin_step(seed, step, loss_scale)  # NLLB-MoE: routing keys, the aux loss's scale
-    results = pm.train_step(flushes, loss_scale=loss_scale, timed=timed, skip_layers=skips)
+    # NLLB-MoE: ParallelModel.train_step keys the routing by (seed, step) and scales the aux loss
+    results = pm.train_step(flushes, loss_scale=loss_scale, timed=timed, skip_layers=skips, step=step)
     # Unscale before clipping: the norm and the clip threshold are in true-gradient units.
     found = scaler.unscale_(p.grad for p in pm.params()) if scaler is not None else None
     grad_norm = pm.grads.clip_(max_grad_norm)
