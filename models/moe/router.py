@@ -47,6 +47,13 @@ class Routing:
         )
 
 
+def _one_hot(index: Tensor, classes: int) -> Tensor:
+    """(N,) -> (N, classes) long; `F.one_hot` would read the indices back to check their range."""
+    return torch.zeros(index.shape[0], classes, dtype=torch.long, device=index.device).scatter_(
+        1, index[:, None], 1
+    )
+
+
 def _positions(mask: Tensor, order: Tensor | None) -> Tensor:
     """(N, E) 0/1 -> (N, E): each token's position among the tokens routed to the same expert,
     counted in token order or in `order` (a permutation of the tokens)."""
@@ -120,8 +127,8 @@ class Top2Router(nn.Module):
         if self.policy == "random":  # keep the second choice with probability 2 g_2
             u = torch.rand(n, device=x.device, dtype=g2.dtype, generator=generator)
             use2 = real & (2 * g2.detach() > u)
-        mask1 = F.one_hot(idx1, e) * real[:, None]  # (N, E) long
-        mask2 = F.one_hot(idx2, e) * use2[:, None]
+        mask1 = _one_hot(idx1, e) * real[:, None]  # (N, E) long
+        mask2 = _one_hot(idx2, e) * use2[:, None]
         order = None
         if self.batch_prioritized:  # most confident first (stable: ties keep token order)
             order = torch.argsort(-probs.detach().max(dim=-1).values, stable=True)

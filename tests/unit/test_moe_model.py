@@ -195,3 +195,24 @@ def test_expert_load_row_sums_the_window_without_reading_per_step() -> None:
     assert row["moe_dec0_tokens_mean"] * 8 == pytest.approx(2 * sum(b.num_tokens() for b in parts))
     assert "enc1 max/mean" in load_line(row)
     assert load.row(load.values().tolist())["moe_enc1_tokens_max"] == 0  # the window was reset
+
+
+@pytest.mark.parametrize(
+    ("grouped", "dropless", "reads"), [(True, False, 0), (True, True, 0), (False, False, 0), (False, True, 3)]
+)
+def test_device_reads_of_a_training_forward_and_backward(grouped: bool, dropless: bool, reads: int) -> None:
+    """No read back to the host in a sparse model's training step (the hot path), except the
+    capacity buffer's size under dropless routing: one per sparse layer (3 here)."""
+    from models.moe import LocalDispatcher
+    from parallel.dispatch_count import DispatchCounter
+
+    m = model(second_expert_policy="random", moe_token_dropout=0.2, dropout=0.1)
+    m.moe.dropless = dropless
+    for ffn in m.sparse_ffns().values():
+        ffn.dispatcher = LocalDispatcher(grouped)
+    b = batch()
+    m.moe.begin_step(0, 1, 1.0 / b.num_tokens())
+    with DispatchCounter() as counter:
+        loss, _ = m.loss(b)
+        loss.backward()
+    assert counter.host_reads == reads
