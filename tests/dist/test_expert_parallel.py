@@ -203,7 +203,7 @@ def test_hf_checkpoint_fine_tunes_on_pp2_ep2_and_exports(group4, monkeypatch: py
     assert evals[0]["eval_loss"] == pytest.approx(stock, rel=1e-5)
     ckpt = Path(values["output_dir"]) / "checkpoint-2"
     state = json.loads((ckpt / "trainer_state.json").read_text())
-    assert state["mesh"]["dp"] == 2
+    assert state["mesh"] == {"pp": 2, "dp": 2, "tp": 1, "ep": 2}
     out = group4["tmp"] / "export"
     assert export_main(["--checkpoint", str(ckpt), "--output", str(out), "--max_shard_size", "100KB"]) == 0
     assert json.loads((out / "config.json").read_text())["model_type"] == "nllb-moe"

@@ -325,10 +325,11 @@ def record_setup(
     if resume is None or not (out / "model_config.json").is_file():
         (out / "model_config.json").write_text(json.dumps(mc.to_dict(), indent=1))
     logger.info(
-        "mesh pp=%d dp=%d tp=%d, schedule %s (v=%d), remat %s\n%s",
+        "mesh pp=%d dp=%d tp=%d%s, schedule %s (v=%d), remat %s\n%s",
         dims.pp,
         dims.dp,
         dims.tp,
+        f" ep={dims.ep} (edp={dims.edp})" if dims.ep > 1 else "",
         cfg.parallel.pipeline_schedule,
         cfg.parallel.virtual_stages,
         cfg.parallel.activation_checkpointing,
