@@ -1,14 +1,31 @@
 """Multi-head attention with fused projections, and the KV cache of incremental decoding.
 
 Written for one device; tensor parallelism swaps the projections from outside, so the
-local head count is derived from the projections' width (see `Attention`).
+local head count is derived from the projections' width (see `Attention`). Each dropout site
+of the model draws its mask inside a hook (`DropoutRng`) a runner may point at a stream of its
+own (tp draws per rank: `parallel.tp.rng`); `dropout_at` is that draw.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+# A dropout site's generator context: entered around the draw of its mask. `nullcontext`, the
+# default, draws from torch's default generator.
+DropoutRng = Callable[[], AbstractContextManager[object]]
+
+
+def dropout_at(rng: DropoutRng, x: Tensor, p: float, training: bool) -> Tensor:
+    """`F.dropout(x, p, training)` with its mask drawn inside the site's context `rng`."""
+    if not training or p == 0.0:
+        return x
+    with rng():
+        return F.dropout(x, p, True)
 
 
 class KVCache:
@@ -50,6 +67,7 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = d_model // num_heads
         self.dropout, self.cross = dropout, cross
+        self.dropout_rng: DropoutRng = nullcontext  # the attention-probability masks' generator
         if cross:
             self.q_proj = nn.Linear(d_model, d_model)
             self.kv_proj = nn.Linear(d_model, 2 * d_model)
@@ -84,12 +102,9 @@ class Attention(nn.Module):
             if cache is not None:  # one new token per step: no causal mask needed
                 k, v = cache.append(k, v)
         mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, S)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=causal and mask is None and cache is None,  # a cache means one query per step
-        )
+        p = self.dropout if self.training else 0.0
+        with self.dropout_rng() if p > 0.0 else nullcontext():
+            out = F.scaled_dot_product_attention(  # a cache: one query per step, no causal mask
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal and mask is None and cache is None
+            )
         return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))

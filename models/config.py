@@ -11,6 +11,8 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from models.errors import ModelConfigError
+
 
 @dataclass
 class ModelConfig:
@@ -58,7 +60,7 @@ class ModelConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the bad value and what would be valid."""
+        """Raise ModelConfigError naming the bad value and what would be valid."""
         for name in (
             "vocab_size",
             "d_model",
@@ -71,16 +73,16 @@ class ModelConfig:
             "max_position_embeddings",
         ):
             if int(getattr(self, name)) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be a positive integer")
+                raise ModelConfigError(f"{name}={getattr(self, name)} must be a positive integer")
         for heads_name in ("encoder_attention_heads", "decoder_attention_heads"):
             heads = getattr(self, heads_name)
             if self.d_model % heads != 0:
-                raise ValueError(
+                raise ModelConfigError(
                     f"d_model={self.d_model} is not divisible by {heads_name}={heads}; "
                     f"valid head counts divide d_model (e.g. {_divisors(self.d_model)})"
                 )
         if self.activation_function not in ACTIVATIONS:
-            raise ValueError(
+            raise ModelConfigError(
                 f"activation_function={self.activation_function!r} is unknown; valid: {sorted(ACTIVATIONS)}"
             )
         for name in (
@@ -92,7 +94,7 @@ class ModelConfig:
         ):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
-                raise ValueError(f"{name}={p} must be in [0, 1)")
+                raise ModelConfigError(f"{name}={p} must be in [0, 1)")
         for name in (
             "pad_token_id",
             "bos_token_id",
@@ -102,31 +104,35 @@ class ModelConfig:
         ):
             tid = getattr(self, name)
             if not 0 <= tid < self.vocab_size:
-                raise ValueError(f"{name}={tid} is outside the vocabulary [0, {self.vocab_size})")
+                raise ModelConfigError(f"{name}={tid} is outside the vocabulary [0, {self.vocab_size})")
         self._validate_moe()
 
     def _validate_moe(self) -> None:
         if self.num_experts < 0 or self.num_experts == 1:
-            raise ValueError(f"num_experts={self.num_experts} must be 0 (dense) or >= 2 (top-2 routing)")
+            raise ModelConfigError(
+                f"num_experts={self.num_experts} must be 0 (dense) or >= 2 (top-2 routing)"
+            )
         for name in ("encoder_sparse_step", "decoder_sparse_step"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0: no sparse layer)")
+                raise ModelConfigError(f"{name}={getattr(self, name)} must be >= 0 (0: no sparse layer)")
         if self.second_expert_policy not in SECOND_EXPERT_POLICIES:
-            raise ValueError(
+            raise ModelConfigError(
                 f"second_expert_policy={self.second_expert_policy!r} is unknown; valid: {list(SECOND_EXPERT_POLICIES)}"
             )
         if self.router_dtype not in ROUTER_DTYPES:
-            raise ValueError(f"router_dtype={self.router_dtype!r} is unknown; valid: {list(ROUTER_DTYPES)}")
+            raise ModelConfigError(
+                f"router_dtype={self.router_dtype!r} is unknown; valid: {list(ROUTER_DTYPES)}"
+            )
         if not 0.0 <= self.moe_token_dropout < 1.0:  # NaN fails too
-            raise ValueError(f"moe_token_dropout={self.moe_token_dropout} must be in [0, 1)")
+            raise ModelConfigError(f"moe_token_dropout={self.moe_token_dropout} must be in [0, 1)")
         frac = self.moe_eval_capacity_token_fraction
         if not (frac <= 1.0 and math.isfinite(frac)):
-            raise ValueError(
+            raise ModelConfigError(
                 f"moe_eval_capacity_token_fraction={frac} must be <= 1 (<= 0: the training capacity)"
             )
         for name in ("router_aux_loss_coef", "router_z_loss_coef"):
             if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
-                raise ValueError(f"{name}={getattr(self, name)} must be a finite number >= 0")
+                raise ModelConfigError(f"{name}={getattr(self, name)} must be a finite number >= 0")
 
     @property
     def is_moe(self) -> bool:

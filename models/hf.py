@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from models.config import ModelConfig
+from models.errors import CheckpointMismatchError, ModelConfigError
 from models.hf_names import FUSED as FUSED  # re-exported: importers name them from here
 from models.hf_names import HF_ALIASES, hf_names, our_key
 from models.hf_names import hf_key as hf_key
@@ -69,10 +70,6 @@ MOE_CONFIG_KEYS = (
     "router_z_loss_coef",
 )
 MOE_MODEL_TYPE = "nllb-moe"
-
-
-class CheckpointMismatchError(ValueError):
-    """A checkpoint does not fit the model (missing/unexpected keys or shapes)."""
 
 
 def to_hf_config(config: ModelConfig) -> Any:
@@ -157,10 +154,35 @@ def to_hf_state_dict(state: dict[str, Tensor], config: ModelConfig) -> dict[str,
 
 
 def read_hf_config(path: str | Path) -> ModelConfig:
+    """Our ModelConfig from the HF directory `path`'s config.json.
+
+    Raises:
+        CheckpointMismatchError: no config.json, not an M2M100/NLLB model, or an invalid architecture.
+    """
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
         raise CheckpointMismatchError(f"{path} has no config.json; expected a Hugging Face model directory")
-    return from_hf_config(json.loads(cfg_file.read_text()))
+    try:
+        return from_hf_config(json.loads(cfg_file.read_text()))
+    except ModelConfigError as e:
+        raise CheckpointMismatchError(f"{cfg_file}: {e}") from None
+
+
+def hf_tensor_shape(path: str | Path, name: str) -> tuple[int, ...]:
+    """The stored shape of our tensor `name` (`shared.weight`: under its tied aliases too) in the HF
+    directory `path`, read from the files' headers (nothing else is read).
+
+    Raises:
+        CheckpointMismatchError: no weight files, or no tensor of that name.
+    """
+    ckpt = _Checkpoint(Path(path))
+    try:
+        key = ckpt.key(hf_key(name))
+        if key is None:
+            raise CheckpointMismatchError(f"{path} holds no {hf_key(name)} (or a tied alias of it)")
+        return ckpt.shape(key)
+    finally:
+        ckpt.close()
 
 
 # Weight files of an HF directory, in the order looked for: (index, single file).

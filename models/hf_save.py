@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,35 +73,33 @@ def shard_file(index: int, count: int) -> str:
     return SINGLE_FILE if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
-def write_shards(out_dir: str | Path, shards: Iterable[Mapping[str, Tensor]], count: int) -> None:
-    """Write `count` shards of HF-named tensors, each as soon as it arrives, then the index.
+def write_shards(
+    out_dir: str | Path,
+    groups: Sequence[Sequence[str]],
+    make_shard: Callable[[Sequence[str]], dict[str, Tensor]],
+) -> None:
+    """Write one safetensors file per group, then the index; one shard is held at a time.
 
     Args:
         out_dir: an existing directory.
-        shards: yields each shard's tensors (HF names, contiguous CPU tensors); a shard is
-            dropped before the next is asked for, so only one is held at a time.
-        count: how many `shards` yields (named in the file names).
-
-    Raises:
-        ValueError: `shards` yields a different number of shards than `count`.
+        groups: the shards' tensors (`plan_shards`), in file order.
+        make_shard: a group -> its HF-named tensors (contiguous CPU tensors). It is called for
+            a group only after the previous shard is written and dropped, so at most one
+            shard's tensors are alive (safetensors writes them from their own memory).
     """
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     weight_map: dict[str, str] = {}
     total = 0
-    written = 0
-    for i, tensors in enumerate(shards):
-        if i >= count:
-            raise ValueError(f"more shards than the {count} announced")
-        name = shard_file(i, count)
-        save_file(dict(tensors), str(out / name), metadata={"format": "pt"})
+    for i, group in enumerate(groups):
+        name = shard_file(i, len(groups))
+        tensors = make_shard(group)
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, name))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
-        written += 1
-    if written != count:
-        raise ValueError(f"{written} shards written, {count} announced")
-    if count > 1:
+        del tensors  # before the next shard is made
+    if len(groups) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
@@ -164,12 +162,11 @@ def save_hf_model(
     sizes = [(n, tensor_bytes(t.shape, dtype)) for n, t in state.items()]
     groups = plan_shards(sizes, parse_shard_size(max_shard_size))
 
-    def shards() -> Iterable[dict[str, Tensor]]:
-        for group in groups:
-            yield {
-                k: v.detach().to("cpu", dtype).contiguous()
-                for n in group
-                for k, v in hf_tensors(n, state[n], config)
-            }
+    def make_shard(group: Sequence[str]) -> dict[str, Tensor]:
+        return {
+            k: v.detach().to("cpu", dtype).contiguous()
+            for n in group
+            for k, v in hf_tensors(n, state[n], config)
+        }
 
-    write_shards(out, shards(), len(groups))
+    write_shards(out, groups, make_shard)

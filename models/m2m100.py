@@ -26,13 +26,16 @@ Tensor parallelism is applied from outside by swapping the `nn.Linear` /
 from the width of its projections' output rather than from the config. Attention
 projections are fused (q, k, v in one matmul; see `models.attention.Attention`); `models.hf`
 maps them to and from HF's separate tensors. NLLB-MoE layers replace the FFN by `models.moe`'s
-`SparseFFN` (`ffn`) in the layers transformers makes sparse; the block list is the same.
+`SparseFFN` (`ffn`) in the layers transformers makes sparse; the block list is the same. Each dropout site
+draws inside a hook (`models.attention.DropoutRng`) a runner may point at a stream of its
+own (tp draws per rank: `parallel.tp.rng`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from enum import Enum
 
@@ -41,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.attention import Attention as Attention  # re-exported: importers name them from here
+from models.attention import DropoutRng, dropout_at
 from models.attention import KVCache as KVCache
 from models.batch import Seq2SeqBatch as Seq2SeqBatch
 from models.config import ModelConfig
@@ -162,14 +166,21 @@ class _Layer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(c.d_model)
         self.act = ACT_FNS[c.activation_function]
         self.dropout, self.activation_dropout = c.dropout, c.activation_dropout
+        self.dropout_rng: DropoutRng = nullcontext  # residual-branch masks
+        self.activation_dropout_rng: DropoutRng = nullcontext  # FFN-hidden masks
 
     def feed_forward(self, x: Tensor, moe: MoECall | None = None) -> Tensor:
         """The FFN branch, dropout included: Drop(fc2(Drop_act(act(fc1 x)))), or the sparse FFN
         (its experts drop their own outputs; fairseq adds no residual dropout after an MoE layer)."""
         if self.is_sparse:
             return self.ffn(x, moe)  # type: ignore[no-any-return]
-        h = self.fc2(F.dropout(self.act(self.fc1(x)), self.activation_dropout, self.training))
-        return F.dropout(h, self.dropout, self.training)
+        h = self.act(self.fc1(x))
+        h = self.fc2(dropout_at(self.activation_dropout_rng, h, self.activation_dropout, self.training))
+        return dropout_at(self.dropout_rng, h, self.dropout, self.training)
+
+    def residual(self, x: Tensor, h: Tensor) -> Tensor:
+        """x + Drop(h)."""
+        return x + dropout_at(self.dropout_rng, h, self.dropout, self.training)
 
 
 class EncoderLayer(_Layer):
@@ -183,8 +194,7 @@ class EncoderLayer(_Layer):
 
     def forward(self, x: Tensor, src_mask: Tensor | None, moe: MoECall | None = None) -> Tensor:
         """`moe`: what a sparse layer routes with (padding, micro-batch); None: evaluation defaults."""
-        h = self.self_attn(self.self_attn_layer_norm(x), key_mask=src_mask)
-        x = x + F.dropout(h, self.dropout, self.training)
+        x = self.residual(x, self.self_attn(self.self_attn_layer_norm(x), key_mask=src_mask))
         return x + self.feed_forward(self.final_layer_norm(x), moe)
 
 
@@ -210,12 +220,11 @@ class DecoderLayer(_Layer):
     ) -> Tensor:
         """`self_cache` and `cross_kv` are for incremental decoding (`models.generate`); `moe` as
         in `EncoderLayer.forward`."""
-        h = self.self_attn(self.self_attn_layer_norm(x), causal=True, cache=self_cache)
-        x = x + F.dropout(h, self.dropout, self.training)
+        x = self.residual(x, self.self_attn(self.self_attn_layer_norm(x), causal=True, cache=self_cache))
         h = self.encoder_attn(
             self.encoder_attn_layer_norm(x), kv=encoder_out, key_mask=src_mask, cached_kv=cross_kv
         )
-        x = x + F.dropout(h, self.dropout, self.training)
+        x = self.residual(x, h)
         return x + self.feed_forward(self.final_layer_norm(x), moe)
 
 

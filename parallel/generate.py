@@ -21,7 +21,10 @@ S source length, H d_model, V vocabulary.
               number of steps, so all tp and p2p traffic matched
 
 Tensor-parallel layers run as trained (heads split, row-parallel all-reduce); the
-KV caches hold this rank's heads only. Sequence parallelism is suspended while
+KV caches hold this rank's heads only. Decoding runs in the run's precision
+(`ParallelModel.evaluating`: autocast as in training, or every weight cast with
+`bf16_full_eval`), so an fsdp run's gathered bf16 working weights meet bf16 activations;
+the hidden states between stages keep the residual stream's dtype. Sequence parallelism is suspended while
 decoding (`parallel.tp.apply.sequence_parallel_suspended`): one token per step
 cannot be split along T, and the forward values do not depend on it. Nothing per token reads the device except
 what the search needs (its finished check on the leader, the command on the others).
@@ -81,13 +84,9 @@ def _hop(
     if me == src:
         assert x is not None
         return None, exchange([Transfer(True, pm.mesh.pp_peer(dst), [x], tag)])
-    buf = torch.empty(shape, dtype=_dtype(pm), device=pm.device)
+    buf = torch.empty(shape, dtype=pm.activation_dtype, device=pm.device)
     exchange([Transfer(False, pm.mesh.pp_peer(src), [buf], tag)])
     return buf, []
-
-
-def _dtype(pm: ParallelModel) -> torch.dtype:
-    return next(pm.model.parameters()).dtype
 
 
 def encode(pm: ParallelModel, batch: Seq2SeqBatch) -> Tensor:
@@ -112,7 +111,11 @@ def encode(pm: ParallelModel, batch: Seq2SeqBatch) -> Tensor:
             state = pm.model.run_blocks(state, batch, blocks)
     wait_sends(pending)
     owner = rank_of(runs[-1][0])  # the stage with the encoder norm
-    out = state["encoder_out"] if owner == me else torch.empty(shape, dtype=_dtype(pm), device=pm.device)
+    out = (
+        state["encoder_out"]
+        if owner == me
+        else torch.empty(shape, dtype=pm.activation_dtype, device=pm.device)
+    )
     if p > 1:
         dist.broadcast(out, src=pm.mesh.pp_peer(owner), group=pm.mesh.group("pp"))
     return out
@@ -225,10 +228,12 @@ def pipeline_generate(
     with the same batch. Dropout is whatever mode `pm.model` is in (eval for decoding).
 
     Args:
-        pm: this rank's parallel model (sequence parallelism, if on, is suspended for the
-            call: one token per step cannot be split along T; FSDP parameters are gathered
-            for it, a collective over dp: every dp replica calls as often; with ep > 1 the ep
-            peers must pass the same batch).
+        pm: this rank's parallel model, decoding in evaluation's precision (`pm.evaluating`:
+            autocast to the run's working dtype, or every weight cast with `bf16_full_eval`;
+            FSDP parameters gathered, a collective over dp: every dp replica calls as often,
+            or all calls sit in one outer `pm.evaluating()`; with ep > 1 the ep peers must pass
+            the same batch). Sequence parallelism, if on, is suspended for the call: one token
+            per step cannot be split along T.
         input_ids: (B, S) `__src__ tokens </s>` right-padded.
         attention_mask: (B, S) 1 on real tokens.
         forced_bos_token_id: one tag, one per row, or None (see `generate`).
@@ -245,9 +250,8 @@ def pipeline_generate(
     special = special_tokens(pm.model.config, forced_bos_token_id, b, k, pm.device)
     ids, mask = input_ids.to(pm.device), attention_mask.to(pm.device)
     sp = pm.tp_info is not None and pm.tp_info.sequence_parallel
-    gathered = pm.fsdp.gathered() if pm.fsdp is not None else nullcontext()
     with (
-        gathered,
+        pm.evaluating(),
         sequence_parallel_suspended(pm.model) if sp else nullcontext(),
         replicated_tokens(pm.model),
     ):

@@ -4,6 +4,7 @@ given memory only for this rank's blocks and tp shards, on the target device.
     with torch.device("meta"): M2M100Translation(config)     shapes only, nothing drawn
       -> keep_only(this rank's blocks)                        (parallel.parallelize)
       -> apply_tensor_parallel                                local shapes, still meta
+      -> fully_shard (dp_sharding fsdp)                       dp shards of the tp shards, still meta
       -> materialize(model, device, fill)                     to_empty + fill, slice by slice
 
 `local_slices` says, for every local parameter, its logical (single-device) name, full
@@ -14,6 +15,13 @@ knowledge `ParallelModel.to_logical` uses). Both fills read it: `keyed_init_fill
 (equal to the one-process model's slice for the same seed), `pretrained_fill` reads
 each part from an HF directory (`models.hf.read_hf_slices`). Either produces one
 tensor at a time, so no rank ever holds more than its shard plus one parameter's part.
+
+Under fsdp the parameters are already FSDP's dp-sharded DTensors when they get memory: each
+rank allocates only its dp shard, and keeps only its dp chunk of each part the fill yields
+(`parallel.dp.fsdp.dp_chunk`), so start-up peaks at the stage / dp plus one parameter's tp
+part, never the whole stage. Without a fill (resume: the checkpoint is loaded next) nothing
+is drawn or read: the parameters are zeroed (the vocabulary's tp padding rows, which no
+checkpoint holds, must be zero).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from torch import Tensor
 
 from models.init import LocalSlice
 from models.m2m100 import M2M100Translation
+from parallel.dp.fsdp import dp_chunk, is_fsdp_param, local
 from parallel.expert.params import expert_local_slice
 
 Fill = Callable[[Mapping[str, LocalSlice]], Iterator[tuple[str, Tensor]]]
@@ -64,17 +73,20 @@ def is_meta(model: torch.nn.Module) -> bool:
 
 @torch.no_grad()
 def materialize(
-    model: M2M100Translation, device: torch.device, fill: Fill, tp_size: int = 1, tp_rank: int = 0
+    model: M2M100Translation, device: torch.device, fill: Fill | None, tp_size: int = 1, tp_rank: int = 0
 ) -> None:
     """Give a meta-built (pruned, sharded) model memory on `device` and fill every parameter.
 
     The tp marks (`tp_sharded`, ...) survive; computed buffers are recomputed. Each
-    value from `fill` is copied in and dropped before the next is made.
+    value from `fill` is copied in (an FSDP parameter: its dp chunk) and dropped before
+    the next is made.
 
     Args:
-        model: the model after `keep_only` and `apply_tensor_parallel`, parameters on meta.
+        model: the model after `keep_only`, `apply_tensor_parallel` and (fsdp) `fully_shard`,
+            parameters on meta.
         device: where this rank's parameters live.
-        fill: yields (logical name, local tensor) for the parts it is given.
+        fill: yields (logical name, tp-local tensor) for the parts it is given; None: every
+            parameter zeroed, for a checkpoint to be loaded into.
         tp_size, tp_rank: this rank's place in its tp group (1, 0 without tp).
 
     Raises:
@@ -88,13 +100,49 @@ def materialize(
         for key, value in marks[name].items():
             setattr(param, key, value)
     model.reset_buffers()
+    if fill is None:
+        for param in params.values():
+            local(param).zero_()
+        return
     unset = set(params)
     for name, value in fill(parts):
-        if tuple(value.shape) != tuple(params[name].shape):
-            raise ValueError(
-                f"{name}: filled with shape {tuple(value.shape)}, holds {tuple(params[name].shape)}"
-            )
-        params[name].copy_(value)
+        param = params[name]
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"{name}: filled with shape {tuple(value.shape)}, holds {tuple(param.shape)}")
+        local(param).copy_(dp_chunk(param, value) if is_fsdp_param(param) else value)
         unset.discard(name)
     if unset:
         raise ValueError(f"materialize left {len(unset)} parameters unset: {sorted(unset)[:5]}")
+
+
+def stage_fill(
+    model: M2M100Translation,
+    seed: int | None,
+    pretrained: str | Path | None,
+    from_checkpoint: bool,
+    before_tp: bool,
+) -> Fill | None:
+    """How to fill a meta model's shard (None: it has weights, or they come from a checkpoint),
+    the arguments checked."""
+    given = {
+        "seed": seed is not None,
+        "pretrained": pretrained is not None,
+        "from_checkpoint": from_checkpoint,
+    }
+    if not is_meta(model):
+        if any(given.values()):
+            raise ValueError(
+                "seed= / pretrained= / from_checkpoint= build stage-local from a ModelConfig or a meta "
+                "model; this model already has weights (build it under torch.device('meta') or pass its config)"
+            )
+        return None
+    if before_tp:
+        raise ValueError("before_tp needs a model with weights; for a meta model pass pretrained= instead")
+    if sum(given.values()) != 1:
+        raise ValueError(
+            f"a meta model needs exactly one of seed=, pretrained= or from_checkpoint= (got seed={seed}, "
+            f"pretrained={pretrained}, from_checkpoint={from_checkpoint})"
+        )
+    if pretrained is not None:
+        return pretrained_fill(pretrained, model)
+    return keyed_init_fill(model, seed) if seed is not None else None

@@ -45,6 +45,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from parallel.errors import ParallelConfigError
+
 if TYPE_CHECKING:
     from models.config import ModelConfig
 
@@ -90,34 +92,34 @@ class ParallelDims:
             self, with `dp` resolved.
 
         Raises:
-            ValueError: naming the flag (ParallelArguments name), its value and the valid ones, e.g.
+            ParallelConfigError: naming the flag (ParallelArguments name), its value and the valid ones, e.g.
                 `tensor_parallel_size=3 does not divide 4 ranks; valid: 1, 2, 4`.
         """
         for name, value in (("pipeline_parallel_size", self.pp), ("tensor_parallel_size", self.tp),
                             ("world_size", self.world_size)):  # fmt: skip
             if value < 1:
-                raise ValueError(f"{name}={value} must be >= 1")
+                raise ParallelConfigError(f"{name}={value} must be >= 1")
         if self.dp == -1:
             self._check_divides_world()
             self.dp = self.world_size // (self.pp * self.tp)
         if self.dp < 1:
-            raise ValueError(f"data_parallel_size={self.dp} must be >= 1 or -1 (inferred)")
+            raise ParallelConfigError(f"data_parallel_size={self.dp} must be >= 1 or -1 (inferred)")
         if self.pp * self.dp * self.tp != self.world_size:
             self._check_divides_world()
-            raise ValueError(
+            raise ParallelConfigError(
                 f"pipeline_parallel_size({self.pp}) * data_parallel_size({self.dp}) * "
                 f"tensor_parallel_size({self.tp}) = {self.pp * self.dp * self.tp} != WORLD_SIZE"
                 f"({self.world_size}); valid: data_parallel_size={self.world_size // (self.pp * self.tp)} "
                 f"or -1 (inferred)"
             )
         if self.ep < 1 or self.dp % self.ep:
-            raise ValueError(
+            raise ParallelConfigError(
                 f"expert_parallel_size={self.ep} does not divide data_parallel_size({self.dp}); "
                 f"valid: {_divisors(self.dp)}"
             )
         lws = self.local_world_size
         if lws is not None and self.tp > lws and not self.allow_tp_across_nodes:
-            raise ValueError(
+            raise ParallelConfigError(
                 f"tensor_parallel_size={self.tp} > LOCAL_WORLD_SIZE({lws}): tensor parallelism would "
                 f"cross nodes; valid: tensor_parallel_size <= {lws}, or set allow_tp_across_nodes"
             )
@@ -131,7 +133,7 @@ class ParallelDims:
         world, pp, tp = self.world_size, self.pp, self.tp
         ranks = f"{world} rank{'s' if world > 1 else ''}"
         if world % pp:
-            raise ValueError(
+            raise ParallelConfigError(
                 f"pipeline_parallel_size={pp} does not divide {ranks}; valid: {_divisors(world)}"
             )
         per_stage = world // pp
@@ -139,7 +141,7 @@ class ParallelDims:
             where = ranks if pp == 1 else (
                 f"the {per_stage} ranks of a pipeline stage (WORLD_SIZE({world}) / pipeline_parallel_size({pp}))"
             )  # fmt: skip
-            raise ValueError(
+            raise ParallelConfigError(
                 f"tensor_parallel_size={tp} does not divide {where}; valid: {_divisors(per_stage)}"
             )
 
@@ -164,7 +166,7 @@ def check_tp_divides_model(config: ModelConfig, tp: int) -> None:
     The vocabulary need not be divisible: it is padded to a multiple of tp.
 
     Raises:
-        ValueError: naming the first size tp does not divide.
+        ParallelConfigError: naming the first size tp does not divide.
     """
     for name in (
         "encoder_attention_heads",
@@ -175,7 +177,7 @@ def check_tp_divides_model(config: ModelConfig, tp: int) -> None:
     ):
         value = int(getattr(config, name))
         if value % tp != 0:
-            raise ValueError(
+            raise ParallelConfigError(
                 f"tensor_parallel_size={tp} does not divide {name}({value}); valid: {_divisors(value)}"
             )
 
@@ -184,16 +186,16 @@ def check_ep_divides_model(config: ModelConfig, ep: int) -> None:
     """Raise if ep does not divide the experts of each sparse layer, or ep > 1 on a dense model.
 
     Raises:
-        ValueError: naming `expert_parallel_size`, its value and the valid ones.
+        ParallelConfigError: naming `expert_parallel_size`, its value and the valid ones.
     """
     experts = int(getattr(config, "num_experts", 0) or 0)
     if ep > 1 and experts == 0:
-        raise ValueError(
+        raise ParallelConfigError(
             f"expert_parallel_size={ep} needs a sparse (Mixture-of-Experts) model; this one is dense "
             f"(num_experts=0); valid: 1"
         )
     if experts and experts % ep:
-        raise ValueError(
+        raise ParallelConfigError(
             f"expert_parallel_size={ep} does not divide num_experts({experts}); valid: {_divisors(experts)}"
         )
 
@@ -462,7 +464,7 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> ParallelMesh:
         The ParallelMesh of this rank.
 
     Raises:
-        ValueError: if the sizes do not fit the world (see `ParallelDims.validate`).
+        ParallelConfigError: if the sizes do not fit the world (see `ParallelDims.validate`).
         RuntimeError: if torch.distributed is not initialised (call `init_distributed`).
     """
     if not dist.is_initialized():
@@ -471,7 +473,7 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> ParallelMesh:
         )
     world = dist.get_world_size()
     if dims.world_size != world:
-        raise ValueError(f"ParallelDims.world_size({dims.world_size}) != WORLD_SIZE({world})")
+        raise ParallelConfigError(f"ParallelDims.world_size({dims.world_size}) != WORLD_SIZE({world})")
     dims.validate()
     device_mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
     for axis in AXES:  # create the sub-groups now, collectively, not lazily on first use

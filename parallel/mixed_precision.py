@@ -30,6 +30,12 @@ may pass through it again. Its output, the fp32 gradient, reaches the master
 parameter's AccumulateGrad, so the data-parallel hooks, clipping and the optimizer
 see fp32 gradients exactly as in an fp32 run. The working copies live in the
 modules' `_parameters` only for the step: nothing outside a step ever sees them.
+
+Evaluation (loss and decoding, `ParallelModel.evaluating`) runs in the run's precision:
+under autocast to the working dtype as training's forward does (fsdp: over the gathered
+working weights), or, with `bf16_full_eval` / `fp16_full_eval` (the `TrainingArguments`
+names), with every weight and floating buffer cast (`cast_weights`) and no autocast, as
+`transformers` casts the model for evaluation; the residual stream is then low precision too.
 """
 
 from __future__ import annotations
@@ -39,6 +45,52 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
+
+
+@contextmanager
+def cast_weights(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """Within: every floating parameter and buffer of `model` (layer norms and the positions
+    table included) is a `dtype` copy outside autograd; each module gets its own back after.
+
+    The modules are walked at entry, so under FSDP (inside `FullySharded.gathered`) the copies
+    are of the gathered parameters. A tensor shared by several modules is cast once.
+    """
+    cast: dict[int, Tensor] = {}
+    swapped: list[tuple[dict[str, Tensor | None], str, Tensor]] = []
+    for module in model.modules():
+        for slots in (module._parameters, module._buffers):
+            for name, t in slots.items():
+                if t is None or not t.is_floating_point() or t.dtype == dtype:
+                    continue
+                if id(t) not in cast:
+                    cast[id(t)] = t.detach().to(dtype)
+                swapped.append((slots, name, t))  # type: ignore[arg-type]
+                slots[name] = cast[id(t)]  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for slots, name, t in reversed(swapped):
+            slots[name] = t
+
+
+@contextmanager
+def evaluation_precision(
+    model: nn.Module, device_type: str, autocast_dtype: torch.dtype | None, eval_dtype: torch.dtype | None
+) -> Iterator[None]:
+    """Within: evaluation's precision (see the module docstring).
+
+    eval_dtype      every weight and buffer cast to it, no autocast (`bf16_full_eval`)
+    autocast_dtype  autocast to the run's working dtype, as training's forward
+    neither         fp32
+    """
+    if eval_dtype is not None:
+        with cast_weights(model, eval_dtype):
+            yield
+    elif autocast_dtype is not None:
+        with torch.autocast(device_type, dtype=autocast_dtype):
+            yield
+    else:
+        yield
 
 
 class WorkingWeights:

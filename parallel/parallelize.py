@@ -6,10 +6,11 @@
       -> tensor parallel (tp)               swap linears/embedding/head for Megatron-style modules
       -> expert parallel (ep)               keep this rank's experts, split their FFN dim over tp,
                                             all-to-all dispatch (parallel.expert.apply)
-      -> materialise (meta models)          this rank's shard only, keyed init or HF slices (parallel.materialize)
       -> rematerialisation                  wrap layers / attention in torch.utils.checkpoint
       -> regional compilation               torch.compile each layer (torch_compile: true)
       -> fully sharded dp (dp_sharding=fsdp) FSDP2 units on the dp axis (parallel.dp.fsdp)
+      -> materialise (meta models)          this rank's shard only (under fsdp its dp shard), keyed
+                                            init, HF slices or zeros for a checkpoint (parallel.materialize)
       -> zero-bubble weight-grad deferral   (zero_bubble and zbv: schedules with split backward)
       -> executor                           walks this rank's schedule; dp + tied-embedding reduce at GR
 
@@ -20,9 +21,8 @@ the last GR), then `grads.clip_` over the whole mesh, then the optimizer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from models.config import ModelConfig
 from models.loss import cross_entropy_sum
-from models.m2m100 import BlockSpec, M2M100Translation, Seq2SeqBatch
+from models.m2m100 import M2M100Translation, Seq2SeqBatch
 from models.moe import is_expert_param as is_stacked_expert
 from parallel.dp.fsdp import FullySharded
 from parallel.dp.fsdp import logical as logical_fsdp
@@ -40,91 +40,59 @@ from parallel.expert.apply import ExpertParallelInfo, apply_expert_parallel, rep
 from parallel.expert.logical import expert_entries
 from parallel.expert.params import is_expert_param
 from parallel.grads import StepGradients
-from parallel.materialize import Fill, is_meta, keyed_init_fill, materialize, pretrained_fill
+from parallel.materialize import is_meta, materialize, stage_fill
 from parallel.mesh import ParallelMesh
-from parallel.mixed_precision import WorkingWeights
+from parallel.mixed_precision import WorkingWeights, evaluation_precision
 from parallel.pipeline.executor import FlushResult, LossFn, PipelineExecutor, PipelineTopology
 from parallel.pipeline.memory import meter_for
+from parallel.pipeline.plan import PipelinePlan, make_plan
 from parallel.pipeline.schedule import (
     Action,
-    ActionType,
-    Placement,
-    build_schedule,
     forward_only,
-    placement_for,
 )
 from parallel.pipeline.stage import PipelineStage
 from parallel.pipeline.timing import clock_for
 from parallel.pipeline.zero_bubble import WeightGradStore, enable_deferred_wgrad
 from parallel.remat import apply_remat
+from parallel.rng import uses_dropout
 from parallel.tp.layers import tp_local_slice
 
-
-@dataclass
-class PipelinePlan:
-    """Pure description of the split: blocks per stage (n = p * v stages), the schedule, and
-    where the schedule places the stages (`placement`: interleaved, or a V for ZB-V)."""
-
-    stage_blocks: list[list[BlockSpec]]
-    p: int
-    v: int
-    m: int
-    schedule_name: str
-    schedule: list[list[Action]] = field(default_factory=list)
-
-    @property
-    def n_stages(self) -> int:
-        return len(self.stage_blocks)
-
-    @property
-    def placement(self) -> Placement:
-        return placement_for(self.schedule_name, self.p, self.v)
-
-    @property
-    def last_stage_rank(self) -> int:
-        """pp rank of the last stage (the loss): p - 1, or 0 under ZB-V's V."""
-        return self.placement.rank_of(self.n_stages - 1)
-
-    @property
-    def split_backward(self) -> bool:
-        """Whether the schedule splits backwards into I and W (zero bubble: deferred weight grads)."""
-        return any(a.type is ActionType.BACKWARD_WEIGHT for actions in self.schedule for a in actions)
-
-    def rank_blocks(self, pp_rank: int) -> list[BlockSpec]:
-        return [b for s in self.placement.stages_of(pp_rank) for b in self.stage_blocks[s]]
-
-    def shared_embedding_ranks(self) -> list[int]:
-        """pp ranks whose stages hold a block using the tied embedding (first, tgt_embed, last);
-        one rank when all of them share it (ZB-V puts the first and last stage on rank 0)."""
-        return sorted(
-            {
-                self.placement.rank_of(s)
-                for s, blocks in enumerate(self.stage_blocks)
-                if any(b.uses_shared_embedding for b in blocks)
-            }
-        )
+DP_SHARDINGS = ("none", "zero1", "fsdp")
 
 
-def make_plan(
-    blocks: Sequence[BlockSpec], balance: Sequence[int], p: int, v: int, m: int, schedule_name: str
-) -> PipelinePlan:
-    """Cut `blocks` by `balance` (block counts per stage) and build the schedule.
+def check_dp_sharding(dp_sharding: str) -> None:
+    """Raises: ValueError: `dp_sharding` is not one of `DP_SHARDINGS`."""
+    if dp_sharding not in DP_SHARDINGS:
+        raise ValueError(f"dp_sharding {dp_sharding!r} is not one of {DP_SHARDINGS}")
+
+
+def shard_over_dp(
+    model: M2M100Translation,
+    plan: PipelinePlan,
+    mesh: ParallelMesh,
+    dp_sharding: str,
+    param_dtype: torch.dtype | None,
+) -> FullySharded | None:
+    """FSDP2 units over dp (`parallel.dp.fsdp`) when `dp_sharding` is "fsdp" and dp > 1, else None.
+
+    Applied before the parameters get memory (a meta model: each rank then materialises only its
+    dp shard) or to a model with weights (its parameters are cut over dp in place).
 
     Raises:
-        ValueError: balance does not fit the blocks / stages, or the schedule arguments are invalid.
+        ValueError: an unknown `dp_sharding`, or fsdp with LayerDrop.
     """
-    from parallel.pipeline.partition import validate_balance
-
-    validate_balance(list(balance), len(blocks), p * v)
-    cuts: list[list[BlockSpec]] = []
-    start = 0
-    for n in balance:
-        cuts.append(list(blocks[start : start + n]))
-        start += n
-    return PipelinePlan(cuts, p, v, m, schedule_name, build_schedule(schedule_name, p, m, v))
-
-
-DP_SHARDINGS = ("none", "zero1", "fsdp")
+    check_dp_sharding(dp_sharding)
+    if dp_sharding != "fsdp" or mesh.size("dp") == 1:
+        return None
+    c = model.config
+    if max(c.encoder_layerdrop, c.decoder_layerdrop) > 0:  # every config path ends here
+        raise ValueError(
+            f"dp_sharding='fsdp' does not support LayerDrop yet (encoder_layerdrop="
+            f"{c.encoder_layerdrop}, decoder_layerdrop={c.decoder_layerdrop}): a skipped layer "
+            f"leaves its FSDP unit unused; set both to 0 or use dp_sharding 'none' | 'zero1'"
+        )
+    deferred = plan.p > 1 or plan.split_backward  # see parallel.dp.fsdp
+    return FullySharded(model, mesh, param_dtype, deferred=deferred)
 
 
 class ParallelModel:
@@ -141,24 +109,18 @@ class ParallelModel:
         dp_sharding: str = "none",
         remat_stage: bool = False,
         saved_tensor_meter: bool = False,
+        fsdp: FullySharded | None = None,
+        eval_dtype: torch.dtype | None = None,
         ep_info: ExpertParallelInfo | None = None,
         seed: int = 0,
     ) -> None:
         self.model, self.plan, self.mesh, self.tp_info = model, plan, mesh, tp_info
         self.ep_info, self.seed = ep_info, seed
-        if dp_sharding not in DP_SHARDINGS:
-            raise ValueError(f"dp_sharding {dp_sharding!r} is not one of {DP_SHARDINGS}")
-        self.fsdp: FullySharded | None = None
-        if dp_sharding == "fsdp" and mesh.size("dp") > 1:  # before anything holds the parameters
-            c = model.config
-            if max(c.encoder_layerdrop, c.decoder_layerdrop) > 0:  # every config path ends here
-                raise ValueError(
-                    f"dp_sharding='fsdp' does not support LayerDrop yet (encoder_layerdrop="
-                    f"{c.encoder_layerdrop}, decoder_layerdrop={c.decoder_layerdrop}): a skipped layer "
-                    f"leaves its FSDP unit unused; set both to 0 or use dp_sharding 'none' | 'zero1'"
-                )
-            deferred = plan.p > 1 or plan.split_backward  # see parallel.dp.fsdp
-            self.fsdp = FullySharded(model, mesh, autocast_dtype, deferred=deferred)
+        # Evaluation's precision (`evaluating`): every weight cast to eval_dtype, or autocast.
+        self.eval_dtype, self._evaluating = eval_dtype, False
+        self.master_dtype = next(model.parameters()).dtype
+        check_dp_sharding(dp_sharding)
+        self.fsdp = fsdp  # `shard_over_dp`: applied before the parameters got memory
         pp_rank = mesh.pp_rank
         self.stages = {
             s: PipelineStage(model, plan.stage_blocks[s], s, plan.n_stages, remat_stage=remat_stage)
@@ -199,7 +161,10 @@ class ParallelModel:
         self.clock = clock_for(self.device)
         self.executor = self._executor(plan.schedule[pp_rank], self.grads)
 
-    def _executor(self, actions: Sequence[Action], grads: StepGradients | None) -> PipelineExecutor:
+    def _executor(
+        self, actions: Sequence[Action], grads: StepGradients | None, evaluation: bool = False
+    ) -> PipelineExecutor:
+        cast = evaluation and self.eval_dtype is not None  # weights cast: no autocast
         return PipelineExecutor(
             self.stages,
             actions,
@@ -208,8 +173,9 @@ class ParallelModel:
             self.meter,
             self.clock,
             grads=grads,
-            autocast_dtype=self.autocast_dtype,
+            autocast_dtype=None if cast else self.autocast_dtype,
             wgrad_store=self.wgrad_store,
+            boundary_dtype=self.activation_dtype if evaluation else None,
         )
 
     # ------------------------------------------------------------------ training
@@ -241,6 +207,7 @@ class ParallelModel:
         timed: bool = False,
         skip_layers: frozenset[str] = frozenset(),
         step: int = 0,
+        dropout_keys: Sequence[Sequence[int]] | None = None,
     ) -> list[FlushResult]:
         """Forward+backward over `gradient_accumulation_steps` flushes; grads are final after it.
 
@@ -254,11 +221,21 @@ class ParallelModel:
         `skip_layers`: the layers LayerDrop skips in this step (`models.m2m100.layerdrop_skips`,
         the same on every rank); their parameters end the step without gradients, as in one
         process, so AdamW leaves them untouched (the dp reduce fills zeros, removed here).
+        `dropout_keys` ([flush][micro-batch], `parallel.rng.microbatch_keys`) key each
+        micro-batch's dropout masks, so they do not depend on the mesh beyond tp; None (or a
+        model without dropout): the global generators.
         """
+        if dropout_keys is not None and [len(k) for k in dropout_keys] != [len(f) for f in flushes]:
+            raise ValueError(
+                f"dropout keys per flush {[len(k) for k in dropout_keys]} do not match the "
+                f"micro-batches per flush {[len(f) for f in flushes]}"
+            )
+        if not uses_dropout(self.model.config):
+            dropout_keys = None  # nothing to draw: no block re-seeds
         self.model.skip_layers = skip_layers
         self.model.moe.begin_step(self.seed, step, loss_scale)
         try:
-            results = self._run_flushes(flushes, loss_scale, timed)
+            results = self._run_flushes(flushes, loss_scale, timed, dropout_keys)
         finally:
             self.model.skip_layers = frozenset()
         if skip_layers:
@@ -268,7 +245,11 @@ class ParallelModel:
         return results
 
     def _run_flushes(
-        self, flushes: Sequence[Sequence[Seq2SeqBatch]], loss_scale: float | Tensor, timed: bool
+        self,
+        flushes: Sequence[Sequence[Seq2SeqBatch]],
+        loss_scale: float | Tensor,
+        timed: bool,
+        keys: Sequence[Sequence[int]] | None,
     ) -> list[FlushResult]:
         on_device = [self._prepare(microbatches) for microbatches in flushes]
         if self.fsdp is not None:
@@ -283,7 +264,13 @@ class ParallelModel:
         with working_weights as working:
             self.meter.ignore(working)
             return [
-                self.executor.run_flush(mbs, loss_scale, last_flush=i == len(on_device) - 1, timed=timed)
+                self.executor.run_flush(
+                    mbs,
+                    loss_scale,
+                    last_flush=i == len(on_device) - 1,
+                    timed=timed,
+                    dropout_keys=None if keys is None else keys[i],
+                )
                 for i, mbs in enumerate(on_device)
             ]
 
@@ -324,22 +311,45 @@ class ParallelModel:
 
     # ------------------------------------------------------------------ evaluation
 
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """dtype of the hidden states evaluation passes between stages: eval_dtype when the
+        weights are cast, else the masters' (autocast keeps the residual stream fp32)."""
+        return self.eval_dtype or self.master_dtype
+
+    @contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Within: the weights as evaluation reads them, in the run's precision: fsdp units
+        gathered (a dp collective), then `parallel.mixed_precision.evaluation_precision`.
+        Re-entrant (a nested entry does nothing): one evaluation gathers and casts once."""
+        if self._evaluating:
+            yield
+            return
+        self._evaluating = True
+        gathered = self.fsdp.gathered() if self.fsdp is not None else nullcontext()
+        precision = evaluation_precision(self.model, self.device.type, self.autocast_dtype, self.eval_dtype)
+        try:
+            with gathered, precision:
+                yield
+        finally:
+            self._evaluating = False
+
     @torch.no_grad()
     def eval_loss(self, batches: Sequence[Seq2SeqBatch]) -> tuple[float, int]:
         """Sum of token losses and token count over `batches` (meaningful on the last stage).
 
-        Runs `parallel.pipeline.schedule.forward_only` (any number of batches, any placement).
-        Every rank evaluates the same batches, so sparse layers spread over ep take their
-        tokens as replicated (`parallel.expert.apply.replicated_tokens`: no all-to-all).
+        Runs `parallel.pipeline.schedule.forward_only` (any number of batches, any placement),
+        in evaluation's precision (`evaluating`). Collective over the mesh. Every rank evaluates
+        the same batches, so sparse layers spread over ep take their tokens as replicated
+        (`parallel.expert.apply.replicated_tokens`: no all-to-all).
         """
         if not batches:
             return 0.0, 0
         batches = self._prepare(batches)
         actions = forward_only(self.plan.placement, len(batches))[self.mesh.pp_rank]
-        with replicated_tokens(self.model):
-            res = self._executor(actions, grads=None).run_flush(batches, 1.0, last_flush=False, timed=False)
-        if self.fsdp is not None:
-            self.fsdp.reshard()
+        with self.evaluating(), replicated_tokens(self.model):
+            executor = self._executor(actions, grads=None, evaluation=True)
+            res = executor.run_flush(batches, 1.0, last_flush=False, timed=False)
         return (0.0 if res.loss_sum is None else float(res.loss_sum)), res.num_tokens
 
 
@@ -368,17 +378,20 @@ def build_parallel_model(
     device: torch.device | None = None,
     seed: int | None = None,
     pretrained: str | Path | None = None,
+    eval_dtype: torch.dtype | None = None,
+    from_checkpoint: bool = False,
 ) -> ParallelModel:
     """Apply pipeline split, tensor parallelism and remat to `model` (in place) for this rank.
 
     Two ways in:
 
     * stage-local (no rank holds the whole model): `model` is a `ModelConfig` (or a model
-      built under `torch.device("meta")`) and one of `seed` / `pretrained` is given. The
-      model is cut and tp-sharded on meta, then only this rank's blocks and shards get
-      memory on `device` (`parallel.materialize`): drawn from the keyed init of `seed`
-      (equal to `M2M100Translation(config, seed=seed)`'s slices on any mesh) or read slice
-      by slice from the HF directory `pretrained`.
+      built under `torch.device("meta")`) and one of `seed` / `pretrained` /
+      `from_checkpoint` is given. The model is cut, tp-sharded and (fsdp) dp-sharded on
+      meta, then only this rank's blocks and shards get memory on `device`
+      (`parallel.materialize`): drawn from the keyed init of `seed` (equal to
+      `M2M100Translation(config, seed=seed)`'s slices on any mesh), read slice by slice
+      from the HF directory `pretrained`, or zeroed for a checkpoint the caller loads next.
     * from a real model: `model` is the full single-device model, identical on every rank
       (same seed or same checkpoint); `before_tp` may load weights into the pruned stage.
 
@@ -400,15 +413,21 @@ def build_parallel_model(
             where it is (a meta model is materialised on the CPU).
         seed: stage-local only: the init seed.
         pretrained: stage-local only: an HF directory to read the weights from instead.
+        autocast_dtype: the working dtype of bf16 / fp16 runs (autocast, working weights;
+            evaluation autocasts to it too); None: fp32.
+        eval_dtype: evaluation with every weight cast to it (`bf16_full_eval`); None: autocast.
+        from_checkpoint: stage-local only: neither draw nor read the weights (resume: the
+            caller loads a checkpoint into every parameter right after).
 
     Raises:
-        ValueError: `seed` / `pretrained` with a real model, neither (or `before_tp`) with a
-            meta one, or a balance / schedule that does not fit.
+        ValueError: `seed` / `pretrained` / `from_checkpoint` with a real model, not exactly
+            one of them (or `before_tp`) with a meta one, or a balance / schedule that does not fit.
     """
     if isinstance(model, ModelConfig):
         with torch.device("meta"):
             model = M2M100Translation(model)
-    fill = _stage_fill(model, seed, pretrained, before_tp)
+    meta = is_meta(model)
+    fill = stage_fill(model, seed, pretrained, from_checkpoint, before_tp is not None)
     p = mesh.size("pp")
     plan = make_plan(model.blocks, balance, p, v, m, schedule)
     model.keep_only(plan.rank_blocks(mesh.pp_rank))
@@ -426,16 +445,17 @@ def build_parallel_model(
 
     ep_group = mesh.group("ep") if mesh.size("ep") > 1 else None
     ep_info = apply_expert_parallel(model, ep_group, mesh.group("tp") if mesh.size("tp") > 1 else None)
-    if fill is not None:
-        tp_size, tp_rank = (tp_info.tp_size, tp_info.tp_rank) if tp_info is not None else (1, 0)
-        materialize(model, device or torch.device("cpu"), fill, tp_size, tp_rank)
-    elif device is not None:
+    if not meta and device is not None:
         model.to(device)
     apply_remat(model, remat)
     if compile_layers:
         from parallel.compile import apply_compile
 
         apply_compile(model)
+    fsdp = shard_over_dp(model, plan, mesh, dp_sharding, autocast_dtype)
+    if meta:
+        tp_size, tp_rank = (tp_info.tp_size, tp_info.tp_rank) if tp_info is not None else (1, 0)
+        materialize(model, device or torch.device("cpu"), fill, tp_size, tp_rank)
     return ParallelModel(
         model,
         plan,
@@ -446,28 +466,8 @@ def build_parallel_model(
         dp_sharding=dp_sharding,
         remat_stage=remat == "stage",
         saved_tensor_meter=saved_tensor_meter,
+        eval_dtype=eval_dtype,
+        fsdp=fsdp,
         ep_info=ep_info,
         seed=seed if seed is not None else torch.initial_seed(),
-    )
-
-
-def _stage_fill(
-    model: M2M100Translation, seed: int | None, pretrained: str | Path | None, before_tp: object
-) -> Fill | None:
-    """How to fill a meta model's shard (None for a model with weights), the arguments checked."""
-    if not is_meta(model):
-        if seed is not None or pretrained is not None:
-            raise ValueError(
-                "seed= / pretrained= build stage-local from a ModelConfig or a meta model; this model "
-                "already has weights (build it under torch.device('meta') or pass its config)"
-            )
-        return None
-    if before_tp is not None:
-        raise ValueError("before_tp needs a model with weights; for a meta model pass pretrained= instead")
-    if pretrained is not None and seed is None:
-        return pretrained_fill(pretrained, model)
-    if seed is not None and pretrained is None:
-        return keyed_init_fill(model, seed)
-    raise ValueError(
-        f"a meta model needs exactly one of seed= or pretrained= (got seed={seed}, pretrained={pretrained})"
     )

@@ -119,6 +119,9 @@ class _OneBatch:
     def shard(self, dp_rank: int) -> list[list[Seq2SeqBatch]]:
         return [self.microbatches]
 
+    def slot_ids(self, dp_rank: int) -> list[list[int]]:
+        return [list(range(len(self.microbatches)))]
+
 
 def ours(
     base: M2M100Translation,

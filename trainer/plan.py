@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config.parse import parse_config
-from trainer.errors import ConfigError
+from trainer.errors import BAD_INPUT
 from trainer.planner.options import parse_args
 from trainer.planner.report import format_table, format_validation, validate
 from trainer.planner.search import plan
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except BAD_INPUT as e:  # one line, exit 2; an internal error keeps its traceback (exit 1)
         if os.environ.get("TRAINER_TRACEBACK"):
             raise
         print(f"error: {type(e).__name__}: {e} (TRAINER_TRACEBACK=1 for the traceback)", file=sys.stderr)

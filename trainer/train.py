@@ -3,7 +3,8 @@
 Also `python -m trainer.train ...` for one process. Parses the config, initialises the process
 group and calls `trainer.run.loop.run`; the pieces live under trainer/run/ (set-up, the loop,
 the step, the guard), trainer/data/, trainer/checkpoint/ and trainer/eval/.
-Exit status: 0 done, 2 bad input, 3 diverged, 1 a failed checkpoint write, EXIT_PREEMPTED preempted.
+Exit status: 0 done, 2 bad input (`trainer.errors.BAD_INPUT`, one line), 3 diverged, 1 a failed checkpoint
+write (one line) or an internal error (its traceback), EXIT_PREEMPTED preempted.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from parallel.mesh import init_distributed
 from trainer.checkpoint import dcp as ckpt
 from trainer.config.parse import parse_config
-from trainer.errors import ConfigError
+from trainer.errors import BAD_INPUT
 from trainer.run.guard import EXIT_DIVERGED, EXIT_PREEMPTED, DivergenceError, Preempted
 from trainer.run.loop import run
 
@@ -35,17 +36,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+# One line instead of a traceback: bad input (2), divergence (3), a failed checkpoint write (1).
+ONE_LINE: tuple[type[Exception], ...] = (*BAD_INPUT, DivergenceError, ckpt.CheckpointWriteError)
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """`main` with the exit statuses of the module docstring; anything not in ONE_LINE (an internal
+    ValueError included) propagates with its traceback (exit status 1)."""
     try:
-        main()
+        main(argv)
     except Preempted as e:  # a committed checkpoint was written: requeue and resume (trainer/run/guard.py)
         print(f"preempted: {e}", file=sys.stderr)
-        sys.exit(EXIT_PREEMPTED)
-    except (ConfigError, ValueError, FileNotFoundError, DivergenceError, ckpt.CheckpointWriteError) as e:
-        # bad input (2), divergence (3) or a failed checkpoint write (1): one clear line, not a traceback
+        return EXIT_PREEMPTED
+    except ONE_LINE as e:
         if os.environ.get("TRAINER_TRACEBACK"):
             raise
         print(f"error: {type(e).__name__}: {e} (TRAINER_TRACEBACK=1 for the traceback)", file=sys.stderr)
         if isinstance(e, DivergenceError):
-            sys.exit(EXIT_DIVERGED)
-        sys.exit(1 if isinstance(e, ckpt.CheckpointWriteError) else 2)
+            return EXIT_DIVERGED
+        return 1 if isinstance(e, ckpt.CheckpointWriteError) else 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -11,8 +11,9 @@ tokenizer loads through `trainer.tokenizer.vocab.Tokenizer.load`, i.e. `AutoToke
 tokenizer files. One output line per input line, in order; bad input fails with one
 line on stderr, exit 2.
 
-One process: the weights load into our own `M2M100Translation` on one device and
-decode with `models.generate` (equal to `transformers`' `generate`).
+One process: our own `M2M100Translation` is built on the meta device and each tensor of the
+directory read once into it on one device (`parallel.materialize`); it decodes with
+`models.generate` (equal to `transformers`' `generate`).
 
 Under torchrun (WORLD_SIZE > 1) no device holds the whole model: the ranks form the
 (pp, dp, tp) mesh of `parallel.mesh`, the model is cut into pp stages (uniform by

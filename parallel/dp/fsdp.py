@@ -29,6 +29,7 @@ weights outside `forward` and runs inside `gathered`.
 After `fully_shard` every parameter is a `DTensor` sharded over dp; `local` gives
 the rank's shard (a plain tensor aliasing it) for the gradient work in
 `parallel.grads`, and `logical` the DCP view of a tensor on the (dp, tp) sub-mesh.
+Only public FSDP2 API here; what is private lives in `parallel.dp.fsdp_internals`.
 """
 
 from __future__ import annotations
@@ -41,11 +42,12 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Shard
 
+from parallel.dp.fsdp_internals import forget_forwards, local_tensor, post_backward_all, strided_shard
 from parallel.expert.params import is_expert_param
 from parallel.mesh import Axis, ParallelMesh
 
 # Marks parallel.tp puts on parameters; fully_shard makes new Parameters, which must keep them.
-_MARKS = ("tp_sharded", "tp_shard_dim", "sequence_parallel", "expert_parallel")
+_MARKS = ("tp_sharded", "tp_shard_dim", "tp_logical_size", "sequence_parallel", "expert_parallel")
 # Methods that run blocks without `forward` (pipeline stages call run_blocks).
 _FORWARD_METHODS = ("run_blocks",)
 
@@ -144,11 +146,7 @@ class FullySharded:
         self.root.set_is_last_backward(True)
         self.root.set_reshard_after_backward(True)
         self.root.set_requires_gradient_sync(True)
-        state = fully_shard.state(self.model)  # type: ignore[attr-defined]
-        for unit_state in state._state_ctx.all_states:
-            for group in unit_state._fsdp_param_groups:
-                group.post_backward()
-        state._root_post_backward_final_callback()
+        post_backward_all(self.model)
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
@@ -171,6 +169,7 @@ class FullySharded:
             for unit in self.units:
                 unit.set_reshard_after_forward(not self.deferred and unit is not self.root, recurse=False)
             self.reshard()
+            forget_forwards(self.model)  # the forwards run within, e.g. decoding's, had no backward
 
     def reshard(self) -> None:
         """Free every gathered parameter (after evaluation in deferred mode, whose forward
@@ -185,7 +184,31 @@ def is_fsdp_param(p: Tensor) -> bool:
 
 def local(t: Tensor) -> Tensor:
     """The rank's shard of an FSDP tensor (aliasing it), or `t` itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t  # type: ignore[attr-defined]
+    return local_tensor(t) if isinstance(t, DTensor) else t
+
+
+def dp_chunk(param: Tensor, value: Tensor) -> Tensor:
+    """This rank's piece of `value` (a tensor of the FSDP parameter `param`'s unsharded shape) as
+    FSDP shards it: `torch.chunk` over the dp sub-mesh along the sharded dim, empty for a rank
+    past the last chunk (FSDP2's `_chunk_with_empty`), so `local(param).copy_(dp_chunk(param, v))`
+    writes what `fully_shard` would have kept of a parameter holding `v`.
+
+    Raises:
+        ValueError: `param` is not sharded over one mesh dim, or the piece does not fit its shard.
+    """
+    assert isinstance(param, DTensor)
+    (place,) = param.placements
+    if not isinstance(place, Shard):
+        raise ValueError(f"dp_chunk expects a dp-sharded parameter, got placements {param.placements}")
+    mesh = param.device_mesh
+    chunks = torch.chunk(value, mesh.size(), dim=place.dim)
+    rank = mesh.get_local_rank()
+    piece = chunks[rank] if rank < len(chunks) else value.narrow(place.dim, 0, 0)
+    if piece.shape != local(param).shape:
+        raise ValueError(
+            f"dp chunk {tuple(piece.shape)} does not fit the local shard {tuple(local(param).shape)}"
+        )
+    return piece
 
 
 def local_grads(params: Iterator[nn.Parameter] | list[nn.Parameter]) -> list[Tensor]:
@@ -210,8 +233,6 @@ def logical(
     """
     if not isinstance(tensor, DTensor) or tp_size == 1 or not getattr(param, "tp_sharded", False):
         return tensor  # dp-sharded only: FSDP's DTensor is already the logical tensor
-    from torch.distributed.tensor.placement_types import _StridedShard
-
     tp_dim = int(param.tp_shard_dim)  # type: ignore[attr-defined]
     dp_dim = tensor.placements[0].dim  # type: ignore[attr-defined]
     piece = local(tensor)
@@ -221,7 +242,7 @@ def logical(
         piece, shape[0] = piece.narrow(0, 0, vocab[0]), vocab[1]
     # dp splits a different dim: a plain block; the same dim (1-D column-parallel biases):
     # dp splits each tp piece, DTensor's strided sharding (as FSDP2 over DTensor tp).
-    dp_place = Shard(dp_dim) if dp_dim != tp_dim else _StridedShard(dp_dim, split_factor=tp_size)
+    dp_place = Shard(dp_dim) if dp_dim != tp_dim else strided_shard(dp_dim, tp_size)
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(
         piece,

@@ -12,6 +12,7 @@ communication overlaps the rest of that backward.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -22,6 +23,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from parallel import watchdog
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+# Flat bucket copies alive at once: one reducing while the next is filled and launched.
+MAX_BUCKETS_IN_FLIGHT = 2
 
 
 def make_buckets(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
@@ -52,7 +55,9 @@ class GradReducer:
     since collectives on a group match by order. `all_reduce()` at GR launches
     what is left (e.g. parameters that got no gradient) and waits for everything.
     Parameters in `exclude` (the tied embedding, written by several blocks) are
-    always reduced at GR.
+    always reduced at GR. At most `max_in_flight` buckets are in flight: launching
+    another first finishes the oldest (its flat copy is summed back into `.grad` and
+    freed); `peak_in_flight` records the most there were.
     """
 
     def __init__(
@@ -62,8 +67,11 @@ class GradReducer:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         overlap: bool = True,
         exclude: Sequence[nn.Parameter] = (),
+        max_in_flight: int = MAX_BUCKETS_IN_FLIGHT,
     ) -> None:
-        self.group = group
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight={max_in_flight} must be >= 1")
+        self.group, self.max_in_flight = group, max_in_flight
         skip = {id(p) for p in exclude}
         self.buckets: list[list[nn.Parameter]] = []
         self.stage_of_bucket: list[int] = []
@@ -87,8 +95,9 @@ class GradReducer:
         self._done: list[set[int]] = [set() for _ in self.buckets]
         self._ready: set[int] = set()
         self._next = 0
-        self._pending: list[tuple[int, Tensor, dist.Work]] = []
+        self._pending: deque[tuple[int, Tensor, dist.Work]] = deque()
         self.launched_during_backward = 0
+        self.peak_in_flight = 0  # most flat bucket copies alive at once (bounded by max_in_flight)
         if self.overlap:
             for p in self._all_params():
                 if id(p) in self._bucket_of:
@@ -115,6 +124,8 @@ class GradReducer:
 
     def _launch(self, i: int) -> None:
         assert self.group is not None
+        while len(self._pending) >= self.max_in_flight:
+            self._finish_oldest()
         bucket = self.buckets[i]
         for p in bucket:
             if p.grad is None:  # a parameter this step did not touch still takes part
@@ -123,8 +134,17 @@ class GradReducer:
         work = dist.all_reduce(flat, group=self.group, async_op=True)
         assert work is not None
         self._pending.append((i, flat, work))
+        self.peak_in_flight = max(self.peak_in_flight, len(self._pending))
         self._ready.discard(i)
         self._next = i + 1
+
+    def _finish_oldest(self) -> None:
+        """Wait for the oldest bucket in flight, copy its sums into `.grad` and drop its flat copy."""
+        i, flat, work = self._pending.popleft()
+        watchdog.wait(work, watchdog.collective(f"dp all-reduce of gradient bucket {i}", self.group))
+        grads = [p.grad for p in self.buckets[i] if p.grad is not None]
+        for grad, g in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(g)
 
     def all_reduce(self) -> None:
         """Launch the buckets not launched yet, in order, and wait for all of them."""
@@ -132,12 +152,8 @@ class GradReducer:
             return
         while self._next < len(self.buckets):
             self._launch(self._next)
-        for i, flat, work in self._pending:
-            watchdog.wait(work, watchdog.collective(f"dp all-reduce of gradient bucket {i}", self.group))
-            grads = [p.grad for p in self.buckets[i] if p.grad is not None]
-            for grad, g in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                grad.copy_(g)
-        self._pending.clear()
+        while self._pending:
+            self._finish_oldest()
         self._armed.clear()
         self._done = [set() for _ in self.buckets]
         self._ready.clear()

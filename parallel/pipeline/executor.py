@@ -127,6 +127,9 @@ class PipelineExecutor:
             and run at GR, on the step's last flush; None for evaluation.
         autocast_dtype: e.g. torch.bfloat16 to run forwards under autocast.
         wgrad_store: the store deferred linear weight grads go to (zero bubble).
+        boundary_dtype: dtype of the hidden states between stages; default the parameters'
+            (fp32 masters: autocast keeps the residual stream fp32). Evaluation with every
+            weight cast (`bf16_full_eval`) passes the cast dtype.
     """
 
     def __init__(
@@ -140,6 +143,7 @@ class PipelineExecutor:
         grads: StepGradients | None = None,
         autocast_dtype: torch.dtype | None = None,
         wgrad_store: WeightGradStore | None = None,
+        boundary_dtype: torch.dtype | None = None,
     ) -> None:
         self.stages, self.actions, self.topo = stages, list(actions), topo
         self.loss_fn, self.meter, self.clock, self.grads = loss_fn, meter, clock, grads
@@ -150,7 +154,7 @@ class PipelineExecutor:
         any_stage = next(iter(stages.values()))
         self.model = any_stage.model
         param = next(self.model.parameters())
-        self.device, self.dtype = param.device, param.dtype
+        self.device, self.dtype = param.device, boundary_dtype or param.dtype
         self.d_model = self.model.config.d_model
         # An action list without backward (evaluation) keeps nothing for autograd.
         self.forward_only = not any(
@@ -180,6 +184,7 @@ class PipelineExecutor:
         loss_scale: float | Tensor,
         last_flush: bool = True,
         timed: bool = False,
+        dropout_keys: Sequence[int] | None = None,
     ) -> FlushResult:
         """Execute the whole action list once over `microbatches` (m of them).
 
@@ -190,8 +195,12 @@ class PipelineExecutor:
             timed: mark the clock after every action (for the bubble and the timeline) and
                 meter activation memory (the saved-tensor meter's hooks cost host work, so
                 untimed flushes, the steps between log points, run without them).
+            dropout_keys: one key per micro-batch for its dropout masks (`parallel.rng`);
+                None: the global generators.
         """
-        st = _FlushState(microbatches, loss_scale, timed)
+        if dropout_keys is not None and len(dropout_keys) != len(microbatches):
+            raise ValueError(f"{len(dropout_keys)} dropout keys for {len(microbatches)} micro-batches")
+        st = _FlushState(microbatches, loss_scale, timed, dropout_keys)
         res = FlushResult(clock=self.clock)
         mark = self.clock.mark if timed else None
         if mark is not None:
@@ -255,7 +264,7 @@ class PipelineExecutor:
         )
         meter = self.meter.record((s, mb), inputs) if st.timed else nullcontext()
         with meter, autocast:
-            out = stage.forward(inputs, batch)
+            out = stage.forward(inputs, batch, None if st.keys is None else st.keys[mb])
             if stage.is_last:
                 loss_sum = self.loss_fn(out["logits"], batch.labels)
         if stage.is_last:
@@ -334,8 +343,15 @@ def _grad_or_zeros(t: Tensor) -> Tensor:
 class _FlushState:
     """Tensors in flight during one flush, keyed by (stage, micro-batch)."""
 
-    def __init__(self, batches: Sequence[Seq2SeqBatch], loss_scale: float | Tensor, timed: bool) -> None:
+    def __init__(
+        self,
+        batches: Sequence[Seq2SeqBatch],
+        loss_scale: float | Tensor,
+        timed: bool,
+        keys: Sequence[int] | None = None,
+    ) -> None:
         self.batches, self.loss_scale, self.timed = list(batches), loss_scale, timed
+        self.keys = None if keys is None else list(keys)  # dropout key per micro-batch
         self.inputs: dict[tuple[int, int], State] = {}
         self.outputs: dict[tuple[int, int], dict[str, Any]] = {}
         self.received: dict[tuple[int, int], State] = {}

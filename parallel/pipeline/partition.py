@@ -13,11 +13,12 @@ from collections.abc import Sequence
 
 # k: stages (n_stages), b: blocks (n_blocks); stage i holds blocks
 # [sum(balance[:i]), sum(balance[:i+1])).
+from parallel.errors import ParallelConfigError
 
 PARTITION_METHODS = ("uniform", "parameters", "time", "memory")
 
 
-class PartitionError(ValueError):
+class PartitionError(ParallelConfigError):
     """A balance does not describe a valid split of the model's blocks."""
 
 

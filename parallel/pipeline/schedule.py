@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 # The vocabulary lives in parallel.pipeline.actions; re-exported here, where schedules are made.
+from parallel.errors import ParallelConfigError
 from parallel.pipeline.actions import (
     GRAD_REDUCE,
     INPUT_GRAD_TYPES,
@@ -400,10 +401,11 @@ def placement_for(name: str, p: int, v: int = 1) -> Placement:
     """Where schedule ``name`` puts the p * v stages: the one home of the stage -> rank map.
 
     Raises:
-        ValueError: unknown name, or p < 1 or v < 1.
+        ParallelConfigError: unknown name.
+        ValueError: p < 1 or v < 1.
     """
     if name not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {name!r}; valid choices: {sorted(SCHEDULES)}")
+        raise ParallelConfigError(f"unknown pipeline schedule {name!r}; valid choices: {sorted(SCHEDULES)}")
     return Placement(p, v, v_shape=name in _V_PLACED)
 
 
@@ -411,10 +413,10 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """Build the schedule registered as ``name`` for p ranks, m micro-batches, v stages per rank.
 
     Raises:
-        ValueError: unknown name, or (p, m, v) the schedule does not support.
+        ParallelConfigError: unknown name, or (p, m, v) the schedule does not support.
     """
     if name not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {name!r}; valid choices: {sorted(SCHEDULES)}")
+        raise ParallelConfigError(f"unknown pipeline schedule {name!r}; valid choices: {sorted(SCHEDULES)}")
     return SCHEDULES[name](p, m, v)
 
 
@@ -444,21 +446,25 @@ def forward_only(placement: Placement, m: int) -> Schedule:
 
 def _check_args(name: str, p: int, m: int, v: int) -> None:
     if p < 1:
-        raise ValueError(f"{name}: pipeline_parallel_size p={p} must be >= 1")
+        raise ParallelConfigError(f"{name}: pipeline_parallel_size p={p} must be >= 1")
     if m < 1:
-        raise ValueError(f"{name}: num_microbatches m={m} must be >= 1")
+        raise ParallelConfigError(f"{name}: num_microbatches m={m} must be >= 1")
     if name == "interleaved_1f1b":
         if v < 2:
-            raise ValueError(f"{name}: needs v >= 2 virtual stages per rank, got v={v}; use '1f1b' for v=1")
+            raise ParallelConfigError(
+                f"{name}: needs v >= 2 virtual stages per rank, got v={v}; use '1f1b' for v=1"
+            )
         if m % p != 0:
-            raise ValueError(
+            raise ParallelConfigError(
                 f"{name}: num_microbatches m={m} must be a multiple of pipeline_parallel_size p={p} "
                 f"(m % p = {m % p}); e.g. m={m + p - m % p}"
             )
     elif name == "zbv":
         if v != 2:
-            raise ValueError(f"{name}: needs exactly v=2 stages per rank (the two arms of the V), got v={v}")
+            raise ParallelConfigError(
+                f"{name}: needs exactly v=2 stages per rank (the two arms of the V), got v={v}"
+            )
     elif v != 1:
-        raise ValueError(
+        raise ParallelConfigError(
             f"{name}: supports only v=1 virtual stage per rank, got v={v}; use 'interleaved_1f1b' or 'zbv'"
         )

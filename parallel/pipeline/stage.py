@@ -12,6 +12,9 @@ sequence lengths can change between micro-batches and steps:
     after src_embed / encoder layer   hidden (B, S, H)
     after encoder norm                encoder_out (B, S, H)
     after tgt_embed / decoder layer   encoder_out (B, S, H), hidden (B, T, H)
+
+Given the micro-batch's dropout key, each block runs on its own keyed stream
+(`parallel.rng.keyed_block`), so its masks do not depend on the stage that holds it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from models.m2m100 import BlockKind, BlockSpec, M2M100Translation, Seq2SeqBatch, State
+from parallel.rng import keyed_block
 
 _ENCODER_SIDE = (BlockKind.SRC_EMBED, BlockKind.ENC_LAYER)
 
@@ -80,14 +84,23 @@ class PipelineStage:
     def output_keys(self) -> tuple[str, ...]:
         return ("logits",) if self.is_last else boundary_keys(self.blocks[-1])
 
-    def forward(self, inputs: State, batch: Seq2SeqBatch) -> State:
+    def forward(self, inputs: State, batch: Seq2SeqBatch, rng_key: int | None = None) -> State:
+        """The stage's output state; `rng_key` keys the micro-batch's dropout (`parallel.rng`)."""
         if not self.remat_stage:
-            return self.model.run_blocks(inputs, batch, self.blocks)
+            return self._run_blocks(inputs, batch, rng_key)
         keys = sorted(inputs)
 
         def run(*tensors: Tensor) -> tuple[Tensor, ...]:
-            out = self.model.run_blocks(dict(zip(keys, tensors)), batch, self.blocks)
+            out = self._run_blocks(dict(zip(keys, tensors)), batch, rng_key)
             return tuple(out[k] for k in self.output_keys())
 
         outs = checkpoint(run, *(inputs[k] for k in keys), use_reentrant=False, preserve_rng_state=True)
         return dict(zip(self.output_keys(), outs))
+
+    def _run_blocks(self, state: State, batch: Seq2SeqBatch, rng_key: int | None) -> State:
+        if rng_key is None:
+            return self.model.run_blocks(state, batch, self.blocks)
+        for spec in self.blocks:
+            with keyed_block(rng_key, spec):
+                state = self.model.run_block(spec, state, batch)
+        return state

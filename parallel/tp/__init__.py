@@ -7,8 +7,9 @@ One concern per module; import from the module, not from this package:
     layers  ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
             VocabParallelLMHead, the vocabulary partition and the parameter marks
     loss    the vocab-parallel cross-entropy and `gather_logits`
+    rng     per-tp-rank dropout streams for the sites whose activations tp splits
     apply   `apply_tensor_parallel` / `TensorParallelInfo`, sequence parallelism, and
             the per-step helpers (sequence-parallel grad sync, grad norm, full state dict)
 
-Imports run one way: comm <- layers, loss <- apply.
+Imports run one way: comm <- layers, loss, rng <- apply.
 """

@@ -21,17 +21,13 @@ padding of `parallel.tp.layers`):
 * the grad norm (`parallel.grads.grad_sq_over_tp`) sums sharded parameters over tp and
   counts replicated ones once.
 
-RNG / dropout: every tp rank must be seeded identically (same `torch.manual_seed`
-on the ranks of a tp group). Dropout on replicated activations (embedding, residual
-stream without sequence parallelism) then draws identical masks on all tp ranks,
-as it must. Dropout inside the split region (attention probabilities of the local
-heads, FFN activations) draws masks of the same shape from the same state, i.e.
-masks correlated across ranks rather than Megatron's per-rank RNG tracker; this is
-a valid dropout in expectation but not the single-device one. The same holds
-under sequence parallelism for dropout on the residual stream: each rank's T/p
-slice draws the same mask pattern (Megatron forks a per-rank RNG there; we do not,
-since `models/` calls `F.dropout` on the global generator). With dropout off,
-parity with the single-device model is exact up to float summation order.
+RNG / dropout: `apply_tensor_parallel` points the dropout sites whose activations it
+splits (attention probabilities of the local heads, the FFN hidden of the local columns,
+and with sequence parallelism the residual branches) at a per-tp-rank stream
+(`parallel.tp.rng`); replicated activations keep the stream every tp rank shares, so every
+tp rank must be seeded identically (same `torch.manual_seed`, or the keyed block streams
+of `parallel.rng`). With dropout off, parity with the single-device model is exact up to
+float summation order.
 """
 
 from __future__ import annotations
@@ -68,6 +64,7 @@ from parallel.tp.layers import (
     vocab_partition,
 )
 from parallel.tp.loss import gather_logits, vocab_parallel_cross_entropy
+from parallel.tp.rng import install_tensor_parallel_rng
 
 # ----------------------------------------------------------------------------- applying tp
 
@@ -158,6 +155,7 @@ def apply_tensor_parallel(
     every layer fc1 column-, fc2 row-parallel; `shared` becomes a
     VocabParallelEmbedding and `lm_head` a VocabParallelLMHead, which returns
     (B, T, V/p) logit shards (use `info.loss`). Parameter names are unchanged.
+    Dropout on the activations it splits draws per tp rank (`parallel.tp.rng`).
     Every rank of the tp group must hold the same single-device weights (seed
     identically) and call this; it makes no collective itself.
 
@@ -195,6 +193,7 @@ def apply_tensor_parallel(
             _mark(param, False)
     if sequence_parallel:
         enable_sequence_parallel(model, group)
+    install_tensor_parallel_rng(model, r, sequence_parallel)
     return TensorParallelInfo(group, p, r, config.vocab_size, padded, start, end, sequence_parallel)
 
 

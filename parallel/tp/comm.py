@@ -22,6 +22,10 @@ Recomputation", Sec. 4.2.2), along the sequence dim (1 of (B, T, H)):
     reduce_scatter_seq  : forward reduce-scatter(T)   backward all-gather(T)
     scatter_seq         : forward split(T)            backward all-gather(T)
     gather_seq_replicated: forward all-gather(T)      backward split(T)
+
+`ShardOnlyGroup` stands in for a tp group where one rank's share is profiled alone
+(`parallel.pipeline.profile`): the layers take its widths, and every collective keeps the
+shapes and allocations it has on the real group without moving data.
 """
 
 from __future__ import annotations
@@ -43,19 +47,39 @@ SEQ_DIM = 1  # the model is batch-first: activations are (B, T, H)
 # ----------------------------------------------------------------------------- collectives
 
 
+class ShardOnlyGroup(dist.ProcessGroup):
+    """Rank `rank` of a tp group of `size`, computed alone: no process, no data moved.
+
+    For profiling one rank's share of a block without the other ranks (`parallel.pipeline.
+    profile`): the parallel layers slice their weights to this rank's widths, and each
+    collective returns a tensor of the shape the real one returns, allocated as it is (an
+    all-reduce a copy of the local input, an all-gather `size` copies of it, a reduce-scatter
+    this rank's chunk). The compute and the bytes autograd saves are the real rank's; the
+    values are not (they would need the other ranks' parts), nor is the time of the
+    communication itself, which the planner's link model prices.
+    """
+
+    def __init__(self, size: int, rank: int) -> None:
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"bad shard: rank {rank} of {size}")
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the stubs list only the store overload
+        self.shard_rank = rank
+
+
 def _size(group: ProcessGroup) -> int:
     return dist.get_world_size(group)
 
 
 def _rank(group: ProcessGroup) -> int:
-    return dist.get_rank(group)
+    return group.shard_rank if isinstance(group, ShardOnlyGroup) else dist.get_rank(group)
 
 
 def _all_reduce(x: Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
     if _size(group) == 1:
         return x
     out = x.contiguous().clone()
-    dist.all_reduce(out, op=op, group=group)
+    if not isinstance(group, ShardOnlyGroup):
+        dist.all_reduce(out, op=op, group=group)
     return out
 
 
@@ -74,7 +98,10 @@ def _all_gather(x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
         return x
     moved = x.movedim(dim, 0).contiguous()  # gather along dim 0, the collective's layout
     out = moved.new_empty((moved.shape[0] * p, *moved.shape[1:]))
-    _all_gather_single(out, moved, group=group)
+    if isinstance(group, ShardOnlyGroup):
+        out.copy_(moved.repeat(p, *([1] * (moved.dim() - 1))))
+    else:
+        _all_gather_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -86,7 +113,10 @@ def _reduce_scatter(x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
         raise ValueError(f"dim {dim} of shape {tuple(x.shape)} is not divisible by tp({p})")
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // p, *moved.shape[1:]))
-    _reduce_scatter_single(out, moved, group=group)
+    if isinstance(group, ShardOnlyGroup):
+        out.copy_(moved.chunk(p)[group.shard_rank])
+    else:
+        _reduce_scatter_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 

@@ -187,8 +187,9 @@ def _full_state(pm: ParallelModel, opt: torch.optim.Optimizer) -> dict[str, Tens
 def comm_counts(rank: int, world: int, cases: list[tuple[int, int, str, int, int]]) -> list[tuple[int, int, int]]:
     """For each (pp, dp, schedule, m, flushes): this rank's (FSDP parameter groups, all-gathers,
     reduce-scatters) during one optimizer step."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+    from parallel.dp.fsdp_internals import all_states, collectives_module, param_groups
 
+    group_module = collectives_module()
     counts = {"gather": 0, "reduce": 0}
     real = {"gather": group_module.foreach_all_gather, "reduce": group_module.foreach_reduce}
 
@@ -208,8 +209,7 @@ def comm_counts(rank: int, world: int, cases: list[tuple[int, int, str, int, int
             counts.update(gather=0, reduce=0)
             batch = random_batch(pm.model.config, BATCH, seed=100)
             pm.train_step(flushes_of(pm, batch, m, flushes), loss_scale=1.0 / batch.num_tokens())
-            state = pm.fsdp.root._get_fsdp_state()  # type: ignore[attr-defined]
-            groups = sum(len(s._fsdp_param_groups) for s in state._state_ctx.all_states)
+            groups = sum(len(param_groups(s)) for s in all_states(pm.model))
             out.append((groups, counts["gather"], counts["reduce"]))
     finally:
         group_module.foreach_all_gather, group_module.foreach_reduce = real["gather"], real["reduce"]
@@ -294,3 +294,38 @@ def generate_after_training(rank: int, world: int, pp: int, tp: int) -> tuple[li
     _, _, ref_after = reference_run(2)
     after = max(float((full(pm, k, p) - ref_after[k]).abs().max()) for k, p in pm.named_params().items())
     return out, after
+
+
+def train_eval_resume(rank: int, world: int, base: dict[str, Any], cases: list[dict[str, Any]]) -> list[Any]:
+    """The real trainer on fsdp, evaluation on: per case (overrides of `base`) a straight run
+    saving at step 2, the run resumed from checkpoint-2 into a new output_dir, then (cases with
+    `"fp32_eval": True`) checkpoint-4 evaluated again in fp32 (bf16 / fp16 off, the same weights).
+
+    Returns per case, on the logging rank ({} elsewhere): the straight run's rows, the resumed
+    run's rows, and the fp32 re-evaluation's rows (or None).
+    """
+    import logging
+
+    import datasets
+
+    from trainer.config.parse import load_config_dict
+    from trainer.run.loop import run
+
+    datasets.disable_progress_bars()
+    logging.basicConfig(level=logging.WARNING)
+    out: list[Any] = []
+    for i, case in enumerate(cases):
+        case = dict(case)
+        fp32_eval = case.pop("fp32_eval", False)
+        values = {**base, **case, "output_dir": f"{base['output_dir']}-{i}"}
+        straight = run(load_config_dict(values)).get("history")
+        ckpt = f"{values['output_dir']}/checkpoint-2"
+        resumed_values = {**values, "output_dir": f"{values['output_dir']}-resumed", "resume_from_checkpoint": ckpt}
+        resumed = run(load_config_dict(resumed_values)).get("history")
+        again = None
+        if fp32_eval:
+            fp32 = {**values, "bf16": False, "fp16": False, "do_train": False, "output_dir": f"{values['output_dir']}-fp32"}
+            fp32["resume_from_checkpoint"] = f"{values['output_dir']}/checkpoint-4"
+            again = run(load_config_dict(fp32)).get("history")
+        out.append((straight, resumed, again) if straight is not None else {})
+    return out

@@ -148,10 +148,12 @@ def dp_overlap(rank: int, world: int, pp: int, schedule: str) -> tuple[int, floa
 def host_reads_in_step(rank: int, world: int, meshes: list[tuple[int, int, int, str, bool]]) -> list:
     """For each (pp, dp, tp, schedule, sequence_parallel): device-to-host reads and aten ops
     during two timed flushes of 4 micro-batches (gradient accumulation) plus the global
-    norm and clip. On a GPU each read would stall the launch of the next micro-batch."""
+    norm and clip. On a GPU each read would stall the launch of the next micro-batch.
+    Dropout is on, keyed per micro-batch (`parallel.rng`): re-seeding and tp forks read nothing."""
     from parallel.dispatch_count import DispatchCounter
 
-    cfg = ModelConfig(**TINY)
+    cfg = ModelConfig(**{**TINY, "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1})
+    keys = [[1, 2, 3, 4], [5, 6, 7, 8]]
     out = []
     for pp, dp, tp, schedule, sp in meshes:
         torch.manual_seed(0)
@@ -163,10 +165,12 @@ def host_reads_in_step(rank: int, world: int, meshes: list[tuple[int, int, int, 
         batch = random_batch(cfg, 8 * dp, seed=4)
         share = batch.select(slice(mesh.dp_rank * 8, (mesh.dp_rank + 1) * 8))
         flushes = [share.split(4), share.split(4)]
-        pm.train_step(flushes, loss_scale=1.0 / batch.num_tokens())  # warm-up
+        pm.train_step(flushes, loss_scale=1.0 / batch.num_tokens(), dropout_keys=keys)  # warm-up
         pm.model.zero_grad(set_to_none=True)
         with DispatchCounter() as counter:
-            results = pm.train_step(flushes, loss_scale=1.0 / batch.num_tokens(), timed=True)
+            results = pm.train_step(
+                flushes, loss_scale=1.0 / batch.num_tokens(), timed=True, dropout_keys=keys
+            )
             pm.grads.clip_(1.0)
         assert results[-1].timeline, "a timed flush has a timeline"
         out.append((pp, dp, tp, schedule, sp, counter.host_reads, counter.num_ops))
@@ -240,3 +244,87 @@ def _count_queued(store) -> list[int]:  # type: ignore[no-untyped-def]
 
     store.put = counting_put
     return queued
+
+
+PROFILE_CASES = [  # (name, autocast dtype, micro-batches, sequence parallel, remat)
+    ("bf16 autocast (m=1)", torch.bfloat16, 1, False, "none"),
+    ("bf16 working weights (m=2)", torch.bfloat16, 2, False, "none"),
+    ("bf16 sequence parallel, selective remat", torch.bfloat16, 2, True, "selective"),
+    ("fp32 full remat", None, 1, False, "full"),
+]
+
+
+def profile_matches_meter(rank: int, world: int) -> list[tuple[str, float, int]]:
+    """Balancing measures what runs: per `PROFILE_CASES`, a stage's activation bytes summed from
+    `profile_kinds` (one tp rank's shard built without a process group, in the run's precision
+    and remat) and what the executor's meter counts for that stage in a real tp=`world` step
+    of the same model and micro-batch: (case, profiled, metered)."""
+    from models.m2m100 import block_specs
+    from parallel.pipeline.profile import RunSetting, profile_kinds
+    from trainer.planner.cost import stage_activation_bytes
+
+    drop = {"dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1}
+    cfg = ModelConfig(**{**TINY, "encoder_layers": 1, "decoder_layers": 1, **drop})
+    mesh = build_mesh(ParallelDims(pp=1, dp=1, tp=world, world_size=world))
+    batch = random_batch(cfg, 4, seed=7)
+    n = len(block_specs(cfg))
+    out = []
+    for name, dtype, m, sp, remat in PROFILE_CASES:
+        pm = build_parallel_model(
+            cfg, mesh, [n], m, "1f1b", 1, remat, 0.0, autocast_dtype=dtype, sequence_parallel=sp, seed=0
+        )
+        pm.model.train()
+        results = pm.train_step([[batch] * m], loss_scale=1.0 / (m * batch.num_tokens()), timed=True)
+        run = RunSetting(world, sp, dtype, working_weights=m > 1, remat=remat)
+        kinds = profile_kinds(cfg, batch, torch.device("cpu"), run, timed=False)
+        profiled = stage_activation_bytes([kinds[s.kind] for s in block_specs(cfg)], range(n))
+        out.append((name, profiled, results[0].peak_activation_bytes))
+    return out
+
+
+def dp_bounded_buffers(rank: int, world: int, bucket_bytes: int = 4096) -> dict[str, object]:
+    """dp = world with small buckets: the gradient reducer (overlapped with the backward) and
+    ZeRO-1's broadcast keep at most `MAX_BUCKETS_IN_FLIGHT` flat buckets alive, and their
+    results are bit-identical to one all-reduce / broadcast per tensor."""
+    import torch.distributed as dist
+
+    from parallel.dp.reduce import MAX_BUCKETS_IN_FLIGHT, GradReducer
+    from parallel.dp.zero1 import ZeroOneSharding
+
+    cfg = ModelConfig(**TINY)
+    torch.manual_seed(0)
+    model = M2M100Translation(cfg)
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    reducer = GradReducer([params], dist.group.WORLD, bucket_bytes=bucket_bytes)
+    batch = random_batch(cfg, 4, seed=20 + rank)  # each replica its own data
+    want = reference_grads(model, batch)
+    for g in want.values():
+        dist.all_reduce(g)  # one tensor at a time: the plain sum
+    model.zero_grad(set_to_none=True)
+    reducer.arm(0)
+    loss_sum, n = model.loss(batch)
+    (loss_sum / n).backward()
+    reducer.all_reduce()
+    grads_exact = all(torch.equal(p.grad, want[k]) for k, p in named)
+    largest = max(p.numel() * p.element_size() for p in params)
+
+    zero = ZeroOneSharding(named, dist.group.WORLD, bucket_bytes=bucket_bytes)
+    before = {k: p.detach().clone() for k, p in named}
+    with torch.no_grad():
+        for p in zero.owned():  # an "update" only the owner makes
+            p.add_(1.0 + rank)
+    zero.broadcast_updated()
+    params_exact = all(torch.equal(p, before[k] + (1.0 + zero.owner[k])) for k, p in named)
+    return {
+        "buckets": len(reducer.buckets),
+        "launched_during_backward": reducer.launched_during_backward,
+        "peak_in_flight": reducer.peak_in_flight,
+        "bound": MAX_BUCKETS_IN_FLIGHT,
+        "grads_exact": grads_exact,
+        "zero1_buckets": len(zero.buckets),
+        "zero1_peak_bytes": zero.peak_in_flight_bytes,
+        "zero1_bound_bytes": MAX_BUCKETS_IN_FLIGHT * max(bucket_bytes, largest),
+        "param_bytes": sum(p.numel() * p.element_size() for p in params),
+        "params_exact": params_exact,
+    }

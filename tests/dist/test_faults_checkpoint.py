@@ -13,8 +13,9 @@ One spawned group runs the story in order (spawning and set-up dominate the cost
 3. another process holds output_dir's lock (before: two runs interleaved metrics.jsonl):
    the run fails at once on both ranks naming the holder's host and pid;
 4. a torchrun restart (TORCHELASTIC_RESTART_COUNT=1) of an overwrite run keeps the
-   checkpoints; a fresh overwrite run removes them all before it starts (before: an
-   earlier run's checkpoint-30 stayed and `latest` resumed a new run from it).
+   checkpoints; a fresh overwrite run moves them aside before it starts and removes them
+   when it commits its own checkpoint (before: an earlier run's checkpoint-30 stayed and
+   `latest` resumed a new run from it; then: they were deleted before the new run saved).
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ def test_overwrite_clears_the_earlier_run_but_a_restart_keeps_it(
     assert r0["fresh"] == [
         ".lock",
         "checkpoint-1",
-        "config.yaml",
+        "config.yaml",  # no overwritten_run/: removed when checkpoint-1 was committed
         "data_cache",  # the tokenized data outlives a fresh overwrite: the next run loads it
         "metrics.jsonl",
         "model_config.json",

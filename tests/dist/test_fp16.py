@@ -12,8 +12,10 @@ resumed from checkpoint-4 into a fresh output_dir. The first steps overflow by t
 (`fp16_initial_scale` 2**20 is above what these gradients tolerate in fp16) and back off;
 at step 5 one gradient element of pp rank 0, tp rank 1 only is made inf before the
 unscale (as a local backward overflow would be). A second group, pp=2 x dp=2 under FSDP,
-does the same with the inf in one dp shard. Every rank records, after each step,
-whether it skipped, why, its scale and growth tracker, and its own (local) found-inf flag.
+does the same with the inf in one dp shard, evaluation on (BLEU decoded in fp16 on the mesh)
+and resumed, then trains the same mesh in bf16 with evaluation and resumes it. Every rank
+records, after each step, whether it skipped, why, its scale and growth tracker, and its own
+(local) found-inf flag.
 A last 2-rank group checks that FSDP's sharded fp16 gradients unscale to the fp32 ones.
 """
 
@@ -132,21 +134,41 @@ def story(tmp: Path) -> list[dict[str, Any]]:
     return run_distributed(fp16_story, 4, args=(base, (0, 0, 1), True), timeout=500, collective_timeout=120)
 
 
+def fp16_story_then_bf16(
+    rank: int, world: int, base: dict[str, Any], inject_at: tuple[int, int, int], bf16_base: dict[str, Any]
+) -> dict[str, Any]:
+    """`fp16_story` (resumed too), then in the same group the bf16 run of `bf16_base` (evaluation
+    on, resumed: `tests.dist.fsdp_workers.train_eval_resume`)."""
+    from tests.dist.fsdp_workers import train_eval_resume
+
+    out = fp16_story(rank, world, base, inject_at, True)
+    out["bf16"] = train_eval_resume(rank, world, bf16_base, [{"bf16": True}])
+    return out
+
+
 @pytest.fixture(scope="module")
 def dp_story(tmp: Path) -> list[dict[str, Any]]:
-    """pp=2 x dp=2 with FSDP (fp16 gathered working weights): the inf lands in one dp shard of
-    pp rank 0's gradients only (after the reduce-scatter)."""
+    """pp=2 x dp=2 with FSDP (fp16 gathered working weights), evaluation on: the inf lands in one
+    dp shard of pp rank 0's gradients only (after the reduce-scatter); resumed from checkpoint-4.
+    Then the same mesh with bf16 (issue 23: fsdp + bf16 with evaluation crashed before step 1)."""
+    from tests.dist.test_fsdp import EVAL_ON
+
+    eval_on = {k: v for k, v in EVAL_ON.items() if k not in ("max_steps", "save_steps")}
     base = {
         **base_config(str(tmp / "dp")),
         **mesh_overrides(pp=2, dp=2, m=2),
         **SMALL_DATA,
-        "data_parallel_sharding": "fsdp",
+        **eval_on,
         "max_steps": 8,
+        "save_steps": 4,
         "fp16": True,
         "fp16_initial_scale": INITIAL,
         "fp16_scale_growth_interval": INTERVAL,
     }
-    return run_distributed(fp16_story, 4, args=(base, (0, 1, 0), False), timeout=500, collective_timeout=120)
+    bf16_base = {**base_config(str(tmp / "dp-bf16")), **mesh_overrides(pp=2, dp=2, m=2), **SMALL_DATA, **EVAL_ON}
+    return run_distributed(
+        fp16_story_then_bf16, 4, args=(base, (0, 1, 0), bf16_base), timeout=600, collective_timeout=120
+    )
 
 
 def _rows(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -192,6 +214,20 @@ def test_pp_dp_ranks_skip_the_same_steps_and_hold_the_same_scale(dp_story) -> No
     assert losses[-1] < losses[0] - 0.1, f"fp16 + FSDP does not learn: {losses}"
 
 
+def test_pp_dp_fsdp_fp16_and_bf16_evaluate_and_resume(dp_story) -> None:
+    """pp=2 x dp=2 fsdp, evaluation on: fp16 decodes (eval_bleu before and after) and its resumed
+    run continues the straight one, loss scale included; bf16 evaluates, trains and resumes."""
+    from tests.dist.test_fsdp import check_trains_evaluates_and_resumes, eval_rows
+
+    _check_resumed(dp_story)
+    logger = next(r for r in dp_story if r["straight"][1])
+    evals = eval_rows(logger["straight"][1])
+    assert sorted(evals) == [0, 8] and all("eval_bleu" in r for r in evals.values()), evals
+    assert eval_rows(logger["resumed"][1])[8]["eval_bleu"] == evals[8]["eval_bleu"]
+    ((straight, resumed, _),) = logger["bf16"]
+    check_trains_evaluates_and_resumes(straight, resumed, "pp=2 x dp=2 fsdp bf16")
+
+
 def test_metrics_log_the_scale_and_the_overflow_count(story) -> None:
     logger = next(r for r in story if r["straight"][1])  # the last stage's tp=0 rank logs
     records, history, summary_overflows = logger["straight"]
@@ -210,6 +246,10 @@ def test_one_device_read_per_fp16_step(story) -> None:
 
 
 def test_resumed_run_equals_the_straight_run_scale_included(story) -> None:
+    _check_resumed(story)
+
+
+def _check_resumed(story: list[dict[str, Any]]) -> None:
     for rank, r in enumerate(story):
         straight, resumed = r["straight"][0], r["resumed"][0]
         assert resumed == [rec for rec in straight if rec[0] > 4], f"rank {rank}: {resumed} vs {straight}"

@@ -52,7 +52,9 @@ def _group(world: int, calls: dict[str, tuple], timeout: float) -> dict[str, lis
 def ranks2() -> dict[str, list]:
     from tests.dist.pipeline_workers import (
         bf16_sequence_parallel_grads,
+        dp_bounded_buffers,
         dp_overlap,
+        profile_matches_meter,
         zbv_parity,
         zero_bubble_defers_weight_grads,
     )
@@ -63,6 +65,8 @@ def ranks2() -> dict[str, list]:
         "zb-defers": (zero_bubble_defers_weight_grads, ()),
         "overlap-1-1f1b": (dp_overlap, (1, "1f1b")),
         "bf16-sp": (bf16_sequence_parallel_grads, ()),
+        "profile-vs-meter": (profile_matches_meter, ()),
+        "dp-bounded": (dp_bounded_buffers, ()),
     }
     return _group(2, calls, timeout=600)
 
@@ -137,6 +141,37 @@ def test_dp_reduce_overlaps_last_backward(pp: int, schedule: str, request: pytes
 
 
 @pytest.mark.dist
+def test_dp_reduce_and_zero1_broadcast_hold_a_bounded_number_of_buckets(ranks2: dict[str, list]) -> None:
+    """Issue 23: the reducer kept every bucket's flat copy until GR and ZeRO-1 flattened every
+    owner's parameters at once (each a second copy of the rank's gradients or parameters). Now
+    at most two buckets are alive, the reduce still overlaps the backward, and the sums and
+    broadcast values are bit-identical to one collective per tensor."""
+    for rank, r in enumerate(ranks2["dp-bounded"]):
+        where = f"rank {rank}: {r}"
+        assert r["buckets"] > 2 * r["bound"] and r["launched_during_backward"] >= 1, where
+        assert 1 <= r["peak_in_flight"] <= r["bound"], where
+        assert r["grads_exact"] and r["params_exact"], where
+        assert r["zero1_buckets"] > 2 * r["bound"], where
+        assert 0 < r["zero1_peak_bytes"] <= r["zero1_bound_bytes"] < r["param_bytes"] / 4, where
+
+
+@pytest.mark.dist
 def test_bf16_working_weights_keep_sequence_parallel_grad_sum(ranks2: dict[str, list]) -> None:
     for rank, worst in enumerate(ranks2["bf16-sp"]):
         assert worst == 0.0, f"rank {rank}: replicated gradients differ across tp by {worst:.3e}"
+
+
+@pytest.mark.dist
+def test_block_profile_counts_what_the_executor_meters_at_tp2(ranks2: dict[str, list]) -> None:
+    """`partition_method: time | memory` and the planner profile a block as the run executes it:
+    a stage's bytes summed from the profile of one tp rank's shard (built without a process
+    group), in bf16 with autocast or the step's working weights, under sequence parallelism and
+    remat, equal what the executor's meter counts in the real tp=2 step. The profile is the last
+    tp rank's, whose vocabulary slice holds the padding: the other rank keeps that mask's
+    bytes fewer. Before, the profile was an unsharded fp32 block without autocast."""
+    padded_vocab_slice = 31  # bytes of the padding mask (61 words over 2 ranks: 31 per rank)
+    for rank, rows in enumerate(ranks2["profile-vs-meter"]):
+        for name, profiled, metered in rows:
+            print(f"tp rank {rank}, {name}: profiled {profiled:.0f} B, metered {metered} B")
+            expected = metered if rank == 1 else metered + padded_vocab_slice
+            assert profiled == expected, f"tp rank {rank}, {name}: profiled {profiled}, metered {metered}"

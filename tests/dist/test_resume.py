@@ -7,6 +7,11 @@ config.yaml and model_config.json, then trained on silently different token ids 
 with another vocab_size, failed only after overwriting them). Now metrics.jsonl holds
 each step once, the run's files are read back untouched, and a mismatch is one error
 that leaves every byte of output_dir as it was.
+
+Issue 23: a resume drew the initial weights (or re-read the whole `model_name_or_path`)
+only to overwrite them from the checkpoint, and failed when that directory was gone. A
+fine-tune from an HF directory now resumes with the directory moved away: nothing drawn,
+nothing read from it, the checkpoint loaded once, the same losses.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ def resume_story(rank: int, world: int, base: dict[str, Any]) -> dict[str, Any]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "run_summary.json").read_text())  # the resumed run's
     return {
+        **resume_without_pretrained_dir(base, out),
         "steps": [r["step"] for r in rows],
         "window_shares": [{k: v for k, v in r.items() if k.startswith("share/")} for r in rows if "loss" in r],
         "run_examples": {name: v["examples"] for name, v in summary["direction_shares"].items()},
@@ -73,6 +79,52 @@ def resume_story(rank: int, world: int, base: dict[str, Any]) -> dict[str, Any]:
         "errors": errors,
         "unchanged": unchanged,
     }
+
+
+def resume_without_pretrained_dir(base: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Fine-tune the run's architecture from an HF directory (4 steps, saving at 2), lose
+    checkpoint-4, move the directory away and resume: (the two runs' losses, how many
+    initial-weight draws and HF reads each made)."""
+    from models.config import ModelConfig
+    from models.hf_save import save_hf_model
+    from models.m2m100 import M2M100Translation
+    from trainer.config.parse import load_config_dict
+    from trainer.run.loop import run
+
+    pretrained = out.parent / "pretrained"
+    mc = ModelConfig.from_dict(json.loads((out / "model_config.json").read_text()))
+    save_hf_model(dict(M2M100Translation(mc, seed=5).state_dict()), mc, pretrained)
+    shutil.copytree(out / "tokenizer", pretrained, dirs_exist_ok=True)
+    tuned = {**base, "model_name_or_path": str(pretrained), "output_dir": str(out.parent / "tuned"), "save_steps": 2}
+    calls = {"draws": 0, "reads": 0}
+    with pytest.MonkeyPatch.context() as mp:
+        for owner, name, kind in ((M2M100Translation, "init_value", "draws"), (models_hf(), "read_hf_slices", "reads")):
+            mp.setattr(owner, name, _counting(getattr(owner, name), calls, kind))
+        whole = run(load_config_dict(tuned))
+        fresh = dict(calls)
+        shutil.rmtree(out.parent / "tuned" / "checkpoint-4")
+        pretrained.rename(out.parent / "moved-away")
+        calls.update(draws=0, reads=0)
+        resumed = run(load_config_dict({**tuned, "resume_from_checkpoint": "latest"}))
+
+    def losses(summary: dict[str, Any]) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in summary["history"] if "loss" in r}
+
+    return {"tuned": losses(whole), "tuned_resumed": losses(resumed), "fresh_calls": fresh, "resume_calls": calls}
+
+
+def models_hf() -> Any:
+    import models.hf
+
+    return models.hf
+
+
+def _counting(fn: Any, calls: dict[str, int], kind: str) -> Any:
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[kind] += 1
+        return fn(*args, **kwargs)
+
+    return counted
 
 
 def test_resume_cuts_metrics_reads_back_and_refuses_mismatches(tmp_path: Path) -> None:
@@ -91,3 +143,9 @@ def test_resume_cuts_metrics_reads_back_and_refuses_mismatches(tmp_path: Path) -
     for name, (_, message) in MISMATCHES.items():
         assert message in got["errors"][name], got["errors"][name]
         assert got["unchanged"][name], f"{name}: output_dir changed"
+    # model_name_or_path moved away before the resume: nothing drawn or read, the same losses
+    assert got["fresh_calls"]["reads"] > 0 and got["fresh_calls"]["draws"] == 0, got["fresh_calls"]
+    assert got["resume_calls"] == {"draws": 0, "reads": 0}, got["resume_calls"]
+    assert sorted(got["tuned_resumed"]) == [3, 4], got["tuned_resumed"]
+    for step, loss in got["tuned_resumed"].items():
+        assert loss == got["tuned"][step], (step, loss, got["tuned"])

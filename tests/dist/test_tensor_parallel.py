@@ -37,6 +37,7 @@ from parallel.tp.layers import (
     is_tp_sharded,
 )
 from parallel.tp.loss import vocab_parallel_cross_entropy
+from tests.dist.dropout_checks import check_masks_per_rank, expected_loss_gap
 from tests.dist.harness import run_distributed
 
 pytestmark = pytest.mark.dist
@@ -258,7 +259,7 @@ def _check_pruned_stage(group: Any) -> None:
     assert all(hasattr(q, "tp_sharded") for q in model.parameters())
 
 
-CHECKS: dict[str, Callable[[Any], None]] = {
+CHECKS: dict[str, Callable[[Any], Any]] = {
     "column_linear": _check_column,
     "row_linear": _check_row,
     "embedding_and_head": _check_embedding_and_head,
@@ -267,14 +268,22 @@ CHECKS: dict[str, Callable[[Any], None]] = {
     "model_sequence_parallel": lambda group: _check_model(group, sequence_parallel=True),
     "sequence_parallel_length": _check_sequence_parallel_length,
     "pruned_stage": _check_pruned_stage,
+    "dropout_masks": lambda group: check_masks_per_rank(group, False, _batch(), VOCAB),
+    "dropout_masks_sequence_parallel": lambda group: check_masks_per_rank(group, True, _batch(), VOCAB),
+    # measured at tp=2 only (the quick tier's time): the mask checks cover tp=4
+    "dropout_expected_loss": lambda group: (
+        expected_loss_gap(group, _batch(), VOCAB) if dist.get_world_size(group) == 2 else None
+    ),
 }
 
 
 def _run_checks(prefix: str, group: Any, out: dict[str, Any]) -> None:
     for name, check in CHECKS.items():
         try:
-            check(group)
+            figure = check(group)
             out[f"{prefix}/{name}"] = "ok"
+            if figure is not None:
+                out[f"{prefix}/{name}/figure"] = figure
         except Exception:  # noqa: BLE001 - reported per check by the tests below
             out[f"{prefix}/{name}"] = traceback.format_exc()
 
@@ -323,6 +332,17 @@ def test_tensor_parallel_matches_single_device(results: list[dict[str, Any]], tp
     for rank, res in enumerate(results):
         status = res[f"tp{tp}/{check}"]
         assert status == "ok", f"rank {rank}, tp={tp}, {check}:\n{status}"
+
+
+def test_dropout_keeps_the_expected_loss(results: list[dict[str, Any]]) -> None:
+    """Per-rank masks have the single-device distribution: the mean dropout loss at tp=2 over 64
+    draws is within noise of one device's (the figure, z in standard errors, is printed; over
+    512 draws z = -0.28)."""
+    tp = 2
+    fig = results[0][f"tp{tp}/dropout_expected_loss/figure"]
+    print(f"tp={tp}: mean loss {fig['mean_tp']:.4f} vs one device {fig['mean_one']:.4f} "
+          f"over {fig['draws']} draws each, SE {fig['se']:.4f}, z = {fig['z']:+.2f}")  # fmt: skip
+    assert abs(fig["z"]) < 4.0
 
 
 def test_mesh_coordinates_on_8_ranks(results: list[dict[str, Any]]) -> None:

@@ -160,3 +160,44 @@ def test_layerdrop_same_layers_on_every_mesh(reference, tmp_path) -> None:
         "layerdrop-tp2-dp2-zero1": mesh(tp=2, dp=2, data_parallel_sharding="zero1", **LAYERDROP),
     }
     _assert_matches(ref, _run(4, cases, str(tmp_path), tokenizer))
+
+
+DROPOUT = {"dropout": 0.2, "attention_dropout": 0.2, "activation_dropout": 0.2}
+
+
+def test_dropout_masks_follow_the_data_on_every_mesh_of_a_tp(reference, tmp_path) -> None:
+    """Dropout on: masks are keyed by (seed, step, slot, block) and drawn per tp rank where tp
+    splits the activations (`parallel.rng`), so every mesh of one tp trains alike (pipeline
+    cuts, schedules, remat replaying the masks), and a resumed run, resharded onto another
+    mesh, continues the uninterrupted one. Before, masks followed each rank's global
+    generator: they changed with the pipeline cut and tp ranks repeated one pattern."""
+    ref_plain, _, tokenizer = reference
+    tmp = str(tmp_path)
+    ckpt = f"{tmp}/run-0/checkpoint-2"
+    tp2 = {  # one global batch cut into 2 slots of 8 pairs everywhere
+        "tp2-dp2-save": mesh(tp=2, dp=2, save_steps=2, **DROPOUT),
+        "pp2-tp2-m2-selective": mesh(pp=2, tp=2, m=2, activation_checkpointing="selective", **DROPOUT),
+        "pp2-tp2-m2-zero_bubble-stage": mesh(
+            pp=2, tp=2, m=2, pipeline_schedule="zero_bubble", activation_checkpointing="stage", **DROPOUT
+        ),
+        "resume-pp2-tp2-m2-full": mesh(
+            pp=2, tp=2, m=2, activation_checkpointing="full", resume_from_checkpoint=ckpt, **DROPOUT
+        ),
+    }
+    tp1 = {  # 4 slots of 4 pairs
+        "dp4": mesh(dp=4, **DROPOUT),
+        "pp2-dp2-m2-gpipe": mesh(pp=2, dp=2, m=2, pipeline_schedule="gpipe", **DROPOUT),
+    }
+    got = _run(4, {**tp2, **tp1}, tmp, tokenizer)
+    straight = got["tp2-dp2-save"]
+    assert max(abs(a[1] - b[1]) for a, b in zip(straight, ref_plain)) > 1e-3, "dropout changed nothing"
+    assert max(abs(a[1] - b[1]) for a, b in zip(straight, got["dp4"])) > 1e-4, "tp=2 drew tp=1's masks"
+    _assert_matches(straight, {k: got[k] for k in ("pp2-tp2-m2-selective", "pp2-tp2-m2-zero_bubble-stage")})
+    _assert_matches(got["dp4"], {"pp2-dp2-m2-gpipe": got["pp2-dp2-m2-gpipe"]})
+    resumed = got["resume-pp2-tp2-m2-full"]
+    assert [s for s, _, _ in resumed] == [3, 4, 5], resumed
+    err = max(
+        max(abs(a[1] - b[1]) / abs(b[1]), abs(a[2] - b[2]) / abs(b[2])) for a, b in zip(resumed, straight[2:])
+    )
+    print(f"resumed with dropout, steps 3-5 vs uninterrupted: max relative error {err:.2e}")
+    assert err <= TOL

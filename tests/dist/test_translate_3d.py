@@ -112,3 +112,24 @@ def test_torchrun_translate_equals_one_process(export_dir: Path) -> None:
     # same lines: the test must tell them apart).
     assert "6 lines on (pp, dp, tp) = (2, 1, 2), cpu, stages of [4, 4] blocks" in proc.stderr, proc.stderr
     assert proc.stdout.split("\n") == want, (proc.stdout, want)
+
+
+@pytest.mark.dist
+def test_torchrun_translate_in_bf16_on_a_pipeline_equals_one_process_in_bf16(export_dir: Path) -> None:
+    """`--dtype bfloat16` (transformers' name): every weight cast once, decoding in bf16. A pipeline
+    cut adds no reduction, so 2 stages give the one-process bf16 lines exactly."""
+    from trainer.translate import main
+
+    text = "\n".join(read_lines("val.en.gz", 6)) + "\n"
+    one = io.StringIO()
+    assert main(["--model", str(export_dir), *FLAGS, "--dtype", "bfloat16"], io.StringIO(text), one) == 0
+    want = one.getvalue().split("\n")
+    assert len(want) == 7 and len(set(want[:-1])) >= 3, want
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd = [*torchrun, "-m", "trainer.translate", "--model", str(export_dir), *FLAGS, "--dtype", "bfloat16",
+           "--pipeline_parallel_size", "2", "--device", "cpu"]  # fmt: skip
+    proc = subprocess.run(cmd, input=text, capture_output=True, text=True, encoding="utf-8", cwd=ROOT,
+                          env=_env(), timeout=150)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "(pp, dp, tp) = (2, 1, 1)" in proc.stderr, proc.stderr
+    assert proc.stdout.split("\n") == want, (proc.stdout, want)

@@ -9,7 +9,8 @@ Each test pins a failure seen on a real run before the fix:
   RLIMIT_FSIZE during a save), the partial directory is gone, the previous
   checkpoint still verifies and loads, and save_total_limit deleted nothing;
 - `overwrite_output_dir` kept the earlier run's checkpoints, which `latest` then
-  picked: now a fresh start clears them, a torchrun restart does not;
+  picked: now a fresh start moves them aside (removed at the new run's first commit), a
+  torchrun restart keeps them;
 - two runs on one output_dir both ran: now the second one's lock fails naming the holder.
 
 tests/dist/test_faults_checkpoint.py runs the same cases through the trainer on 2 gloo ranks.
@@ -42,7 +43,7 @@ from trainer.checkpoint.write_failure import describe_write_failure
 from trainer.config.training_args import TrainingArguments
 from trainer.errors import ConfigError
 from trainer.export import main as export_main
-from trainer.run.outdir import OutputDirBusyError, OutputDirLock, claim_output_dir
+from trainer.run.outdir import EARLIER_RUN, OutputDirBusyError, OutputDirLock, claim_output_dir
 
 
 def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -200,15 +201,42 @@ def _args(out: Path, **kw: object) -> TrainingArguments:
     return TrainingArguments(output_dir=str(out), **kw)  # type: ignore[arg-type]
 
 
-def test_overwrite_clears_the_earlier_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_overwrite_moves_the_earlier_run_aside_until_the_first_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression (issue 23): overwrite_output_dir deleted every committed checkpoint before the new
+    run had saved anything (a crash then lost both runs). Now they are renamed aside, where
+    `latest` cannot pick them, and removed only once the new run commits its first checkpoint."""
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     _previous_run(tmp_path)
-    with claim_output_dir(_args(tmp_path, overwrite_output_dir=True), rank=0) as out:
-        assert sorted(p.name for p in out.iterdir()) == [".lock", "notes.txt"]  # not ours: kept
-        assert ckpt.resolve_resume("latest", out) is None
-        with pytest.raises(OutputDirBusyError):  # held for the block's life
-            OutputDirLock(out).acquire()
-    OutputDirLock(tmp_path).acquire()  # and released after it
+    held = tmp_path / EARLIER_RUN
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        with claim_output_dir(_args(tmp_path, overwrite_output_dir=True), rank=0) as out:
+            assert sorted(p.name for p in out.iterdir()) == [
+                ".lock",
+                "notes.txt",
+                EARLIER_RUN,
+            ]  # notes: not ours
+            assert ckpt.resolve_resume("latest", out) is None
+            assert (held / "checkpoint-30" / COMMIT_MARKER).is_file() and (held / "tokenizer").is_dir()
+            with pytest.raises(OutputDirBusyError):  # held for the block's life
+                OutputDirLock(out).acquire()
+        assert any("moved the earlier run's outputs" in r.message for r in caplog.records)
+        free = OutputDirLock(tmp_path)
+        free.acquire()  # released after the block
+        free.release()
+
+        # interrupted before its first commit: a second overwrite keeps the held run (still the last
+        # committed one) and drops the interrupted run's outputs
+        (tmp_path / "checkpoint-2").mkdir()  # no marker: never committed
+        (tmp_path / "metrics.jsonl").write_text("interrupted run")
+        with claim_output_dir(_args(tmp_path, overwrite_output_dir=True), rank=0):
+            assert (held / "checkpoint-30" / COMMIT_MARKER).is_file() and (held / "metrics.jsonl").is_file()
+            assert not (tmp_path / "checkpoint-2").exists() and not (tmp_path / "metrics.jsonl").exists()
+        caplog.clear()
+        _save(tmp_path, 5)  # the new run's first commit removes the earlier run
+    assert not held.exists() and ckpt.resolve_resume("latest", tmp_path) == tmp_path / "checkpoint-5"
+    assert any("removed the earlier run's outputs" in r.message for r in caplog.records)
 
 
 def test_restart_and_resume_keep_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,7 +33,25 @@ CASES = {
         ["--dataset_name", "", "--train_file", "/nonexistent/train.jsonl"],
         "/nonexistent/train.jsonl",
     ),
+    # issue 23: a model directory with weights and config only exited 0, training a new tokenizer
+    "pretrained-without-tokenizer": (
+        ["--model_name_or_path", "{bare_model}"],
+        "holds no tokenizer files (tokenizer.json, tokenizer_config.json, sentencepiece.bpe.model, "
+        "sentencepiece.model, polyglot_tokenizer.json): set tokenizer_name",
+    ),
 }
+
+
+def _bare_model(path: Path) -> Path:
+    """A Hugging Face M2M100 directory with weights and config only (no tokenizer files)."""
+    from models.config import ModelConfig
+    from models.hf_save import save_hf_model
+    from models.m2m100 import M2M100Translation
+
+    mc = ModelConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                     decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32)  # fmt: skip
+    save_hf_model(M2M100Translation(mc).state_dict(), mc, path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +59,10 @@ def outcomes(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
     env = {**os.environ, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "PYTHONPATH": str(ROOT)}
     env.pop("WORLD_SIZE", None)
     procs = {}
+    bare = str(_bare_model(tmp_path_factory.mktemp("bare_model")))
     for name, (args, _) in CASES.items():
         out = tmp_path_factory.mktemp(name) / "out"
+        args = [a.replace("{bare_model}", bare) for a in args]
         cmd = [
             sys.executable,
             "-m",

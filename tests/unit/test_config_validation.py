@@ -7,6 +7,7 @@ written); negative warmup_steps, max_grad_norm and save_steps were accepted.
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
@@ -107,3 +108,141 @@ def test_fsdp_with_layerdrop_is_refused_before_anything_runs() -> None:
         validate_early(cfg, world=2)
     ok = load_config_dict(base)
     assert validate_early(ok, world=2).dp == 2
+
+
+@pytest.mark.parametrize(
+    ("world", "values", "message"),
+    [
+        # the 12B config shipped sequence_parallel: true on its tp = 1 mesh (issue 23)
+        (2, {"sequence_parallel": True}, r"^sequence_parallel=True does nothing with tensor_parallel_size=1"),
+        (1, {"data_parallel_sharding": "fsdp"}, r"^data_parallel_sharding='fsdp' does nothing with data_parallel_size=1 \(data_parallel_size=-1 inferred"),
+        (2, {"data_parallel_sharding": "zero1", "pipeline_parallel_size": 2}, r"^data_parallel_sharding='zero1' does nothing with data_parallel_size=1"),
+        (2, {"virtual_pipeline_stages": 3}, r"^virtual_pipeline_stages=3 does nothing with pipeline_schedule='1f1b'"),
+        (2, {"partition_method": "time"}, r"^partition_method='time' does nothing with one pipeline stage"),
+        (2, {"fp16_initial_scale": 1024.0}, r"^fp16_initial_scale=1024\.0 does nothing without fp16=True"),
+        (2, {"early_stopping_threshold": 0.1}, r"^early_stopping_threshold=0\.1 does nothing without early_stopping_patience"),
+        (2, {"hang_warning_s": 900.0}, r"^hang_warning_s=900 does nothing with dist_timeout_s=600"),
+        (2, {"language_pairs": [], "source_lang": "en", "target_lang": "de", "sampling_temperature": 5.0},
+         r"^sampling_temperature=5\.0 does nothing with one direction \(en-de\)"),
+    ],
+)  # fmt: skip
+def test_options_that_would_do_nothing_are_refused_in_one_line(
+    world: int, values: dict[str, object], message: str
+) -> None:
+    from trainer.config.parse import load_config_dict
+    from trainer.run.preflight import validate_early
+
+    base = {"dataset_name": "builtin", "language_pairs": ["en-de", "de-en"]}
+    with pytest.raises(ConfigError, match=message) as err:
+        validate_early(load_config_dict({**base, **values}), world=world)
+    assert "\n" not in str(err.value)
+    # the same options where they act are accepted
+    acting = {
+        "sequence_parallel": {"tensor_parallel_size": 2},
+        "data_parallel_sharding": {"data_parallel_size": 2},
+    }
+    for key, fix in acting.items():
+        if key in values and "pipeline_parallel_size" not in values:
+            assert validate_early(load_config_dict({**base, **values, **fix}), world=2)
+
+
+def test_options_transformers_accepts_are_warned_about_naming_the_field() -> None:
+    from trainer.config.parse import load_config_dict
+    from trainer.run.preflight import idle_option_warnings
+
+    base = {"dataset_name": "builtin", "language_pairs": ["en-de"]}
+    cfg = load_config_dict(
+        {**base, "eval_strategy": "epoch", "eval_steps": 50, "greater_is_better": True,
+         "do_eval": False, "save_strategy": "no", "save_steps": 10}
+    )  # fmt: skip
+    assert idle_option_warnings(cfg) == [
+        "eval_steps=50 does nothing with eval_strategy='epoch' (only 'steps' reads it)",
+        "save_steps=10 does nothing with save_strategy='no' (only 'steps' reads it)",
+        "greater_is_better=True does nothing without metric_for_best_model, load_best_model_at_end or "
+        "early_stopping_patience",
+    ]
+    quiet = {
+        **base,
+        "eval_strategy": "no",
+        "do_eval": False,
+        "bf16_full_eval": True,
+        "generation_num_beams": 4,
+    }
+    assert idle_option_warnings(load_config_dict(quiet)) == [
+        f"{name} does nothing: no evaluation runs (do_eval, do_predict false, eval_strategy 'no')"
+        for name in ("bf16_full_eval=True", "generation_num_beams=4")
+    ]
+    assert idle_option_warnings(load_config_dict(base)) == []
+
+
+def test_shipped_configs_pass_their_own_checks_on_the_meshes_they_name() -> None:
+    from pathlib import Path
+
+    from trainer.config.parse import parse_config
+    from trainer.run.preflight import idle_option_warnings, validate_early
+
+    root = Path(__file__).resolve().parents[2]
+    worlds = {
+        "demo": 8,
+        "m2m100_12b": 16,
+        "m2m100_1b_4x8": 32,
+        "nllb200_distilled_600m": 8,
+        "nllb200_1.3b": 8,
+    }
+    worlds["nllb200_3.3b"] = 16
+    worlds["nllb_moe_54b"] = 32
+    for path in sorted((root / "configs").glob("*.yaml")):
+        cfg = parse_config(["--config", str(path)])
+        validate_early(cfg, worlds.get(path.stem, 1))
+        assert idle_option_warnings(cfg) == [], path.name
+
+
+def test_validation_raises_bad_input_types_internal_checks_do_not() -> None:
+    """The checks of user input in models/ and parallel/ raise their bad-input types (one line,
+    exit 2); internal consistency checks stay plain ValueErrors (a traceback, exit 1)."""
+    from models.config import ModelConfig
+    from parallel.mesh import ParallelDims, rank_to_coords
+    from parallel.pipeline.partition import validate_balance
+    from parallel.pipeline.schedule import build_schedule
+    from trainer.errors import BAD_INPUT
+
+    bad_input = [
+        lambda: ParallelDims(1, 2, 1, 1).validate(),  # dp x tp x pp != world
+        lambda: build_schedule("interleaved_1f1b", 2, 3, 2),  # m not a multiple of p
+        lambda: validate_balance([3, 3], 8, 2),
+        lambda: ModelConfig(d_model=10, encoder_attention_heads=3),
+    ]
+    for check in bad_input:
+        with pytest.raises(BAD_INPUT):
+            check()
+    with pytest.raises(ValueError) as internal:
+        rank_to_coords(9, (1, 2, 2))
+    assert not isinstance(internal.value, BAD_INPUT)
+
+
+@pytest.mark.parametrize("internal", [False, True])
+def test_entry_point_keeps_internal_tracebacks(internal: bool, monkeypatch, capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression (issue 23): `trainer.train` turned every ValueError into "bad input", exit 2,
+    without a traceback, internal ones too. Bad input keeps its one line; an internal error
+    propagates (Python prints its traceback, exit status 1)."""
+    from parallel.errors import ParallelConfigError
+    from trainer import train
+
+    def fail(cfg):  # type: ignore[no-untyped-def]
+        if internal:
+            raise ValueError("an internal check failed")
+        raise ParallelConfigError("tensor_parallel_size=3 does not divide 4 ranks; valid: 1, 2, 4")
+
+    monkeypatch.setattr(train, "run", fail)
+    monkeypatch.delenv("TRAINER_TRACEBACK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+    argv = ["--config", str(tiny), "--output_dir", str(tmp_path / "out")]
+    if internal:
+        with pytest.raises(ValueError, match="an internal check failed"):
+            train.cli(argv)
+        return
+    assert train.cli(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ParallelConfigError: tensor_parallel_size=3 does not divide 4 ranks")
+    assert err.count("\n") == 1 and "Traceback" not in err

@@ -212,6 +212,34 @@ def test_cli_translates_stdin_line_by_line(model_dir: Path) -> None:
     assert all(w in WORDS for line in lines for w in line.split()), lines
 
 
+def test_one_process_load_draws_nothing_and_reads_each_tensor_once(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 23: one-process `trainer.translate` built a randomly initialised full model, then read
+    a second full copy of the weights. Now the model is built on meta and each tensor is read
+    into it once: no initial weight drawn, the loaded weights equal the directory's."""
+    import models.hf
+    from models.hf import load_hf_into
+    from trainer.eval.hf_translate import load_model
+
+    want = M2M100Translation(models.hf.read_hf_config(model_dir))
+    load_hf_into(want, model_dir)
+    reads: list[str] = []
+    read_part = models.hf._read_part
+
+    def counted(ckpt: object, name: str, *args: object) -> torch.Tensor:
+        reads.append(name)
+        return read_part(ckpt, name, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(models.hf, "_read_part", counted)
+    monkeypatch.setattr(M2M100Translation, "init_value", None)  # a draw would fail here
+    got = load_model(model_dir, torch.device("cpu"))
+    params = dict(got.named_parameters())
+    assert sorted(reads) == sorted(params), reads  # each parameter read once, nothing else
+    assert all(torch.equal(p, want.state_dict()[n]) for n, p in params.items())
+    assert not got.training
+
+
 def test_cli_one_output_line_per_input_line(model_dir: Path) -> None:
     out = io.StringIO()
     argv = ["--model", str(model_dir), "--source_lang", "fr", "--target_lang", "en", "--num_beams", "1"]
@@ -275,3 +303,27 @@ def test_cli_bad_mesh_is_one_clear_line_before_any_group(
     monkeypatch.setenv("RANK", "1")  # the other ranks fail alike, silently
     assert main(argv, io.StringIO("hello\n"), io.StringIO()) == 2
     assert capsys.readouterr().err == ""
+
+
+def test_cli_dtype_casts_every_weight_and_decodes(
+    model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--dtype` (transformers' name): the weights load in that precision and decode in it;
+    `auto` follows config.json; a bad name is one line, exit 2."""
+    from trainer.eval.hf_translate import load_model, resolve_dtype
+
+    model = load_model(model_dir, torch.device("cpu"), torch.bfloat16)
+    assert {t.dtype for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()} == {
+        torch.bfloat16
+    }
+    for dtype in ("bfloat16", "float16", "auto"):
+        out = io.StringIO()
+        argv = ["--model", str(model_dir), "--source_lang", "en", "--target_lang", "fr", "--dtype", dtype]
+        assert main(argv, io.StringIO("hello world\nthe cat\n"), out) == 0
+        lines = out.getvalue().split("\n")
+        assert len(lines) == 3 and all(w in WORDS for line in lines for w in line.split()), (dtype, lines)
+    assert resolve_dtype("auto", model_dir) == torch.float32  # save_hf_model records float32
+    argv = ["--model", str(model_dir), "--source_lang", "en", "--target_lang", "fr", "--dtype", "fp8"]
+    assert main(argv, io.StringIO("hello\n"), io.StringIO()) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("trainer.translate: error: --dtype 'fp8' is not valid") and "\n" not in err, err

@@ -144,6 +144,42 @@ def test_export_round_trip_logits_equal(
     assert hf.generation_config.num_beams == 3 and hf.generation_config.decoder_start_token_id == 2
 
 
+def test_export_holds_one_output_shard_at_a_time(
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 23: the streaming export kept the previous shard alive while reading the next (the
+    361M export peaked at 0.73x its fp32 bytes with 300MB shards). Now no tensor of a written
+    shard is alive when the checkpoint is read again, and each shard is read a batch of
+    `READ_BATCH_BYTES` at a time (bf16: the fp32 reads never add up to a second shard)."""
+    import weakref
+
+    import safetensors.torch
+
+    from trainer.checkpoint import hf_export
+
+    written: list[weakref.ref[torch.Tensor]] = []  # every tensor of the shards written so far
+    alive_at_read: list[int] = []
+    save, read = safetensors.torch.save_file, hf_export.read_model_tensors
+
+    def recording_save(tensors: dict[str, torch.Tensor], *args: object, **kwargs: object) -> None:
+        save(tensors, *args, **kwargs)  # type: ignore[arg-type]
+        written.extend(weakref.ref(t) for t in tensors.values())
+
+    def checked_read(*args: object) -> dict[str, torch.Tensor]:
+        alive_at_read.append(sum(r() is not None for r in written))
+        return read(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(safetensors.torch, "save_file", recording_save)
+    monkeypatch.setattr(hf_export, "read_model_tensors", checked_read)
+    monkeypatch.setattr(hf_export, "READ_BATCH_BYTES", 4096)
+    out = tmp_path / "hf"
+    args = ["--checkpoint", str(run_dir / "checkpoint-3"), "--output", str(out)]
+    assert main([*args, "--max_shard_size", "8KiB", "--dtype", "bf16"]) == 0
+    shards = len(list(out.glob("*.safetensors")))
+    assert shards >= 3 and len(alive_at_read) > shards, (shards, alive_at_read)
+    assert written and alive_at_read == [0] * len(alive_at_read), alive_at_read
+
+
 def _check_index(out: Path, files: list[str], max_bytes: int, dtype: torch.dtype) -> None:
     """The index maps every stored key to the shard that holds it; each shard keeps to the limit
     (a single tensor larger than it may not), and total_size is the tensors' bytes."""

@@ -133,7 +133,6 @@ def test_rotation_keeps_the_best_checkpoint() -> None:
         ("gradient_checkpointing", r"use activation_checkpointing"),
         ("deepspeed", r"use the parallel fields"),
         ("lr_scheduler_kwargs", r"use lr_scheduler_type"),
-        ("fp16_full_eval", r"use fp16 \(evaluation runs in the training precision\)"),
         ("fp16_opt_level", r"use fp16 \(fp16 working weights over fp32 masters: no apex opt levels\)"),
     ],
 )
@@ -152,6 +151,9 @@ def test_refused_hf_values_say_what_to_use() -> None:
     assert TrainingArguments(fp16=True).fp16  # fp16 with dynamic loss scaling (tests/dist/test_fp16.py)
     with pytest.raises(ConfigError, match=r"^fp16=True and bf16=True together: choose one precision"):
         TrainingArguments(fp16=True, bf16=True)
+    assert TrainingArguments(bf16=True, bf16_full_eval=True).bf16_full_eval  # the HF names, taken
+    with pytest.raises(ConfigError, match=r"^fp16_full_eval=True and bf16_full_eval=True together"):
+        TrainingArguments(fp16_full_eval=True, bf16_full_eval=True)
     with pytest.raises(ConfigError, match=r"predict_with_generate=False is not supported"):
         TrainingArguments(predict_with_generate=False)
     with pytest.raises(ConfigError, match=r"source_prefix='translate English to German: ': a T5 task prefix"):

@@ -184,15 +184,19 @@ def test_materialize_errors_name_the_problem() -> None:
 
 
 def test_profile_by_kind_builds_one_layer_per_kind() -> None:
-    from parallel.pipeline.profile import profile_blocks, profile_blocks_by_kind
+    from parallel.pipeline.profile import RunSetting, param_counts_per_block, profile_blocks_by_kind
     from tests.dist.test_tensor_parallel import _batch
 
     mc = _config(vocab_size=128)
     times, mems, counts = profile_blocks_by_kind(mc, _batch(), torch.device("cpu"), repeats=1)
     assert len(times) == len(mems) == len(counts) == len(block_specs(mc))
-    _, _, full_counts = profile_blocks(M2M100Translation(mc, seed=0), _batch(), repeats=1)
-    assert counts == full_counts
+    with torch.device("meta"):
+        assert counts == param_counts_per_block(M2M100Translation(mc))
     assert all(t > 0 for t in times) and all(m > 0 for m in mems)
+    run = RunSetting(tp=2, dtype=torch.bfloat16, working_weights=True)  # a tp rank's shard, in bf16
+    _, half, shard = profile_blocks_by_kind(mc, _batch(), torch.device("cpu"), repeats=1, run=run)
+    layers = [i for i, s in enumerate(block_specs(mc)) if s.kind.value.endswith("_layer")]
+    assert all(shard[i] < counts[i] and half[i] < mems[i] for i in layers)
 
 
 # ----------------------------------------------------------------------------- pretrained slices
@@ -306,10 +310,13 @@ def test_build_arguments_are_checked_before_anything_is_built() -> None:
 
     mc = _config()
     args = (None, [9], 1, "gpipe", 1, "none", 0.0)  # the mesh is never reached
-    with pytest.raises(ValueError, match="exactly one of seed= or pretrained= \\(got seed=None"):
+    one_of = "exactly one of seed=, pretrained= or from_checkpoint="
+    with pytest.raises(ValueError, match=f"{one_of} \\(got seed=None"):
         build_parallel_model(mc, *args)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="exactly one of seed= or pretrained="):
+    with pytest.raises(ValueError, match=one_of):
         build_parallel_model(mc, *args, seed=1, pretrained="x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=one_of):
+        build_parallel_model(mc, *args, seed=1, from_checkpoint=True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="this model already has weights"):
         build_parallel_model(M2M100Translation(mc, seed=0), *args, seed=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="before_tp needs a model with weights"):

@@ -15,12 +15,12 @@ import pytest
 
 from models.config import ModelConfig
 from models.m2m100 import BlockKind, M2M100Translation
-from parallel.parallelize import make_plan
+from parallel.pipeline.plan import make_plan
 from trainer import plan as planner
 from trainer.config.parse import parse_config
 from trainer.planner import space
 from trainer.planner.blocks import Shape, block_param_counts, measure_kind_costs
-from trainer.planner.cost import CostContext, block_costs, layout_stage_costs, predict_step, tp_shape
+from trainer.planner.cost import CostContext, block_costs, layout_stage_costs, predict_step
 from trainer.planner.hardware import LinkModel, device_spec
 from trainer.planner.layout import Layout
 from trainer.run.preflight import validate_early
@@ -113,7 +113,7 @@ def test_memory_model_counts_the_parameters_each_rank_holds() -> None:
     layout = Layout(2, 1, 1, 2, 1, 2, "interleaved_1f1b", 2, "none", "explicit", balance)
     ctx = CostContext(mc, LinkModel(1e-5, 1e9, 1e-5, 1e9), 2, False, False, 1e-9)
     kinds = measure_kind_costs(mc, Shape(2, 5, 6), "none", bf16=False, repeats=1)
-    costs = block_costs(kinds, kinds, 1.0, mc, Shape(2, 5, 6), 1, ctx)
+    costs = block_costs(kinds, mc, Shape(2, 5, 6), 1, ctx)
     pred = predict_step(layout, layout_stage_costs(layout, costs, Shape(2, 5, 6), ctx), ctx)
     plan = make_plan(model.blocks, balance, 2, 2, 2, "interleaved_1f1b")
     for rank in range(2):
@@ -138,10 +138,23 @@ def test_memory_model_counts_the_parameters_each_rank_holds() -> None:
     assert zero1.memory["optimizer"] == worst["optimizer"] / 2
 
 
-def test_tp_rank_is_costed_on_its_share_of_rows() -> None:
-    assert tp_shape(Shape(8, 10, 12), 2) == (Shape(4, 10, 12), 1.0)
-    shape, factor = tp_shape(Shape(1, 10, 12), 4)
-    assert shape.b == 1 and factor == pytest.approx(0.25)
+def test_tp_rank_is_measured_on_its_shard() -> None:
+    """A tp rank's blocks are profiled on its shard (no process group), not scaled from the
+    unsharded block: its layers keep fewer bytes, and full remat keeps the layer input whole
+    under tp; with sequence parallelism (S = 7 and T = 5 padded to 8 and 6, so a key mask)
+    the layer receives the whole input and keeps its T/p split."""
+    mc = ModelConfig(vocab_size=200, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)  # fmt: skip
+    shape = Shape(2, 7, 5)
+    one = measure_kind_costs(mc, shape, "none", bf16=False, timed=False)
+    two = measure_kind_costs(mc, shape, "none", bf16=False, timed=False, tp=2)
+    for kind in (BlockKind.ENC_LAYER, BlockKind.DEC_LAYER, BlockKind.HEAD):
+        assert two[kind].activation_bytes < one[kind].activation_bytes, kind
+    full = measure_kind_costs(mc, shape, "full", bf16=False, timed=False, tp=2)
+    assert full[BlockKind.ENC_LAYER].activation_bytes == 4 * 2 * 7 * 32
+    sp = measure_kind_costs(mc, shape, "full", bf16=False, timed=False, tp=2, sequence_parallel=True)
+    assert sp[BlockKind.ENC_LAYER].activation_bytes == 4 * 2 * 8 * 32 + 4 * 2 * 4 * 32 + 2 * 8
+    assert sp[BlockKind.DEC_LAYER].activation_bytes == 4 * 2 * (8 + 6) * 32 + 4 * 2 * 3 * 32 + 2 * 8
 
 
 def test_device_table_errors_name_the_valid_choices() -> None:
@@ -342,7 +355,7 @@ def test_moe_params_memory_and_meshes_follow_expert_parallelism() -> None:
     preds = {}
     for ep in (1, 4):
         lay = replace(layout, ep=ep)
-        costs = block_costs(kinds, kinds, 1.0, mc, Shape(2, 5, 6), 1, ctx, ep)
+        costs = block_costs(kinds, mc, Shape(2, 5, 6), 1, ctx, ep)
         preds[ep] = predict_step(lay, layout_stage_costs(lay, costs, Shape(2, 5, 6), ctx), ctx)
     experts = sum(one)
     dense = sum(per_block) + table - experts

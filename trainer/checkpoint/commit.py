@@ -31,6 +31,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from trainer.errors import BadInputError
+
 COMMIT_MARKER = "COMMITTED"
 ALGORITHM = "crc32"
 MARKER_FORMAT = 1
@@ -43,7 +45,7 @@ logger = logging.getLogger("trainer")
 FileRecords = dict[str, dict[str, Any]]
 
 
-class CheckpointCorruptError(ValueError):
+class CheckpointCorruptError(BadInputError):
     """A committed checkpoint whose files do not match its marker; the message names the file."""
 
 

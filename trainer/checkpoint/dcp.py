@@ -4,7 +4,7 @@ Layout of `output_dir/checkpoint-<step>/`:
 
     .metadata, __*.distcp   DCP shards: {"model": {fqn: tensor}, "optim": {fqn: {exp_avg, exp_avg_sq, step}}}
     trainer_state.json      step, scheduler, data position, mesh, partition (rank 0)
-    rng/rank-<r>.pt         each rank's RNG states
+    rng/rank-<r>.pt         each rank's RNG states (dropout masks need none: keyed by step, `parallel.rng`)
     COMMITTED               written last, by rank 0, after a barrier
 
 Every tensor is saved under its single-device name and *logical* (unsharded)
@@ -21,7 +21,8 @@ the newest checkpoint that verifies, with a warning; a named one that does not i
 an error naming the file. A failed write on any rank (ENOSPC, EDQUOT, EFBIG, EIO,
 ...) is agreed by all ranks, the partial directory is removed and every rank raises
 `CheckpointWriteError` naming the cause and the free space; older checkpoints are
-deleted by `save_total_limit` only after a commit. `async_save` (`trainer.checkpoint.async_save`)
+deleted by `save_total_limit` only after a commit, and so is what `overwrite_output_dir` moved
+aside (`trainer.run.outdir`). `async_save` (`trainer.checkpoint.async_save`)
 writes the shards in the background and commits through the same `finish_save`.
 """
 
@@ -40,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from models.errors import CheckpointMismatchError
 from trainer.checkpoint.commit import (
     COMMIT_MARKER,
     CheckpointCorruptError,
@@ -53,6 +55,7 @@ from trainer.checkpoint.commit import (
     write_marker,
 )
 from trainer.checkpoint.write_failure import describe_write_failure, failed_here
+from trainer.run.outdir import discard_earlier_run
 
 logger = logging.getLogger("trainer")
 
@@ -321,6 +324,10 @@ def finish_save(
             shutil.rmtree(path, ignore_errors=True)
         _barrier()  # the partial directory is gone on every rank's return
         raise CheckpointWriteError(failure) from local
+    if rank == 0:
+        discard_earlier_run(
+            path.parent
+        )  # what overwrite_output_dir moved aside: this run has a checkpoint now
     if rank == 0 and save_total_limit:
         for old in rotation_victims(list_checkpoints(path.parent), save_total_limit, keep):
             shutil.rmtree(old, ignore_errors=True)
@@ -369,7 +376,7 @@ def load_checkpoint(
     `path` comes from `resolve_resume`, which has verified its files against the marker.
 
     Raises:
-        ValueError: the checkpoint does not fit the model (names or shapes).
+        CheckpointMismatchError: the checkpoint does not fit the model (names or shapes).
     """
     params = named_trainable(parts)
     state: dict[str, Any] = {"model": model_state(parts, to_logical)}
@@ -380,7 +387,7 @@ def load_checkpoint(
     except (CheckpointException, Exception) as e:  # CheckpointException derives from BaseException
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         cause = lines[-1] if lines else type(e).__name__
-        raise ValueError(f"checkpoint {path} does not fit this model: {cause[:300]}") from e
+        raise CheckpointMismatchError(f"checkpoint {path} does not fit this model: {cause[:300]}") from e
     # DCP loads in place into local tensors / DTensor local shards, which alias our params and state.
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     rng_file = path / "rng" / f"rank-{_rank()}.pt"

@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from models.hf_save import (
 from models.m2m100 import M2M100Translation
 from models.moe import expert_param_name, is_expert_param
 from trainer.checkpoint.commit import COMMIT_MARKER, is_complete, list_checkpoints, verify_checkpoint
+from trainer.errors import BadInputError
 from trainer.tokenizer.stock_m2m100 import (
     StockLayout,
     permute_tensor,
@@ -77,7 +78,7 @@ class ExportArguments:
     )
 
 
-class ExportError(ValueError):
+class ExportError(BadInputError):
     """Bad command-line input; the message names the bad value and what is valid."""
 
 
@@ -344,6 +345,11 @@ def load_full_state(checkpoint: str | Path, config: ModelConfig | None = None) -
     return state
 
 
+# Checkpoint bytes one DCP read brings in while a shard is cast to another dtype (a tensor larger
+# than this is read alone): the cast copies join the shard, the read tensors are dropped.
+READ_BATCH_BYTES = 64 * 2**20
+
+
 def export_weights(
     checkpoint: Path,
     config: ModelConfig,
@@ -355,9 +361,11 @@ def export_weights(
     """Stream the checkpoint's weights into HF safetensors shards of at most `max_shard_bytes`.
 
     The shards are planned from DCP's metadata (output bytes per tensor: the stock layout's
-    rows for the embedding, `dtype`'s size); then each shard's tensors alone are read,
-    converted (vocabulary padding cut, stock permutation, q/k/v split, cast) and written
-    before the next is read, so the peak holds about one shard, not the model.
+    rows for the embedding, `dtype`'s size); then each shard is made alone: its tensors read
+    (`READ_BATCH_BYTES` at a time where the cast to `dtype` copies them) and converted
+    (vocabulary padding cut, stock permutation, q/k/v split, cast) as they arrive, the shard
+    written and dropped before the next is read. The peak holds one output shard (plus one
+    read batch), not the model.
 
     Raises:
         CheckpointMismatchError: the checkpoint does not hold `config`'s tensors.
@@ -373,18 +381,22 @@ def export_weights(
 
     groups = plan_shards([(n, tensor_bytes(out_shape(n), dtype)) for n in order], max_shard_bytes)
 
-    def shards() -> Iterator[dict[str, torch.Tensor]]:
-        for group in groups:
-            tensors = read_model_tensors(checkpoint, group, stored, config.vocab_size)
-            shard: dict[str, torch.Tensor] = {}
-            for name in group:
+    def make_shard(group: Sequence[str]) -> dict[str, torch.Tensor]:
+        shard: dict[str, torch.Tensor] = {}
+        read_sizes = [(n, tensor_bytes(stored[n].shape, stored[n].dtype)) for n in group]
+        # Batches where the cast copies (the read tensors then die as their copies join the
+        # shard); a shard already in the stored dtype is the read tensors themselves: one read.
+        same = all(stored[n].dtype == dtype for n in group)
+        for batch in plan_shards(read_sizes, sum(b for _, b in read_sizes) if same else READ_BATCH_BYTES):
+            tensors = read_model_tensors(checkpoint, batch, stored, config.vocab_size)
+            for name in batch:
                 ours = tensors.pop(name)  # dropped as soon as converted
                 if layout is not None:
                     ours = permute_tensor(name, ours, layout)
                 shard.update((k, v.to(dtype).contiguous()) for k, v in hf_tensors(name, ours, config))
-            yield shard
+        return shard
 
-    write_shards(out, shards(), len(groups))
+    write_shards(out, groups, make_shard)
 
 
 def _default_permissions(directory: Path) -> None:

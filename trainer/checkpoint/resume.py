@@ -160,6 +160,8 @@ MAY_CHANGE = (
     "fp16",  # an fp16 resume restores the checkpoint's loss scale when it has one (else the initial)
     "fp16_initial_scale",  # only the first step of a run without a saved scale starts from it
     "fp16_scale_growth_interval",
+    "bf16_full_eval",  # evaluation's precision only
+    "fp16_full_eval",
     "torch_compile",
     "mfu_peak_tflops",
     "generation_num_beams",

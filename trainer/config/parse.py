@@ -34,8 +34,6 @@ HF_NAME_HINTS: dict[str, str] = {
     "warmup_ratio": "warmup_steps",
     "torch_compile_backend": "torch_compile (inductor, per layer)",
     "tf32": "nothing: fp32 matmul precision is PyTorch's default; use bf16 for speed",
-    "bf16_full_eval": "bf16 (evaluation runs in the training precision)",
-    "fp16_full_eval": "fp16 (evaluation runs in the training precision)",
     "fp16_opt_level": "fp16 (fp16 working weights over fp32 masters: no apex opt levels)",
     "half_precision_backend": "bf16 or fp16 (torch autocast over fp32 masters)",
     "logging_strategy": "logging_steps (a row every N steps)",

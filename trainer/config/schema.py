@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from models.config import ModelConfig
+from models.errors import ModelConfigError
 from trainer.config.checks import (
     PARTITION_CHOICES,
     REMAT_CHOICES,
@@ -173,7 +174,7 @@ class ModelArguments:
             )
         try:
             self.model_config(self.vocab_size, {})
-        except ValueError as e:
+        except ModelConfigError as e:
             raise ConfigError(str(e)) from None
 
 

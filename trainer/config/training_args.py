@@ -31,7 +31,8 @@ class TrainingArguments:
         default=False,
         metadata={
             "help": "Reuse a non-empty output_dir: a fresh start (no resume, not a torchrun restart) "
-            "first removes the earlier run's checkpoints, metrics, summary, tokenizer, configs and logs."
+            "first moves the earlier run's checkpoints, metrics, summary, tokenizer, configs and logs "
+            "into output_dir/overwritten_run/, removed when this run commits its first checkpoint."
         },
     )
     max_steps: int = field(
@@ -161,6 +162,17 @@ class TrainingArguments:
             "by every rank (an overflow on any rank skips the step everywhere and halves the scale)."
         },
     )
+    bf16_full_eval: bool = field(
+        default=False,
+        metadata={
+            "help": "Evaluate (loss and decoding) with every weight cast to bf16 and no autocast, as "
+            "transformers does; default: evaluation runs in the training precision (autocast)."
+        },
+    )
+    fp16_full_eval: bool = field(
+        default=False,
+        metadata={"help": "Evaluate with every weight cast to fp16 and no autocast (as bf16_full_eval)."},
+    )
     fp16_initial_scale: float = field(
         default=2.0**16,
         metadata={
@@ -231,6 +243,10 @@ class TrainingArguments:
         check_range(self, ("early_stopping_threshold",), 0)
         if self.fp16 and self.bf16:
             raise ConfigError("fp16=True and bf16=True together: choose one precision (or neither for fp32)")
+        if self.fp16_full_eval and self.bf16_full_eval:
+            raise ConfigError(
+                "fp16_full_eval=True and bf16_full_eval=True together: choose one evaluation precision"
+            )
         if not self.predict_with_generate:
             raise ConfigError(
                 "predict_with_generate=False is not supported: evaluation and do_predict always decode "

@@ -115,15 +115,20 @@ class GlobalBatch:
         """All example indices of the global batch, sorted."""
         return sorted(int(i) for s in self.slots for i in s)
 
-    def replica_slots(self, dp_rank: int) -> list[list[np.ndarray]]:
-        """Replica `dp_rank`'s slots as [flush][micro-batch] index arrays."""
+    def slot_ids(self, dp_rank: int) -> list[list[int]]:
+        """Replica `dp_rank`'s slot numbers as [flush][micro-batch]: where each of its micro-batches
+        sits in the global batch (what keys its dropout masks: `parallel.rng.microbatch_keys`)."""
         lay = self.layout
         if not 0 <= dp_rank < lay.dp_size:
             raise DataError(f"dp_rank={dp_rank} is outside [0, {lay.dp_size})")
         return [
-            [self.slots[lay.slot(dp_rank, g, j)] for j in range(lay.num_microbatches)]
+            [lay.slot(dp_rank, g, j) for j in range(lay.num_microbatches)]
             for g in range(lay.gradient_accumulation_steps)
         ]
+
+    def replica_slots(self, dp_rank: int) -> list[list[np.ndarray]]:
+        """Replica `dp_rank`'s slots as [flush][micro-batch] index arrays."""
+        return [[self.slots[k] for k in flush] for flush in self.slot_ids(dp_rank)]
 
     def shard(self, dp_rank: int) -> list[list[Seq2SeqBatch]]:
         """Replica `dp_rank`'s share: `gradient_accumulation_steps` lists of

@@ -31,6 +31,8 @@ import babel.units
 import pycountry
 from num2words import num2words
 
+from trainer.errors import BadInputError
+
 SPLITS = ("train", "validation", "test")
 # Languages every generator below renders (num2words x CLDR); other kinds fall away per run.
 SUPPORTED_LANGUAGES = (
@@ -50,7 +52,7 @@ Record = dict[str, str]
 _TABLES = {"territory": "territories", "language": "languages", "currency": "currencies"}
 
 
-class CorpusError(ValueError):
+class CorpusError(BadInputError):
     """The built-in corpus cannot be built as asked; the message names the bad value."""
 
 

@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from trainer.errors import BadInputError
 
-class SamplingError(ValueError):
+
+class SamplingError(BadInputError):
     """A sampling setting that cannot apply to this data; the message names the value."""
 
 

@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, TextIO
 
 import torch
 
-from models.hf import CheckpointMismatchError, load_hf_weights, load_into, read_hf_config
+from models.hf import CheckpointMismatchError, read_hf_config
 from models.m2m100 import M2M100Translation
+from parallel.materialize import materialize, pretrained_fill
+from trainer.errors import BadInputError
 from trainer.eval.decode import translate
 from trainer.tokenizer.vocab import Tokenizer
 
@@ -25,6 +27,13 @@ if TYPE_CHECKING:
     from models.generate import SearchSettings
     from parallel.mesh import ParallelDims, ParallelMesh
     from parallel.parallelize import ParallelModel
+
+
+# transformers' names, then the short ones `trainer.export --dtype` takes
+DTYPES = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": None,
+    "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+}  # fmt: skip
 
 
 @dataclass
@@ -78,9 +87,16 @@ class TranslateArguments:
             "data_parallel_size and num_experts."
         },
     )
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "help": f"Weights and decoding in this precision, as transformers' `dtype` (`torch_dtype`): "
+            f"one of {list(DTYPES)}; auto: the dtype config.json records (float32 if none)."
+        },
+    )
 
 
-class TranslateError(ValueError):
+class TranslateError(BadInputError):
     """Bad command-line input; the message names the bad value and what is valid."""
 
 
@@ -108,17 +124,45 @@ def check_model_dir(path: str | Path) -> None:
         )
 
 
-def load_model(path: str | Path, device: torch.device) -> M2M100Translation:
-    """Our model with the weights of an HF directory, in eval mode on `device`.
+def resolve_dtype(name: str, path: str | Path) -> torch.dtype:
+    """`--dtype` as a torch dtype; `auto` reads config.json's `dtype` (transformers 5) or
+    `torch_dtype` (4.x), float32 where it records none.
+
+    Raises:
+        TranslateError: a name not in DTYPES, or an auto dtype we do not decode in.
+    """
+    import json
+
+    if name not in DTYPES:
+        raise TranslateError(f"--dtype {name!r} is not valid; choose one of {list(DTYPES)}")
+    if name != "auto":
+        return DTYPES[name]  # type: ignore[return-value]
+    config = Path(path) / "config.json"
+    hf = json.loads(config.read_text()) if config.is_file() else {}
+    recorded = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+    if DTYPES.get(recorded) is None:
+        raise TranslateError(f"--dtype auto: {config} records dtype {recorded!r}; pass one of {list(DTYPES)}")
+    return DTYPES[recorded]  # type: ignore[return-value]
+
+
+def load_model(
+    path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32
+) -> M2M100Translation:
+    """Our model with the weights of an HF directory, in eval mode on `device`, every weight
+    and buffer in `dtype` (as transformers' `from_pretrained(dtype=...)`).
+
+    Built on the meta device and given memory on `device` once, each tensor read into it in
+    turn (`parallel.materialize`): no initial weights drawn, no second copy of the weights.
 
     Raises:
         TranslateError: `path` is not a directory.
         CheckpointMismatchError: no config.json / safetensors, or weights that do not fit.
     """
     check_model_dir(path)
-    model = M2M100Translation(read_hf_config(path))
-    load_into(model, load_hf_weights(path))
-    return model.to(device).eval()
+    with torch.device("meta"):
+        model = M2M100Translation(read_hf_config(path))
+    materialize(model, device, pretrained_fill(path, model))
+    return model.to(dtype=dtype).eval()
 
 
 def write_lines(stdout: TextIO, hyps: Sequence[str]) -> None:
@@ -144,7 +188,7 @@ def run(args: TranslateArguments, stdin: TextIO, stdout: TextIO) -> None:
     check_model_dir(args.model)
     # Tags first: a missing language should fail before the (slow) weight loading.
     tokenizer = Tokenizer.load(args.model, languages=[args.source_lang, args.target_lang])
-    model = load_model(args.model, pick_device(args.device))
+    model = load_model(args.model, pick_device(args.device), resolve_dtype(args.dtype, args.model))
     lines = stdin.read().splitlines()
     hyps = translate(
         model,
@@ -242,9 +286,16 @@ def mesh_device(name: str) -> torch.device:
 
 
 def load_on_mesh(
-    path: str, config: ModelConfig, mesh: ParallelMesh, balance: list[int], device: torch.device
+    path: str,
+    config: ModelConfig,
+    mesh: ParallelMesh,
+    balance: list[int],
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> ParallelModel:
-    """This rank's pipeline stage and tp shard of the HF weights at `path`, on `device`, in eval mode.
+    """This rank's pipeline stage and tp shard of the HF weights at `path`, on `device`, in eval
+    mode, every weight in `dtype` (cast once here: decoding, `ParallelModel.evaluating`, then has
+    nothing left to cast and passes `dtype` hidden states between stages).
 
     Built stage-local (`parallel.materialize`): the model is created on the meta device,
     cut to this rank's blocks and tp-sharded there, and only this rank's slice of each
@@ -258,9 +309,10 @@ def load_on_mesh(
     from parallel.parallelize import build_parallel_model
 
     pm = build_parallel_model(
-        config, mesh, balance, 1, "gpipe", 1, "none", 0.0, device=device, pretrained=path
-    )
-    pm.model.eval()
+        config, mesh, balance, 1, "gpipe", 1, "none", 0.0, device=device, pretrained=path,
+        eval_dtype=None if dtype == torch.float32 else dtype,
+    )  # fmt: skip
+    pm.model.to(dtype).eval()
     return pm
 
 
@@ -296,13 +348,14 @@ def run_on_mesh(args: TranslateArguments, dims: ParallelDims, stdin: TextIO, std
     config = read_hf_config(args.model)
     balance = check_model_fits(dims, config)
     settings = search_settings(args)
+    dtype = resolve_dtype(args.dtype, args.model)
     device = mesh_device(args.device)
     tokenizer = Tokenizer.load(args.model, languages=[args.source_lang, args.target_lang])
     owned = not dist.is_initialized()
     init_distributed("nccl" if device.type == "cuda" else "gloo")
     try:
         mesh = build_mesh(dims, device.type)
-        pm = load_on_mesh(args.model, config, mesh, balance, device)
+        pm = load_on_mesh(args.model, config, mesh, balance, device, dtype)
         lines = share_lines(stdin)
         if dist.get_rank() == 0:
             print(

@@ -62,7 +62,6 @@ def predict_test_set(ctx: RunContext) -> dict[str, Any]:
     batches = eval_batches(data, ctx.tok, cfg.training.per_device_eval_batch_size)
     runner = Evaluator(ctx.pm, ctx.mesh, ctx.tok, batches, cfg.training, ctx.log_rank)
     runner.pm.model.eval()
-    metrics: dict[str, Any] = runner.losses()
     hyps: dict[str, list[str]] = {}
 
     def translate(sources: Sequence[str], src_lang: str, tgt_lang: str) -> list[str] | None:
@@ -75,7 +74,9 @@ def predict_test_set(ctx: RunContext) -> dict[str, Any]:
         DirectionTexts(tuple(name.split("-", 1)), ds["source"], ds["target"])  # type: ignore[arg-type]
         for name, ds in data.validation.items()
     ]
-    metrics.update(score_directions(translate, texts))
+    with ctx.pm.evaluating():  # the run's precision; one fsdp gather for loss and decoding
+        metrics: dict[str, Any] = runner.losses()
+        metrics.update(score_directions(translate, texts))
     samples = metrics.pop(SAMPLES_KEY, [])
     runner.pm.model.train()
     result: dict[str, Any] = {}

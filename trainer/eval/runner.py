@@ -25,7 +25,6 @@ alone, which fails for models that do not fit one device.)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import torch.distributed as dist
@@ -87,15 +86,18 @@ class Evaluator:
         return out
 
     def run(self, step: int, tracker: Any = None) -> dict[str, Any]:
+        """Loss and BLEU/chrF in the run's precision (`ParallelModel.evaluating`: one gather
+        under fsdp, one cast with bf16_full_eval, for the whole evaluation). Collective."""
         self.pm.model.eval()
-        metrics: dict[str, Any] = self.losses()
-        if self.texts:
-            result = score_directions(self.translate_3d, self.texts)
-            samples = result.pop(SAMPLES_KEY, [])
-            if dist.get_rank() == self.log_rank:
-                metrics.update(result)
-                if tracker is not None:
-                    tracker.log_samples(step, [tuple(s) for s in samples])
+        with self.pm.evaluating():
+            metrics: dict[str, Any] = self.losses()
+            if self.texts:
+                result = score_directions(self.translate_3d, self.texts)
+                samples = result.pop(SAMPLES_KEY, [])
+                if dist.get_rank() == self.log_rank:
+                    metrics.update(result)
+                    if tracker is not None:
+                        tracker.log_samples(step, [tuple(s) for s in samples])
         dist.barrier()
         self.pm.model.train()
         return metrics
@@ -149,9 +151,9 @@ def translate_on_mesh(
     batches = build_batches(tokenizer, sources, src_lang, tgt_lang, batch_size, max_source_length)
     outputs = []
     # FSDP: one gather (a dp collective) for all of this replica's batches, whose count may
-    # differ between replicas; pipeline_generate's own gathers nest in it and do nothing.
+    # differ between replicas, and one cast (bf16_full_eval); pipeline_generate's nest in it.
     # Expert parallelism: the ep peers decode the same batches (one replica per edp rank).
-    with pm.fsdp.gathered() if pm.fsdp is not None else nullcontext():
+    with pm.evaluating():
         for batch in batches[mesh.edp_rank :: mesh.size("edp")]:
             ids = pipeline_generate(
                 pm, batch.input_ids, batch.attention_mask, batch.forced_bos_token_id, settings

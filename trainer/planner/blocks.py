@@ -9,13 +9,17 @@ FLOPs (`trainer.planner.moe`); its experts count E / ep per rank.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, replace
 
 import torch
 
 from models.config import ModelConfig
-from models.m2m100 import IGNORE_INDEX, BlockKind, BlockSpec, M2M100Translation, Seq2SeqBatch, block_specs
-from parallel.pipeline.profile import BlockPhases, profile_block_phases
+from models.m2m100 import IGNORE_INDEX, BlockKind, BlockSpec, Seq2SeqBatch, block_specs
+from parallel.pipeline.profile import BlockPhases, RunSetting, profile_kinds
+from parallel.tp.layers import vocab_partition
+from trainer.errors import ConfigError
 from trainer.planner.hardware import DeviceSpec
 from trainer.planner.moe import expert_params, router_params, sparse_layer_flops
 
@@ -53,6 +57,16 @@ def one_layer_config(mc: ModelConfig, sparse: bool = False) -> ModelConfig:
     return replace(mc, encoder_layers=1, decoder_layers=1, encoder_sparse_step=step, decoder_sparse_step=step)
 
 
+def padded_vocab_config(mc: ModelConfig, multiple: int) -> ModelConfig:
+    """`mc` with its vocabulary padded to a multiple of `multiple`, as tensor parallelism pads it
+    (`parallel.tp.layers.vocab_partition`: V' = ceil(V / tp) tp rows, the padding never a real id).
+
+    The planner costs a tp layout on this model: its table rows, head FLOPs and logits count V'.
+    """
+    padded, _, _ = vocab_partition(mc.vocab_size, multiple, 0)
+    return mc if padded == mc.vocab_size else replace(mc, vocab_size=padded)
+
+
 def is_sparse_block(mc: ModelConfig, spec: BlockSpec) -> bool:
     """Whether block `spec` is a sparse (MoE) encoder / decoder layer of `mc`."""
     return spec.kind in LAYER_KINDS and mc.is_sparse(spec.kind is BlockKind.DEC_LAYER, spec.index)
@@ -75,28 +89,27 @@ def measure_kind_costs(
     repeats: int = 5,
     timed: bool = True,
     device: torch.device | None = None,
+    tp: int = 1,
+    sequence_parallel: bool = False,
 ) -> KindCosts:
-    """Profile each block kind of a one-layer copy of the model on this machine.
+    """Profile each block kind of a one-layer copy of the model on this machine, as one rank of
+    the layout executes it (`parallel.pipeline.profile.profile_kinds`): its tp shard, and with
+    `bf16` under autocast with bf16 working weights (whose bytes `trainer.planner.memory`
+    counts apart from the activations).
 
     "stage" remat is profiled as "none" (`layout_stage_costs` adds the stage's recompute and keeps
     only its input). Dropout stays as configured (the training mode's cost).
     """
-    from parallel.remat import apply_remat
-
+    dtype = torch.bfloat16 if bf16 else None
+    run = RunSetting(tp, sequence_parallel and tp > 1, dtype, working_weights=bf16, remat=remat)
     out: KindCosts = {}
-    has_sparse = mc.is_moe and (mc.encoder_sparse_step > 0 or mc.decoder_sparse_step > 0)
-    variants = [False, True] if has_sparse else [False]
-    for sparse in variants:  # an NLLB-MoE: its dense and its sparse layers
-        torch.manual_seed(0)
+    for sparse in [False, True] if mc.sparse_layers() else [False]:  # an NLLB-MoE: dense and sparse layers
         one = one_layer_config(mc, sparse)
-        model = M2M100Translation(one).to(device or torch.device("cpu"))
-        model.train()
-        apply_remat(model, "none" if remat == "stage" else remat)
-        batch = synthetic_batch(mc, shape).to(device or torch.device("cpu"))
-        dtype = torch.bfloat16 if bf16 else None
-        phases = profile_block_phases(model, batch, repeats, dtype, timed=timed)
-        for spec, ph in zip(model.blocks, phases):
-            out.setdefault(kind_key(one, spec), ph)
+        kinds = profile_kinds(
+            one, synthetic_batch(mc, shape), device or torch.device("cpu"), run, repeats, timed
+        )
+        for spec in block_specs(one):
+            out.setdefault(kind_key(one, spec), kinds[spec.kind])
     return out
 
 
@@ -110,7 +123,7 @@ def narrow_config(mc: ModelConfig, k: int) -> ModelConfig:
     vocabulary rounded to the nearest integer)."""
     for name in ("d_model", "encoder_ffn_dim", "decoder_ffn_dim"):  # the vocabulary rounds (below)
         if getattr(mc, name) % k:
-            raise ValueError(
+            raise ConfigError(
                 f"{name}={getattr(mc, name)} is not a multiple of {k}: cannot narrow the model by {k}"
             )
     return replace(
@@ -124,21 +137,28 @@ def narrow_config(mc: ModelConfig, k: int) -> ModelConfig:
     )  # fmt: skip  (NLLB's 256206: off by < 1e-5)
 
 
-def activation_kind_costs(mc: ModelConfig, shape: Shape, remat: str) -> KindCosts:
-    """Activation bytes per block kind (times left 0), from the one-layer copy, or for a wide model
-    (`WIDE_ONE_LAYER_PARAMS`) extrapolated from two narrow copies (`narrow_config`).
+def activation_kind_costs(
+    mc: ModelConfig, shape: Shape, remat: str, tp: int = 1, sequence_parallel: bool = False
+) -> KindCosts:
+    """Activation bytes per block kind on a tp rank (times left 0), from the one-layer copy, or for
+    a wide model (`WIDE_ONE_LAYER_PARAMS`) extrapolated from two narrow copies (`narrow_config`).
 
     Every saved tensor is either as wide as d_model, an FFN or the vocabulary (linear outputs,
     logits) or of no width (ids, masks, attention probabilities over the kept heads), so each
     byte count is A + B w in the width w = 1 / k: two narrow copies give A and B exactly, and
-    w = 1 the full model's, without allocating it.
+    w = 1 the full model's, without allocating it. A vocabulary that k does not divide (NLLB-200's
+    256206) is padded to a multiple of lcm(k1, k2) first, as tp pads it: it counts at most
+    lcm - 1 rows more than the layout's own padding (15 of 256206 with the default factors).
     """
+    measure = functools.partial(
+        measure_kind_costs, remat=remat, bf16=False, timed=False, tp=tp, sequence_parallel=sequence_parallel
+    )
     widest = max(one_layer_config(mc, sparse).num_parameters() for sparse in (False, mc.is_moe))
     if widest <= WIDE_ONE_LAYER_PARAMS:
-        return measure_kind_costs(mc, shape, remat, bf16=False, timed=False)
+        return measure(mc, shape)
     k1, k2 = NARROW_FACTORS
-    a = measure_kind_costs(narrow_config(mc, k1), shape, remat, bf16=False, timed=False)
-    b = measure_kind_costs(narrow_config(mc, k2), shape, remat, bf16=False, timed=False)
+    mc = padded_vocab_config(mc, math.lcm(k1, k2))
+    a, b = measure(narrow_config(mc, k1), shape), measure(narrow_config(mc, k2), shape)
 
     def full(n1: int, n2: int) -> int:  # A + B at w = 1 from (1/k1, n1), (1/k2, n2)
         slope = (n1 - n2) / (1 / k1 - 1 / k2)
@@ -152,7 +172,8 @@ def activation_kind_costs(mc: ModelConfig, shape: Shape, remat: str) -> KindCost
             pairs = lambda x, y: tuple((key, full(n, m)) for (key, n), (_, m) in zip(x, y))  # noqa: E731
             parts = replace(pa.parts, own=full(pa.parts.own, pb.parts.own),
                             inputs=pairs(pa.parts.inputs, pb.parts.inputs),
-                            outputs=pairs(pa.parts.outputs, pb.parts.outputs))  # fmt: skip
+                            outputs=pairs(pa.parts.outputs, pb.parts.outputs),
+                            batch=pairs(pa.parts.batch, pb.parts.batch))  # fmt: skip
         out[kind] = replace(pa, activation_bytes=full(pa.activation_bytes, pb.activation_bytes), parts=parts)
     return out
 
@@ -181,9 +202,16 @@ def block_forward_flops(mc: ModelConfig, key: str, shape: Shape) -> tuple[float,
 
 
 def table_kind_costs(
-    mc: ModelConfig, shape: Shape, remat: str, device: DeviceSpec, activations: KindCosts, act_scale: float
+    mc: ModelConfig,
+    shape: Shape,
+    remat: str,
+    device: DeviceSpec,
+    activations: KindCosts,
+    act_scale: float,
+    tp: int = 1,
 ) -> KindCosts:
-    """FLOP-based costs on `device`: max(FLOPs / (peak x efficiency), host time) per phase.
+    """FLOP-based costs of one tp rank on `device`: max(FLOPs / tp / (peak x efficiency), host
+    time) per phase (a tp rank runs every op of the block on 1/tp of its columns).
 
     Backward is twice the forward (I and W one each for the layers' linears; the head and
     embeddings compute their weight grads inside I). Host time: a third of the block overhead
@@ -195,7 +223,7 @@ def table_kind_costs(
     rate = device.peak_flops * device.efficiency
     host = device.block_overhead_s / 3
     for kind, measured in activations.items():
-        fwd, attn = block_forward_flops(mc, kind, shape)
+        fwd, attn = (f / tp for f in block_forward_flops(mc, kind, shape))
         layer = kind.removesuffix(SPARSE) in LAYER_KINDS
         share = {"full": 1.0, "selective": 0.5}.get(remat, 0.0) if layer else 0.0
         recompute = {"full": fwd, "selective": attn}.get(remat, 0.0) if layer else 0.0

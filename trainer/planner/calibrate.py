@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from parallel.pipeline.simulate import StageCosts
+from trainer.errors import ConfigError
 from trainer.planner.cost import CostContext, lower_bound, predict_step
 from trainer.planner.layout import Family, Layout, family
 from trainer.planner.options import PlanOptions
@@ -82,7 +83,7 @@ def should_calibrate(opts: PlanOptions, measured_here: bool) -> tuple[bool, str]
     if opts.world_size > capacity:
         why = f"--world_size {opts.world_size} > {capacity} {what} on this machine"
         if opts.calibrate == "true":
-            raise ValueError(f"--calibrate true needs the world to run here: {why}")
+            raise ConfigError(f"--calibrate true needs the world to run here: {why}")
         return False, why
     return True, ""
 
@@ -134,7 +135,7 @@ def calibrate(
 
     out: dict[Family, Calibration] = {}
     for fam, (_, layout, sc, ctx) in calibration_layouts(pending).items():
-        args = layout_args(layout, base_args)
+        args = layout_args(layout, base_args, ctx.sequence_parallel)
         run_dir = root / f"calibrate_pp{fam[0]}_tp{fam[1]}_dp{fam[2]}_{layout.schedule}"
         measured = run_candidate(args, opts.world_size, run_dir, opts)
         cal = fit(layout, sc, ctx, measured, args)

@@ -18,10 +18,11 @@
                      `data_parallel_sharding` divides by dp, fsdp's gathered units,
                      activations, the step's transients, the host baseline)
 
-Tensor parallelism is modelled, not measured: a block's compute divides by tp and pays
-Megatron's all-reduces (2 per encoder layer, 3 per decoder layer, forward and backward,
-of (B, T, H) activations). Expert parallelism (NLLB-MoE, `trainer.planner.moe`): a sparse
-layer's block pays its all-to-alls (dispatch and combine, forward and backward, and the
+Tensor parallelism: a block's compute and activation bytes are measured on one rank's shard
+(or, from the device table, its FLOPs divided by tp); its communication is modelled, Megatron's
+all-reduces (2 per encoder layer, 3 per decoder layer, forward and backward, of (B, T, H)
+activations) through the link model. Expert parallelism (NLLB-MoE, `trainer.planner.moe`): a
+sparse layer's block pays its all-to-alls (dispatch and combine, forward and backward, and the
 recomputed forward under full remat) over the ep group's link; a rank holds E / ep experts,
 whose gradients reduce (and ZeRO-1 / FSDP shard) over edp = dp / ep. Legend: p = pp, m micro-batches, g accumulation flushes, v
 stages per rank, b sentences per micro-batch, s / t padded source / target tokens.
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from models.config import ModelConfig
 from models.m2m100 import BlockKind, block_specs
@@ -98,21 +99,8 @@ class Prediction:
     transients: dict[str, float] = field(default_factory=dict)  # the peak rank's step transients
 
 
-def tp_shape(shape: Shape, tp: int) -> tuple[Shape, float]:
-    """The micro-batch whose single-device cost stands in for one tp rank's share, and a time factor.
-
-    A tp rank runs every op of the layer on 1/tp of its columns: the FLOPs of the layer on
-    b/tp rows, with the same number of ops (per-op host overhead does not shrink). So its
-    compute is costed as the block's on b/tp sentences, times (b/tp) / round(b/tp).
-    """
-    rows = max(1, round(shape.b / tp))
-    return Shape(rows, shape.s, shape.t), shape.b / tp / rows
-
-
 def block_costs(
     kinds: KindCosts,
-    kinds_tp: KindCosts,
-    factor: float,
     mc: ModelConfig,
     shape: Shape,
     tp: int,
@@ -123,10 +111,9 @@ def block_costs(
     """Every block's costs on one (tp, ep) rank.
 
     Args:
-        kinds: the block kinds' costs on the whole micro-batch (for activation bytes).
-        kinds_tp, factor: costs on `tp_shape(shape, tp)` and its time factor (the rank's compute).
-        tp: tensor-parallel size; adds Megatron's all-reduces, shards activations
-            (all with sequence parallelism; all but ~30% otherwise, Korthikanti et al. 2022).
+        kinds: the block kinds' costs on one tp rank's shard (measured on it, or from the device
+            table at 1/tp of the FLOPs): its compute and its activation bytes.
+        tp: tensor-parallel size; adds Megatron's all-reduces of (b, len, H) activations.
         ep: expert-parallel size; sparse layers add their all-to-alls (`moe_a2a_s`).
         recompute: full remat (the sparse layers' forward all-to-alls run again in the backward).
     """
@@ -141,24 +128,14 @@ def block_costs(
         BlockKind.DEC_LAYER: (3, 3, shape.t),
         BlockKind.HEAD: (0, 1, shape.t),
     }
-    replicated = 0.0 if ctx.sequence_parallel else 0.3  # norms, residuals, dropout masks
     for spec in block_specs(mc):
-        key = kind_key(mc, spec)
-        full, ph = kinds[key], kinds_tp[key]
+        ph = kinds[kind_key(mc, spec)]
         n_f, n_b, length = comm.get(spec.kind, (0, 0, 0))
         ar = ctx.link.all_reduce(shape.b * length * mc.d_model * e, tp, inter) if tp > 1 else 0.0
         a2a = moe_a2a_s(ctx, shape.b * length, ep, tp) if is_sparse_block(mc, spec) else 0.0
-        shard = replicated + (1 - replicated) / tp
-        out.append(
-            BlockPhases(
-                ph.forward_s * factor + n_f * ar + a2a,
-                ph.backward_s * factor + n_b * ar + a2a * (2 if recompute else 1),
-                ph.backward_input_s * factor + n_b * ar + a2a * (2 if recompute else 1),
-                ph.backward_weight_s * factor,
-                int(full.activation_bytes * shard),
-                full.parts.scaled(shard) if full.parts else None,
-            )
-        )
+        a2a_b = a2a * (2 if recompute else 1)
+        out.append(replace(ph, forward_s=ph.forward_s + n_f * ar + a2a, backward_s=ph.backward_s + n_b * ar + a2a_b,
+                           backward_input_s=ph.backward_input_s + n_b * ar + a2a_b))  # fmt: skip
     return out
 
 
@@ -196,13 +173,15 @@ def stage_activation_bytes(costs: Sequence[BlockPhases], blocks: range) -> float
     """Bytes a stage of `blocks` holds per micro-batch, counted as the executor's meter counts them.
 
     The stage's inputs once, each block's own saved bytes, and a tensor one block of the stage
-    produces and a later one saves, once (`parallel.pipeline.profile.ActivationParts`). Summing the
+    produces and a later one saves, or a micro-batch tensor several blocks save, once
+    (`parallel.pipeline.profile.ActivationParts`). Summing the
     blocks' `activation_bytes` instead counts the encoder output once per decoder layer.
     """
     parts = [p for p in (costs[i].parts for i in blocks) if p is not None]
     if not parts or len(parts) < len(blocks):
         return float(sum(costs[i].activation_bytes for i in blocks))
     total = sum(n for _, n in parts[0].inputs) + sum(p.own for p in parts)
+    total += sum(dict(kv for p in parts for kv in p.batch).values())  # each batch tensor once
     produced: dict[str, int] = {}  # made inside the stage, not counted yet
     for p in parts:
         for key in p.saved_inputs:
@@ -287,7 +266,7 @@ def predict_step(layout: Layout, sc: StageCosts, ctx: CostContext) -> Prediction
     mems = [rank_memory(r, a, layout.sharding, layout.dp, m * layout.g, deferred, settings, layout.ep)
             for r, a in zip(ranks, sim.peak_activation_bytes)]  # fmt: skip
     worst = max(range(p), key=lambda r: sum(mems[r][0].values()))
-    startup = max(startup_memory(r, settings) for r in ranks)
+    startup = max(startup_memory(r, settings, layout.sharding, layout.dp) for r in ranks)
     stage_time = [f + b + w for f, b, w in zip(sc.forward, sc.backward_input, sc.backward_weight)]
     terms, transients = mems[worst]
     return Prediction(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainer.errors import ConfigError
 from trainer.run.flops import PEAK_FLOPS
 
 GIB = 1024**3
@@ -72,10 +73,10 @@ def device_spec(name: str, bf16: bool) -> DeviceSpec:
     """The table's entry for `name` (H100, H200, A100), peak by precision.
 
     Raises:
-        ValueError: an unknown device name, listing the known ones.
+        ConfigError: an unknown device name, listing the known ones.
     """
     if name not in _DEVICES:
-        raise ValueError(f"unknown device {name!r}; the device table knows {sorted(_DEVICES)}")
+        raise ConfigError(f"unknown device {name!r}; the device table knows {sorted(_DEVICES)}")
     mem, hbm, nvlink, net = _DEVICES[name]
     peak = PEAK_FLOPS[name][0 if bf16 else 1]
     link = LinkModel(8e-6, nvlink, 15e-6, net)

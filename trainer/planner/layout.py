@@ -30,8 +30,10 @@ class Layout:
     ep: int = 1  # expert_parallel_size (NLLB-MoE): a divisor of dp
 
 
-def layout_args(layout: Layout, base: list[str]) -> list[str]:
-    """The trainer.train flags that run `layout` (after the config and the user's overrides)."""
+def layout_args(layout: Layout, base: list[str], sequence_parallel: bool = False) -> list[str]:
+    """The trainer.train flags that run `layout` (after the config and the user's overrides);
+    `sequence_parallel`: the job asks for it, so a tp = 1 layout turns it off (the trainer
+    refuses it there: it would do nothing)."""
     size = "--max_tokens_per_microbatch" if layout.token_mode else "--per_device_train_batch_size"
     balance = ",".join(str(b) for b in layout.balance) if len(layout.balance) > 1 else "uniform"
     return [
@@ -48,6 +50,7 @@ def layout_args(layout: Layout, base: list[str]) -> list[str]:
         "--partition_method", balance,
         "--data_parallel_sharding", layout.sharding,
         *(["--expert_parallel_size", str(layout.ep)] if layout.ep > 1 else []),
+        *(["--sequence_parallel", "false"] if sequence_parallel and layout.tp == 1 else []),
     ]  # fmt: skip
 
 

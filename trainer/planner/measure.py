@@ -21,7 +21,9 @@ import torch
 from models.config import ModelConfig
 from models.m2m100 import M2M100Translation
 from parallel.pipeline.profile import BlockPhases
+from trainer.config.pretrained import pretrained_sources
 from trainer.config.schema import JobConfig
+from trainer.errors import DataError
 from trainer.planner.blocks import (
     SPARSE,
     KindCosts,
@@ -29,9 +31,10 @@ from trainer.planner.blocks import (
     activation_kind_costs,
     measure_kind_costs,
     one_layer_config,
+    padded_vocab_config,
     table_kind_costs,
 )
-from trainer.planner.cost import CostContext, block_costs, tp_shape
+from trainer.planner.cost import CostContext, block_costs
 from trainer.planner.hardware import DeviceSpec, LinkModel
 from trainer.planner.options import PlanOptions
 
@@ -50,35 +53,31 @@ class CostSource:
         self.mc = self._load(cfg, opts)
         self.fetch_s: dict[tuple[int, ...], float] = {}
         self._shapes: dict[tuple[int, ...], Shape] = {}
-        self._costs: dict[tuple[Shape, str], KindCosts] = {}
-        self._acts: dict[tuple[int, int, str], KindCosts] = {}
+        self._costs: dict[tuple[Shape, str, int], KindCosts] = {}  # (shape, remat, padded vocab)
+        self._acts: dict[tuple[int, int, str, int], KindCosts] = {}
 
     def _load(self, cfg: JobConfig, opts: PlanOptions) -> ModelConfig:
         """The architecture; with data at hand (and no --seq_len), its tokenizer's vocabulary too."""
         if opts.seq_len is None:
             try:
                 return self._load_data(cfg)
-            except (OSError, ValueError) as e:
+            except (OSError, DataError) as e:
                 logger.warning("data not loadable (%s): shapes from max_source/target_length", e)
-        if cfg.model.model_name_or_path:
+        model = pretrained_sources(cfg.model.model_name_or_path, cfg.model.tokenizer_name).model
+        if model is not None:
             from models.hf import read_hf_config
 
-            return read_hf_config(cfg.model.model_name_or_path)
+            return read_hf_config(model)
         return cfg.model.model_config(cfg.model.vocab_size, {})
 
     def _load_data(self, cfg: JobConfig) -> ModelConfig:
-        from trainer.data.sources import load_raw_datasets, run_languages, training_texts
+        from trainer.data.sources import load_raw_datasets, training_texts
         from trainer.data.tokenization import tokenize_datasets
-        from trainer.run.setup import model_config_for
-        from trainer.tokenizer.vocab import load_or_train_tokenizer
+        from trainer.run.setup import model_config_for, run_tokenizer
 
-        d, m = cfg.data, cfg.model
-        raw = load_raw_datasets(d, cfg.training.seed)
-        tok = load_or_train_tokenizer(
-            m.tokenizer_name, run_languages(d), training_texts(raw.train), m.vocab_size,
-            d.spm_model_type, d.spm_character_coverage, d.spm_input_sentence_size, cfg.training.seed,
-        )  # fmt: skip
-        self.sampler_data = (tokenize_datasets(raw, tok, d).train, tok)
+        raw = load_raw_datasets(cfg.data, cfg.training.seed)
+        tok = run_tokenizer(cfg, training_texts(raw.train))  # the trainer's: a pretrained model's own
+        self.sampler_data = (tokenize_datasets(raw, tok, cfg.data).train, tok)
         return model_config_for(cfg, tok)
 
     def shape(self, mb: int, m: int, g: int, dp: int, token_mode: bool) -> Shape:
@@ -123,35 +122,38 @@ class CostSource:
         med = [round(float(np.median(x))) for x in (rows, src, tgt)]
         return Shape(max(1, med[0]), med[1], med[2])
 
-    def kind_costs(self, shape: Shape, remat: str) -> KindCosts:
-        """Per-kind costs of one micro-batch under `remat` ("stage" is costed as "none" here)."""
+    def kind_costs(self, shape: Shape, remat: str, tp: int = 1) -> KindCosts:
+        """Per-kind costs of one micro-batch on one tp rank under `remat` ("stage" is costed as
+        "none" here): measured on the rank's shard, in the run's precision."""
         remat = "none" if remat == "stage" else remat
-        key = (shape, remat)
+        sp = self.cfg.parallel.sequence_parallel and tp > 1
+        mc = padded_vocab_config(self.mc, tp)  # the head counts V' = ceil(V / tp) tp rows, as tp pads
+        key = (shape, remat, tp)
         if key not in self._costs:
             bf16 = self.cfg.training.half_precision  # fp16 is costed as bf16: same bytes, same peak
             if self.device is None:
-                self._costs[key] = measure_kind_costs(self.mc, shape, remat, bf16, self.opts.repeats)
+                self._costs[key] = measure_kind_costs(mc, shape, remat, bf16, self.opts.repeats, tp=tp,
+                                                      sequence_parallel=sp)  # fmt: skip
             else:
-                one = self._one_sentence_bytes(shape.s, shape.t, remat)
+                one = self._one_sentence_bytes(shape.s, shape.t, remat, tp, sp)
                 scale = shape.b * (0.5 if bf16 else 1.0)  # bf16 keeps 2-byte activations
-                self._costs[key] = table_kind_costs(self.mc, shape, remat, self.device, one, scale)
+                self._costs[key] = table_kind_costs(mc, shape, remat, self.device, one, scale, tp)
         return self._costs[key]
 
-    def _one_sentence_bytes(self, s: int, t: int, remat: str) -> KindCosts:
-        """Activation bytes per block kind of one sentence, measured here in fp32 (table mode; times 0)."""
-        key = (s, t, remat)
+    def _one_sentence_bytes(self, s: int, t: int, remat: str, tp: int, sp: bool) -> KindCosts:
+        """Activation bytes per block kind of one sentence on a tp rank, measured here in fp32
+        (table mode; times 0)."""
+        key = (s, t, remat, tp)
         if key not in self._acts:
-            self._acts[key] = activation_kind_costs(self.mc, Shape(1, s, t), remat)
+            self._acts[key] = activation_kind_costs(self.mc, Shape(1, s, t), remat, tp, sp)
         return self._acts[key]
 
     def block_costs(
         self, shape: Shape, remat: str, tp: int, ctx: CostContext, ep: int = 1
     ) -> list[BlockPhases]:
         """Every block's costs on one (tp, ep) rank (`plan_cost.block_costs`)."""
-        rank_shape, factor = tp_shape(shape, tp)
-        kinds = self.kind_costs(shape, remat)
-        rank_kinds = self.kind_costs(rank_shape, remat)
-        return block_costs(kinds, rank_kinds, factor, self.mc, shape, tp, ctx, ep, recompute=remat == "full")
+        kinds = self.kind_costs(shape, remat, tp)
+        return block_costs(kinds, self.mc, shape, tp, ctx, ep, recompute=remat == "full")
 
 
 def measure_optimizer_s_per_param(mc: ModelConfig, repeats: int = 3) -> float:
@@ -247,6 +249,9 @@ class _FixedBatch:
 
     def shard(self, dp_rank: int) -> list[list[Any]]:
         return [self.batches]
+
+    def slot_ids(self, dp_rank: int) -> list[list[int]]:
+        return [list(range(len(self.batches)))]
 
 
 def measure_overheads(

@@ -17,10 +17,11 @@ With P the rank's parameters (its pp stages on its tp shard), dp the data-parall
                                              unsharded until the reduce-scatter at GR
     activations      the simulated peak of the executor's meter on this rank
     step_transients  what the end of the step adds over the activations (they are freed by then):
-                     dp gradient buckets: `GradReducer` keeps every bucket's flattened copy until
-                         GR's wait, so 4 P, not one 25 MiB bucket (dp > 1, s != fsdp)
-                     ZeRO-1 broadcast: `ZeroOneSharding.broadcast_updated` flattens every owner's
-                         parameters at once: 4 P (s = zero1)
+                     dp gradient buckets: `GradReducer` keeps at most `MAX_BUCKETS_IN_FLIGHT` (2)
+                         buckets' flat copies alive (dp > 1, s != fsdp): 2 x max(25 MiB, the
+                         largest parameter), at most 4 P
+                     ZeRO-1 broadcast: `ZeroOneSharding.broadcast_updated` sends the updated
+                         parameters in buckets, at most 2 in flight: the same bound (s = zero1)
                      optimizer temporaries: foreach AdamW (host CPU) allocates sqrt(v) for the owned
                          parameters: 4 P / (dp if sharded), tensor by tensor (it reuses the heap);
                          fused AdamW (CUDA) none
@@ -28,17 +29,19 @@ With P the rank's parameters (its pp stages on its tp shard), dp the data-parall
 
 These are live bytes. A host CPU's glibc keeps freed chunks below its mmap threshold (which
 rises to 32 MiB after the first large free) resident in the heap, so a run's peak RSS can exceed
-them where such chunks churn: measured on scripts/bench_memory.py's 50M model, dp=4 zero1 1361 MiB
-(1163 with MALLOC_MMAP_THRESHOLD_=1 MiB, predicted 1144: the 25 MiB dp buckets stay resident
-under the broadcast) and dp=4 fsdp 1248 MiB (773 with the threshold fixed, predicted 789: the
-per-layer gathers). The bench reports both allocators (benchmarks/memory_cpu_small.md).
+them where such chunks churn: measured on scripts/bench_memory.py's 50M model, dp=4 zero1 1124 MiB
+(1047 with MALLOC_MMAP_THRESHOLD_=1 MiB, predicted 1010: the dp buckets stay resident under the
+broadcast) and dp=4 fsdp 1287 MiB (780 with the threshold fixed, predicted 789: the per-layer
+gathers). The bench reports both allocators (benchmarks/memory_cpu_small.md).
 
 Experts (NLLB-MoE under expert parallelism ep): of P, the X expert parameters (E / ep experts of
 each sparse layer on the rank) are sharded by ZeRO-1 and FSDP over edp = dp / ep instead of dp.
 
 Start-up (stage-local construction, `parallel.parallelize.build_parallel_model`): a rank builds
 on meta and materialises only its pp / tp shard, one parameter at a time: baseline + 4 P + the
-largest single parameter (fsdp shards the built stage afterwards, so it starts from the same).
+largest single parameter. Under fsdp the meta model is dp-sharded first, so only the dp shard
+gets memory: baseline + 4 P / dp + the largest parameter (its tp part, read or drawn whole
+before its dp chunk is kept).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from dataclasses import dataclass
 
 from models.config import ModelConfig
 from models.m2m100 import BlockKind, block_specs
+from parallel.dp.reduce import DEFAULT_BUCKET_BYTES, MAX_BUCKETS_IN_FLIGHT
 
 # Peak RSS of a one-process trainer.train run of a d_model 64 model on the built-in corpus
 # (bench_memory's data: 3000 examples, SentencePiece trained on them), measured on this
@@ -124,8 +128,9 @@ def rank_memory(
     if fsdp:
         unsharded = p if deferred else min(p, rank.root + 2.0 * rank.largest_layer)
         gathered_params, gathered_grads = e * unsharded, 4.0 * unsharded
-    buckets = 4.0 * p if dp > 1 and not fsdp else 0.0
-    broadcast = 4.0 * p if dp > 1 and sharding == "zero1" else 0.0
+    in_flight = min(4.0 * p, MAX_BUCKETS_IN_FLIGHT * max(DEFAULT_BUCKET_BYTES, 4.0 * rank.largest_param))
+    buckets = in_flight if dp > 1 and not fsdp else 0.0
+    broadcast = in_flight if dp > 1 and sharding == "zero1" else 0.0
     transients = {
         "grad_buckets": buckets,
         "zero1_broadcast": broadcast,
@@ -145,9 +150,11 @@ def rank_memory(
     return terms, transients
 
 
-def startup_memory(rank: RankShape, settings: MemorySettings) -> float:
-    """Bytes one rank peaks at while its model is built: baseline + its fp32 shard + one parameter."""
+def startup_memory(rank: RankShape, settings: MemorySettings, sharding: str = "none", dp: int = 1) -> float:
+    """Bytes one rank peaks at while its model is built: baseline + its fp32 shard (fsdp: its dp
+    shard) + one parameter."""
     baseline = settings.host_baseline_bytes
     if settings.host_cpu:
         baseline = max(0.0, baseline - FIRST_STEP_LOAD_BYTES)
-    return baseline + 4.0 * (rank.params + rank.largest_param)
+    shards = dp if sharding == "fsdp" and dp > 1 else 1
+    return baseline + 4.0 * (rank.params / shards + rank.largest_param)

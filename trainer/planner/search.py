@@ -12,11 +12,13 @@ from typing import Any
 
 import torch
 
+from parallel.errors import ParallelConfigError
 from parallel.mesh import ParallelDims
 from parallel.pipeline.simulate import StageCosts
 from trainer.config.dims import parallel_dims
 from trainer.config.parse import parse_config
 from trainer.config.schema import JobConfig
+from trainer.errors import BAD_INPUT
 from trainer.planner.blocks import Shape, block_param_counts
 from trainer.planner.calibrate import Calibration, apply, calibrate, should_calibrate
 from trainer.planner.calibrate import report as calibration_rows
@@ -105,10 +107,10 @@ def plan(cfg: JobConfig, base_args: list[str], opts: PlanOptions) -> dict[str, A
     fits = calibrate(pending, base_args, opts, run_root(opts, "calibrate")) if calibrating else {}
     candidates, pruned = _simulate_best(apply(pending, fits), memory_gib, opts, rejected)
     for c in candidates[: opts.top]:  # the printed rows: their flags through the trainer's own parser
-        c.args = layout_args(c.layout, base_args)
+        c.args = layout_args(c.layout, base_args, cfg.parallel.sequence_parallel)
         check_args(c.args, world)
     for c in candidates[opts.top :]:
-        c.args = layout_args(c.layout, base_args)
+        c.args = layout_args(c.layout, base_args, cfg.parallel.sequence_parallel)
     own = own_layout(cfg, base_args, source, ctx, world, gpn, fits)
     result = build_report(cfg, opts, device, link, memory_gib, candidates, rejected, pruned, own)
     result["calibration"] = calibration_rows(fits) if calibrating else why_not
@@ -200,13 +202,13 @@ class TrainerCheck:
             try:
                 validate_early(self._config(layout), self.world)
                 self._seen[key] = ""
-            except ValueError as e:
+            except BAD_INPUT as e:
                 self._seen[key] = str(e)
         if self._seen[key] or len(layout.balance) < 2:
             return self._seen[key]
         try:
             validate_balance(list(layout.balance), sum(layout.balance), layout.pp * layout.v)
-        except ValueError as e:
+        except BAD_INPUT as e:
             return str(e)
         return ""
 
@@ -217,6 +219,7 @@ class TrainerCheck:
             data_parallel_size=layout.dp, num_microbatches=layout.m, pipeline_schedule=layout.schedule,
             virtual_pipeline_stages=max(layout.v, 2), partition_method="uniform",
             data_parallel_sharding=layout.sharding, expert_parallel_size=layout.ep,
+            sequence_parallel=c.parallel.sequence_parallel and layout.tp > 1,
         )  # fmt: skip
         b = c.training.per_device_train_batch_size if layout.token_mode else layout.microbatch
         training = replace(c.training, gradient_accumulation_steps=layout.g, per_device_train_batch_size=b)
@@ -228,7 +231,7 @@ def _own_cut(cfg: JobConfig, world: int) -> tuple[int, int, int, int, bool]:
     """(micro-batch, m, g, dp, token mode) of the config's own layout (dp=1 if it does not fit)."""
     try:
         dp = parallel_dims(cfg.parallel, world, local_world_size=world).validate().dp
-    except ValueError:
+    except ParallelConfigError:
         dp = 1
     token = bool(cfg.data.max_tokens_per_microbatch)
     mb = int(cfg.data.max_tokens_per_microbatch or 0) if token else cfg.training.per_device_train_batch_size
@@ -260,7 +263,7 @@ def _layouts(
                               ep=dims.ep)  # fmt: skip
                 try:
                     balance = tuple(balance_from_costs(method, costs, params, dims.pp * v))
-                except ValueError as e:
+                except ParallelConfigError as e:
                     rejected.append({"layout": describe(base), "reason": str(e)})
                     break
                 if balance not in seen:
@@ -277,7 +280,7 @@ def own_layout(
     p = cfg.parallel
     try:
         dims = parallel_dims(p, world, local_world_size=gpn).validate(source.mc)
-    except ValueError as e:
+    except ParallelConfigError as e:
         return str(e)
     token = bool(cfg.data.max_tokens_per_microbatch)
     mb = int(cfg.data.max_tokens_per_microbatch or 0) if token else cfg.training.per_device_train_batch_size
@@ -296,5 +299,5 @@ def own_layout(
             [(0.0, layout, layout_stage_costs(layout, costs, shape, ctx), ctx)], fits or {}
         )
         return Candidate(layout, predict_step(layout, sc, lay_ctx), list(base_args))
-    except ValueError as e:
+    except BAD_INPUT as e:
         return str(e)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from models.config import ModelConfig
+from parallel.errors import ParallelConfigError
 from parallel.mesh import ParallelDims
 from trainer.config.checks import SCHEDULE_CHOICES, SHARDING_CHOICES
 from trainer.config.dims import parallel_dims
@@ -49,7 +50,7 @@ def schedule_space() -> list[tuple[str, int]]:
             continue
         try:
             build_schedule(name, 2, 4, v)
-        except ValueError:
+        except ParallelConfigError:
             continue
         out.append((name, v))
     return out
@@ -84,7 +85,7 @@ def meshes(
                 dims = ParallelDims(pp, dp, tp, world, local_world_size=gpus_per_node, ep=ep)
                 try:
                     valid.append(dims.validate(arch))
-                except ValueError as e:
+                except ParallelConfigError as e:
                     rejected.append((f"pp={pp} tp={tp} dp={dp}" + (f" ep={ep}" if ep > 1 else ""), str(e)))
     return valid, rejected
 
@@ -98,7 +99,7 @@ def batch_budget(cfg: JobConfig, world: int) -> Budget:
     p, t = cfg.parallel, cfg.training
     try:
         dp0 = parallel_dims(p, world, local_world_size=world).validate().dp
-    except ValueError as e:
+    except ParallelConfigError as e:
         raise ConfigError(f"the config's mesh does not fit --world_size {world}: {e}") from None
     slots = p.num_microbatches * t.gradient_accumulation_steps * dp0
     cap = cfg.data.max_tokens_per_microbatch

@@ -9,11 +9,17 @@ What each method costs at start-up (no rank ever builds the whole model):
                                broadcast, so every rank cuts the model the same way
                                (timings differ between processes; a split that differed
                                would hang the pipeline)
+
+The blocks are measured as the run executes them (`run_setting`): on a tp rank's shard
+(without a process group), in the run's precision (autocast, and the step's working weights
+when it has several micro-batches), under its remat policy, on a sample micro-batch of the
+run's size.
 """
 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,14 +28,27 @@ from models.config import ModelConfig
 from models.m2m100 import M2M100Translation, block_specs
 from parallel.mesh import ParallelMesh
 from parallel.pipeline.partition import format_partition, resolve_partition
-from parallel.pipeline.profile import expert_params_per_block, param_counts_per_block, profile_blocks_by_kind
+from parallel.pipeline.profile import (
+    RunSetting,
+    expert_params_per_block,
+    param_counts_per_block,
+    profile_blocks_by_kind,
+)
 from trainer.config.schema import JobConfig
 
 
 def choose_partition(
-    cfg: JobConfig, mc: ModelConfig, mesh: ParallelMesh, sampler, device: torch.device
-) -> tuple[list[int], str]:  # type: ignore[no-untyped-def]
-    """Block counts per stage (p * v stages) and a printable table of the split."""
+    cfg: JobConfig,
+    mc: ModelConfig,
+    mesh: ParallelMesh,
+    sampler: Any,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+) -> tuple[list[int], str]:
+    """Block counts per stage (p * v stages) and a printable table of the split.
+
+    `dtype`: the run's working dtype (`trainer.run.setup.working_dtype`), None for fp32.
+    """
     n_stages = mesh.size("pp") * cfg.parallel.virtual_stages
     names = [b.name for b in block_specs(mc)]
     method = cfg.parallel.partition_balance() or cfg.parallel.partition_method
@@ -41,8 +60,9 @@ def choose_partition(
     if dist.get_rank() == 0:
         # A sample micro-batch from a copy of the sampler (the real one's position is untouched).
         batch = next(copy.deepcopy(sampler)).shard(0)[0][0].to(device)
+        run = run_setting(cfg, mesh.size("tp"), dtype)
         times, mems, counts = profile_blocks_by_kind(
-            mc, batch, device, seed=cfg.training.seed, ep=mesh.size("ep")
+            mc, batch, device, seed=cfg.training.seed, run=run, ep=mesh.size("ep")
         )
         balance = resolve_partition(
             method, names, n_stages, param_counts=counts, time_costs=times, mem_costs=mems
@@ -51,6 +71,13 @@ def choose_partition(
     dist.broadcast_object_list(payload, src=0)
     chosen: tuple[list[int], str] = payload[0]  # type: ignore[assignment]
     return list(chosen[0]), str(chosen[1])
+
+
+def run_setting(cfg: JobConfig, tp: int, dtype: torch.dtype | None) -> RunSetting:
+    """How this run executes a block (`RunSetting`): what balancing must measure."""
+    p = cfg.parallel
+    several = p.num_microbatches * cfg.training.gradient_accumulation_steps > 1  # ParallelModel.train_step
+    return RunSetting(tp, p.sequence_parallel and tp > 1, dtype, several, p.activation_checkpointing)
 
 
 def _param_counts(mc: ModelConfig, ep: int = 1) -> list[int]:

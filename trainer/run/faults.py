@@ -19,6 +19,8 @@ import os
 import signal
 from dataclasses import dataclass
 
+from trainer.errors import ConfigError
+
 ENV_VAR = "TRAINER_FAULT_INJECT"
 _SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
 
@@ -37,7 +39,7 @@ class FaultInjection:
         """The fault named by TRAINER_FAULT_INJECT, or None when it is unset or empty.
 
         Raises:
-            ValueError: naming the malformed spec and the valid form.
+            ConfigError: naming the malformed spec and the valid form.
         """
         spec = os.environ.get(ENV_VAR, "").strip()
         if not spec:
@@ -48,7 +50,7 @@ class FaultInjection:
         except ValueError:
             values = {}
         if action not in _SIGNALS or not {"rank", "step"} <= values.keys() <= {"rank", "step", "attempt"}:
-            raise ValueError(
+            raise ConfigError(
                 f"{ENV_VAR}={spec!r} is not valid; use ACTION:rank=R:step=S[:attempt=A] with ACTION one "
                 f"of {sorted(_SIGNALS)} and integers R, S, A (e.g. kill:rank=1:step=4)"
             )

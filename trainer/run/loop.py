@@ -1,6 +1,6 @@
 """A training run from a validated config to its summary, and the loop over steps.
 
-run              validate -> resume point (checked) -> claim output dir (lock, fresh-start
+run              resume point (checked) -> validate -> claim output dir (lock, fresh-start
                  cleanup) -> setup_run -> resume_state -> tracker, evaluator -> ...
 train_loop       per step: train_step (guarded) -> log_row -> timeline (once) -> preempted? save + exit
                  -> maybe_eval_and_save (eval/save strategies, best model, early stop: trainer.run.strategies)
@@ -21,6 +21,7 @@ import torch.distributed as dist
 from parallel.parallelize import ParallelModel
 from trainer.checkpoint import dcp as ckpt
 from trainer.checkpoint.resume import find_resume
+from trainer.config.dims import parallel_dims
 from trainer.config.schema import JobConfig
 from trainer.data.batching import eval_batches
 from trainer.eval.predict import predict_test_set
@@ -35,7 +36,7 @@ from trainer.run.guard import (
 from trainer.run.memory import gather_memory, memory_lines, peak_host_bytes
 from trainer.run.moe_load import load_line
 from trainer.run.outdir import claim_output_dir
-from trainer.run.preflight import validate_early
+from trainer.run.preflight import idle_option_warnings, validate_early
 from trainer.run.setup import RunContext, setup_run
 from trainer.run.state import load_best_model, mesh_sizes, resume_state, save
 from trainer.run.step import LogWindow, StepStats, bubble_stats, train_step
@@ -52,13 +53,19 @@ def run(cfg: JobConfig) -> dict[str, Any]:
 
     On the logging rank the summary also holds `history`, every row written to metrics.jsonl.
 
-        validate_early -> find_resume -> claim_output_dir -> setup_run -> resume_state -> tracker, evaluator
+        find_resume -> validate_early -> claim_output_dir -> setup_run -> resume_state -> tracker, evaluator
         -> [eval before] -> train_loop -> finish_run
 
     Rank 0 holds output_dir's lock until this returns or raises (trainer.run.outdir).
     """
-    dims = validate_early(cfg, dist.get_world_size())
-    resume = find_resume(cfg, dims)  # before the claim: a mismatch with the checkpoint's run writes nothing
+    world = dist.get_world_size()
+    # Before the claim: a mismatch with the checkpoint's run writes nothing. A resume takes the
+    # architecture from the checkpoint (model_name_or_path is not read again: it may be gone).
+    resume = find_resume(cfg, parallel_dims(cfg.parallel, world).validate())  # the mesh alone
+    dims = validate_early(cfg, world, arch=resume.model_config(cfg) if resume else None)
+    if dist.get_rank() == 0:
+        for line in idle_option_warnings(cfg):
+            logger.warning("config: %s", line)
     with claim_output_dir(cfg.training, dist.get_rank()) as out:
         ctx = setup_run(cfg, dims, out, resume)
         step = resume_state(ctx)

@@ -16,14 +16,20 @@ that share the directory over NFS.
 
 Fresh start. A run is fresh when it has no `resume_from_checkpoint` and is not a
 torchrun restart (TORCHELASTIC_RESTART_COUNT unset or 0). A fresh run refuses a
-non-empty directory unless `overwrite_output_dir`; with it, the earlier run's
-outputs (RUN_OUTPUTS and every `checkpoint-<step>/`) are removed before anything
-else, so `resume_from_checkpoint: latest` can never pick another run's checkpoint.
-Other files (a user's notes, an export, `wandb/`, whose runs have their own ids)
-are left alone. A restart of the same run has the same flags but is not fresh: it
-keeps its checkpoints. (A run id recorded in each checkpoint, so that `latest`
-picks only "this run's", was considered and left out: after the fresh-start
-clean-up every checkpoint in the directory is this run's or one it resumed from.)
+non-empty directory unless `overwrite_output_dir`; with it, the earlier run's outputs
+(RUN_OUTPUTS and every `checkpoint-<step>/`) are moved aside into `EARLIER_RUN/` (a rename,
+before anything else is written), so `resume_from_checkpoint: latest` can never pick another
+run's checkpoint, and nothing is lost until this run has a checkpoint of its own: they are
+removed when it commits its first one (`discard_earlier_run`, called by the checkpoint
+commit), and the log says so at both moments. Until then the earlier run can be restored by
+moving them back. A fresh start that finds `EARLIER_RUN/` already there (the run between
+committed nothing) keeps it and removes the outputs of that run instead, unless they hold a
+committed checkpoint, which then replaces it. Other files (a user's notes, an export,
+`wandb/`, whose runs have their own ids) are left alone (`transformers` never deleted
+anything for `overwrite_output_dir`). A restart of the same run has the same flags but is not
+fresh: it keeps its checkpoints. (A run id recorded in each checkpoint, so that `latest`
+picks only "this run's", was considered and left out: after the fresh-start move every
+checkpoint in the directory is this run's or one it resumed from.)
 
 The decision is rank 0's; it is broadcast, so a refused run raises the same error on
 every rank instead of leaving the others waiting in a collective.
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
@@ -44,6 +51,8 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from trainer.errors import BadInputError, ConfigError
 
 if TYPE_CHECKING:
     from trainer.config.training_args import TrainingArguments
@@ -64,9 +73,11 @@ RUN_OUTPUTS = (
     "runs",  # TensorBoard: one directory, so an earlier run's event files would mix into the new curves
 )
 _CKPT_RE = re.compile(r"^checkpoint-\d+$")
+EARLIER_RUN = "overwritten_run"  # where overwrite_output_dir moves the earlier run until this one commits
+logger = logging.getLogger("trainer")
 
 
-class OutputDirBusyError(ValueError):
+class OutputDirBusyError(BadInputError):
     """Another live process holds the output directory's lock; the message names it."""
 
 
@@ -130,26 +141,54 @@ class OutputDirLock:
 
 
 def prepare_fresh_start(out: Path, args: TrainingArguments) -> None:
-    """Refuse a non-empty `out` without overwrite_output_dir; with it, clear the earlier run's outputs.
+    """Refuse a non-empty `out` without overwrite_output_dir; with it, move the earlier run's outputs
+    aside into `out/EARLIER_RUN` (module docstring).
 
     Call only for a fresh run (no resume, not a restart), with the lock held.
 
     Raises:
         ConfigError: `out` holds files and overwrite_output_dir is off.
     """
-    from trainer.errors import ConfigError
-
-    present = [p for p in out.iterdir() if p.name != LOCK_NAME]
-    if not present:
+    present = [p for p in out.iterdir() if p.name not in (LOCK_NAME, EARLIER_RUN)]
+    if not present and not (out / EARLIER_RUN).exists():
         return
     if not args.overwrite_output_dir:
         raise ConfigError(
             f"output_dir={str(out)!r} is not empty; set overwrite_output_dir or "
             f"resume_from_checkpoint (e.g. 'latest')"
         )
-    for p in present:
-        if p.name in RUN_OUTPUTS or (_CKPT_RE.match(p.name) and p.is_dir()):
+    from trainer.checkpoint.commit import is_complete
+
+    ours = sorted(p for p in present if p.name in RUN_OUTPUTS or (_CKPT_RE.match(p.name) and p.is_dir()))
+    held = out / EARLIER_RUN
+    if held.exists() and not any(is_complete(p) for p in ours):  # the run between committed nothing
+        for p in ours:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
+        dropped = f" (removed {len(ours)} outputs of a run that committed none)" if ours else ""
+        logger.info("overwrite_output_dir: the earlier run stays in %s until this run commits a checkpoint%s",
+                    held, dropped)  # fmt: skip
+        return
+    if not ours:
+        return
+    if held.exists():
+        shutil.rmtree(held)
+    held.mkdir()
+    for p in ours:
+        p.rename(held / p.name)
+    names = ", ".join(p.name for p in ours)
+    logger.info("overwrite_output_dir: moved the earlier run's outputs (%s) to %s; they are removed when "
+                "this run commits its first checkpoint", names, held)  # fmt: skip
+
+
+def discard_earlier_run(out: Path) -> None:
+    """Rank 0, after a checkpoint of this run is committed: remove what overwrite_output_dir moved aside."""
+    held = out / EARLIER_RUN
+    if not held.exists():
+        return
+    names = sorted(p.name for p in held.iterdir())
+    shutil.rmtree(held, ignore_errors=True)
+    logger.info("this run committed a checkpoint: removed the earlier run's outputs moved aside by "
+                "overwrite_output_dir (%s)", ", ".join(names))  # fmt: skip
 
 
 @contextmanager

@@ -1,37 +1,46 @@
 """The checks a run makes before anything is written or any collective runs (`validate_early`).
 
-Also the planner's filter: a candidate layout's trainer flags must pass them.
+Also the planner's filter: a candidate layout's trainer flags must pass them. An option that
+would do nothing on the run's mesh or settings is refused in one line naming the field and
+why (`refuse_idle_options`), or, where `transformers` accepts it, warned about once by the
+logging rank (`idle_option_warnings`).
 """
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
+from models.config import ModelConfig
 from parallel.mesh import ParallelDims
 from trainer.config.dims import parallel_dims
+from trainer.config.pretrained import pretrained_sources
 from trainer.config.schema import LAYERDROP_FIELDS, JobConfig
+from trainer.config.training_args import TrainingArguments
 from trainer.data.sources import run_languages
 from trainer.errors import ConfigError
 from trainer.run.strategies import check_metric_name
 
 
-def validate_early(cfg: JobConfig, world: int) -> ParallelDims:
+def validate_early(cfg: JobConfig, world: int, arch: ModelConfig | None = None) -> ParallelDims:
     """Every check that needs no data, before anything is written or any collective runs.
 
-    Mesh vs world size and node size, tp vs heads/FFN/d_model, blocks vs stages,
-    an explicit partition's length and sum, and the schedule's (p, m, v) constraints.
-    Raises ValueError (ConfigError, PartitionError, ...) naming the bad value.
+    Where the pretrained model and tokenizer come from (a model directory without tokenizer
+    files needs tokenizer_name), mesh vs world size and node size, tp vs heads/FFN/d_model,
+    blocks vs stages, an explicit partition's length and sum, and the schedule's (p, m, v)
+    constraints. `arch`: the architecture when it is known already (a resume: the checkpoint's,
+    so a `model_name_or_path` that is gone since is never read); else `model_name_or_path`'s
+    config.json or the config's fields. Raises one of `trainer.errors.BAD_INPUT` naming the bad value.
     """
     from parallel.pipeline.partition import validate_balance
     from parallel.pipeline.schedule import build_schedule
 
     dims = parallel_dims(cfg.parallel, world)
-    if cfg.model.model_name_or_path:
-        from models.hf import read_hf_config
-
-        arch = read_hf_config(cfg.model.model_name_or_path)
+    if arch is not None:
+        arch = ModelConfig.from_dict(arch.to_dict())  # a copy: the LayerDrop overrides below
     else:
-        arch = cfg.model.model_config(cfg.model.vocab_size, {})
+        arch = _architecture(cfg)
     for name in LAYERDROP_FIELDS:
         if getattr(cfg.model, name) is not None:
             setattr(arch, name, getattr(cfg.model, name))
@@ -56,6 +65,7 @@ def validate_early(cfg: JobConfig, world: int) -> ParallelDims:
     if balance is not None:
         validate_balance(balance, n_blocks, p * v)
     build_schedule(cfg.parallel.pipeline_schedule, p, cfg.parallel.num_microbatches, v)
+    refuse_idle_options(cfg, dims)
     check_predict_args(cfg)
     check_metric_name(cfg.training.metric_for_best_model, [f"{s}-{t}" for s, t in cfg.data.directions()])
     return dims
@@ -84,3 +94,105 @@ def check_predict_args(cfg: JobConfig) -> None:
     missing = [p for p in paths if not Path(p).is_file()]
     if missing:
         raise ConfigError(f"test_file={test!r}: {missing[0]!r} does not exist")
+
+
+def _default(section: type, name: str) -> Any:
+    return next(f.default for f in fields(section) if f.name == name)
+
+
+def refuse_idle_options(cfg: JobConfig, dims: ParallelDims) -> None:
+    """Refuse options that would do nothing on this mesh or with these settings (our own fields;
+    `transformers` has none of them), naming the field, its value, why, and what to set.
+
+    Raises:
+        ConfigError: the first such option.
+    """
+    par, tr = cfg.parallel, cfg.training
+    if par.sequence_parallel and dims.tp == 1:
+        raise ConfigError(
+            "sequence_parallel=True does nothing with tensor_parallel_size=1: it splits the tp ranks' "
+            "replicated norms and dropout along the sequence; set sequence_parallel: false, or "
+            "tensor_parallel_size > 1"
+        )
+    if par.data_parallel_sharding != "none" and dims.dp == 1:
+        inferred = (
+            " (data_parallel_size=-1 inferred it from the world size)" if par.data_parallel_size == -1 else ""
+        )
+        raise ConfigError(
+            f"data_parallel_sharding={par.data_parallel_sharding!r} does nothing with data_parallel_size=1"
+            f"{inferred}: there is no replica to shard over; set data_parallel_sharding: none, or "
+            "data_parallel_size > 1"
+        )
+    stages_default = _default(type(par), "virtual_pipeline_stages")
+    if par.pipeline_schedule != "interleaved_1f1b" and par.virtual_pipeline_stages != stages_default:
+        raise ConfigError(
+            f"virtual_pipeline_stages={par.virtual_pipeline_stages} does nothing with pipeline_schedule="
+            f"{par.pipeline_schedule!r}: only interleaved_1f1b takes it (zbv always places 2 stages per "
+            "rank); remove it, or use pipeline_schedule: interleaved_1f1b"
+        )
+    if dims.pp * par.virtual_stages == 1 and par.partition_method in ("parameters", "time", "memory"):
+        raise ConfigError(
+            f"partition_method={par.partition_method!r} does nothing with one pipeline stage "
+            "(pipeline_parallel_size=1): there is nothing to balance; remove it, or set "
+            "pipeline_parallel_size > 1"
+        )
+    if par.hang_warning_s >= par.dist_timeout_s:
+        raise ConfigError(
+            f"hang_warning_s={par.hang_warning_s:g} does nothing with dist_timeout_s={par.dist_timeout_s}: "
+            "a wait fails at the timeout before it would warn; set it below dist_timeout_s (0: the default)"
+        )
+    if not tr.fp16:
+        for name in ("fp16_initial_scale", "fp16_scale_growth_interval"):
+            if getattr(tr, name) != _default(TrainingArguments, name):
+                raise ConfigError(
+                    f"{name}={getattr(tr, name)!r} does nothing without fp16=True (the dynamic loss "
+                    "scale is fp16's); remove it, or set fp16: true"
+                )
+    if tr.early_stopping_threshold and not tr.early_stopping_patience:
+        raise ConfigError(
+            f"early_stopping_threshold={tr.early_stopping_threshold} does nothing without "
+            "early_stopping_patience; remove it, or set early_stopping_patience"
+        )
+    if cfg.data.sampling_temperature != 1.0 and len(cfg.data.directions()) == 1:
+        raise ConfigError(
+            f"sampling_temperature={cfg.data.sampling_temperature} does nothing with one direction "
+            f"({'-'.join(cfg.data.directions()[0])}): it weighs directions against each other; remove it"
+        )
+
+
+def idle_option_warnings(cfg: JobConfig) -> list[str]:
+    """Options `transformers` accepts that would do nothing here, one line each naming the field
+    (the logging rank warns once). `greater_is_better` is resolved by then only where a best
+    model or early stopping is asked for."""
+    tr = cfg.training
+    out = []
+    for kind in ("eval", "save"):
+        strategy, every = getattr(tr, f"{kind}_strategy"), getattr(tr, f"{kind}_steps")
+        if every and strategy != "steps":
+            out.append(
+                f"{kind}_steps={every} does nothing with {kind}_strategy={strategy!r} (only 'steps' reads it)"
+            )
+    if tr.greater_is_better is not None and tr.metric_for_best_model is None:
+        out.append(
+            f"greater_is_better={tr.greater_is_better} does nothing without metric_for_best_model, "
+            "load_best_model_at_end or early_stopping_patience"
+        )
+    if not (tr.do_eval or tr.do_predict or tr.eval_strategy != "no"):
+        for name in ("bf16_full_eval", "fp16_full_eval", "generation_num_beams", "generation_max_length"):
+            if getattr(tr, name) != _default(TrainingArguments, name):
+                out.append(
+                    f"{name}={getattr(tr, name)} does nothing: no evaluation runs (do_eval, do_predict "
+                    "false, eval_strategy 'no')"
+                )
+    return out
+
+
+def _architecture(cfg: JobConfig) -> ModelConfig:
+    """The run's architecture: `model_name_or_path`'s config.json (resolved, and checked to come
+    with a tokenizer: `pretrained_sources`), else the config's fields."""
+    pretrained = pretrained_sources(cfg.model.model_name_or_path, cfg.model.tokenizer_name)
+    if pretrained.model is None:
+        return cfg.model.model_config(cfg.model.vocab_size, {})
+    from models.hf import read_hf_config
+
+    return read_hf_config(pretrained.model)

@@ -13,9 +13,10 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ from parallel.pipeline.simulate import bubble_theory
 from parallel.watchdog import RankIdentity, default_warn_after, start_watchdog
 from trainer.checkpoint.async_save import CheckpointSaver
 from trainer.checkpoint.resume import ResumePoint, adopt_tokenizer, log_changes
+from trainer.config.pretrained import check_tokenizer_fits, pretrained_sources
 from trainer.config.schema import JobConfig
 from trainer.config.training_args import TrainingArguments
 from trainer.data.batching import BatchLayout, GlobalBatchSampler
@@ -41,7 +43,7 @@ from trainer.data.sources import (
     training_texts,
 )
 from trainer.data.tokenization import TranslationData, tokenize_datasets
-from trainer.errors import ConfigError, DataError
+from trainer.errors import BAD_INPUT
 from trainer.run.balance import choose_partition
 from trainer.run.faults import FaultInjection
 from trainer.run.memory import peak_host_bytes
@@ -59,7 +61,7 @@ def set_seed(seed: int) -> None:
 
 
 def setup_tokenizer(cfg: JobConfig, raw: Any, out: Path, rank: int, resume: ResumePoint | None) -> Tokenizer:
-    """Rank 0 trains (or loads) and saves the tokenizer; the others load what it saved.
+    """Rank 0 builds the tokenizer (`run_tokenizer`) and saves it; the others load what it saved.
 
     On resume every rank reads the checkpoint's run's tokenizer back: never retrained or rewritten.
     """
@@ -67,63 +69,86 @@ def setup_tokenizer(cfg: JobConfig, raw: Any, out: Path, rank: int, resume: Resu
     languages = run_languages(cfg.data)
     if resume is not None:
         return Tokenizer.load(adopt_tokenizer(resume, out, rank), languages)
-    if rank == 0:
-        source = cfg.model.tokenizer_name or cfg.model.model_name_or_path
-        tok = load_or_train_tokenizer(
-            source if source and _has_tokenizer(source) else cfg.model.tokenizer_name,
-            languages,
-            training_texts(raw.train),
-            cfg.model.vocab_size,
-            cfg.data.spm_model_type,
-            cfg.data.spm_character_coverage,
-            cfg.data.spm_input_sentence_size,
-            cfg.training.seed,
-        )
+
+    def build() -> Tokenizer:
+        tok = run_tokenizer(cfg, training_texts(raw.train))
         tok.save(tok_dir)
-    dist.barrier()
-    return Tokenizer.load(tok_dir, languages) if rank != 0 else tok
+        return tok
+
+    tok = on_rank0(rank, "build the tokenizer", build)
+    return tok if tok is not None else Tokenizer.load(tok_dir, languages)
+
+
+def run_tokenizer(cfg: JobConfig, texts: Iterable[str]) -> Tokenizer:
+    """A fresh run's tokenizer: the pretrained one (`tokenizer_name`, else the model directory's own,
+    `trainer.config.pretrained`), checked against the pretrained model's embedding, or SentencePiece
+    trained on `texts` for a new model.
+
+    Raises:
+        ConfigError: a model directory without tokenizer files and no tokenizer_name.
+        TokenizerError, CheckpointMismatchError: the tokenizer's ids do not fit the model's embedding.
+    """
+    m, d = cfg.model, cfg.data
+    sources = pretrained_sources(m.model_name_or_path, m.tokenizer_name)
+    languages = run_languages(d)
+    tok = load_or_train_tokenizer(
+        None if sources.tokenizer is None else str(sources.tokenizer), languages, texts, m.vocab_size,
+        d.spm_model_type, d.spm_character_coverage, d.spm_input_sentence_size, cfg.training.seed,
+    )  # fmt: skip
+    if sources.model is not None:
+        check_tokenizer_fits(tok, sources.model, m.tokenizer_name or str(m.model_name_or_path), languages)
+    return tok
+
+
+T = TypeVar("T")
+
+
+def on_rank0(rank: int, what: str, work: Callable[[], T]) -> T | None:
+    """Run `work` on rank 0 and tell every rank how it ended (one broadcast), so that a failure
+    raises on every rank instead of leaving the others waiting in the next collective.
+
+    Returns:
+        `work()`'s result on rank 0, None on the others.
+
+    Raises:
+        On rank 0, what `work` raised (with its traceback); on the others the same exception when it
+        is bad input (`trainer.errors.BAD_INPUT`), else a RuntimeError naming it.
+    """
+    result: T | None = None
+    outcome: list[BaseException | None] = [None]
+    if rank == 0:
+        try:
+            result = work()
+        except Exception as e:
+            bad = isinstance(e, BAD_INPUT)
+            outcome = [e if bad else RuntimeError(f"rank 0 could not {what}: {type(e).__name__}: {e}")]
+            dist.broadcast_object_list(outcome, src=0)
+            raise
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise outcome[0]
+    return result
 
 
 def tokenize_shared(cfg: JobConfig, raw: Any, tok: Tokenizer, out: Path, rank: int) -> TranslationData:
     """Rank 0 tokenizes into the on-disk cache (`cache_dir`, default <output_dir>/data_cache); the
     others wait, then load it (a cache hit; on a node without the shared disk they build their own).
 
-    Rank 0's failure is broadcast, so every rank raises it instead of waiting at a barrier
-    (one collective: broadcast_object_list).
+    Rank 0's failure reaches every rank (`on_rank0`).
     """
     cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else out / "data_cache"
-    data: TranslationData | None = None
-    failure: list[str | None] = [None]
-    if rank == 0:
-        try:
-            data = tokenize_datasets(raw, tok, cfg.data, cache)
-        except Exception as e:
-            failure = [f"{type(e).__name__}: {e}"]
-            dist.broadcast_object_list(failure, src=0)
-            raise
-    dist.broadcast_object_list(failure, src=0)
-    if failure[0] is not None:
-        raise DataError(f"rank 0 could not tokenize the data: {failure[0]}")
+    data = on_rank0(rank, "tokenize the data", lambda: tokenize_datasets(raw, tok, cfg.data, cache))
     return data if data is not None else tokenize_datasets(raw, tok, cfg.data, cache)
 
 
-def _has_tokenizer(path: str) -> bool:
-    p = Path(path)
-    return p.is_dir() and any(
-        (p / f).exists() for f in ("tokenizer.json", "spm.model", "tokenizer_config.json")
-    )
-
-
 def model_config_for(cfg: JobConfig, tok: Tokenizer) -> ModelConfig:
-    if cfg.model.model_name_or_path:
+    """The run's architecture: the pretrained model's (with the run's regularisation), or the config's
+    fields for a new model on the tokenizer's vocabulary (`run_tokenizer` checked a pretrained one)."""
+    model = pretrained_sources(cfg.model.model_name_or_path, cfg.model.tokenizer_name).model
+    if model is not None:
         from models.hf import read_hf_config
 
-        mc = cfg.model.apply_session(read_hf_config(cfg.model.model_name_or_path))
-        if tok.vocab_size > mc.vocab_size:
-            raise ConfigError(
-                f"tokenizer has {tok.vocab_size} entries but the model at "
-                f"{cfg.model.model_name_or_path} only {mc.vocab_size}"
-            )
+        mc = cfg.model.apply_session(read_hf_config(model))
         return mc
     return cfg.model.model_config(tok.vocab_size, tok.special_ids())
 
@@ -131,6 +156,12 @@ def model_config_for(cfg: JobConfig, tok: Tokenizer) -> ModelConfig:
 def working_dtype(args: TrainingArguments) -> torch.dtype | None:
     """The working-weight and autocast dtype: float16 (fp16), bfloat16 (bf16), or None (fp32)."""
     return torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else None
+
+
+def full_eval_dtype(args: TrainingArguments) -> torch.dtype | None:
+    """The dtype evaluation casts every weight to (bf16_full_eval / fp16_full_eval), or None:
+    evaluation then autocasts to `working_dtype`, as training does."""
+    return torch.bfloat16 if args.bf16_full_eval else torch.float16 if args.fp16_full_eval else None
 
 
 def build_loss_scale(args: TrainingArguments, device: torch.device) -> DynamicLossScale | None:
@@ -141,14 +172,27 @@ def build_loss_scale(args: TrainingArguments, device: torch.device) -> DynamicLo
 
 
 def build_model(
-    cfg: JobConfig, mc: ModelConfig, mesh: ParallelMesh, balance: list[int], device: torch.device
+    cfg: JobConfig,
+    mc: ModelConfig,
+    mesh: ParallelMesh,
+    balance: list[int],
+    device: torch.device,
+    resume: ResumePoint | None = None,
 ) -> ParallelModel:
     """This rank's share of the model, built stage-local: created on the meta device, cut and
-    tp-sharded there, then only its blocks' shards get memory on `device`, drawn from the
-    keyed init of `seed` (equal on every mesh to the one-process model's) or read slice by
-    slice from `model_name_or_path`. No rank ever holds the whole model."""
-    torch.manual_seed(cfg.training.seed)  # the global RNG (dropout) starts the same on every rank
-    path = cfg.model.model_name_or_path
+    tp- (and, under fsdp, dp-) sharded there, then only its shards get memory on `device`, drawn
+    from the keyed init of `seed` (equal on every mesh to the one-process model's) or read slice
+    by slice from `model_name_or_path`. No rank ever holds the whole model.
+
+    On resume nothing is drawn or read (`model_name_or_path` may be gone): the parameters are
+    zeroed placeholders that `trainer.run.state.resume_state` loads the checkpoint into, once."""
+    torch.manual_seed(
+        cfg.training.seed
+    )  # the same global RNG on every rank (training dropout is keyed: parallel.rng)
+    path = None
+    if resume is None:
+        model = pretrained_sources(cfg.model.model_name_or_path, cfg.model.tokenizer_name).model
+        path = None if model is None else str(model)
     p = cfg.parallel
     pm = build_parallel_model(
         mc,
@@ -160,11 +204,13 @@ def build_model(
         p.activation_checkpointing,
         cfg.training.label_smoothing_factor,
         autocast_dtype=working_dtype(cfg.training),
+        eval_dtype=full_eval_dtype(cfg.training),
         sequence_parallel=p.sequence_parallel,
         dp_sharding=p.data_parallel_sharding,
         device=device,
-        seed=None if path else cfg.training.seed,
+        seed=None if path or resume is not None else cfg.training.seed,
         pretrained=path or None,
+        from_checkpoint=resume is not None,
         compile_layers=cfg.training.torch_compile,
         saved_tensor_meter=p.profile_activation_memory,
     )
@@ -245,8 +291,8 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint
     steps_per_epoch = len(sampler.epoch_plan(0))
     cfg.training.max_steps = resolve_max_steps(cfg.training, steps_per_epoch)  # -1: from num_train_epochs
     logger.info("training %d steps; an epoch is %d global batches", cfg.training.max_steps, steps_per_epoch)
-    balance, partition_text = choose_partition(cfg, mc, mesh, sampler, device)
-    pm = build_model(cfg, mc, mesh, balance, device)
+    balance, partition_text = choose_partition(cfg, mc, mesh, sampler, device, working_dtype(cfg.training))
+    pm = build_model(cfg, mc, mesh, balance, device, resume)
     optimizer = build_optimizer(pm.model, cfg.training, only=pm.optimizer_params())
     scheduler = build_scheduler(optimizer, cfg.training)
     startup_host = peak_host_bytes()  # the start-up peak: model and optimizer built, no step run yet

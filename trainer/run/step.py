@@ -5,7 +5,8 @@ One optimizer step:
     gb = next(sampler)                        same on every rank (data + seed only)
     flushes = gb.shard(dp_rank)               [gradient_accumulation_steps][num_microbatches]
     pm.train_step(flushes, S / gb.num_tokens) pipeline executor; dp + tied reduce at the last GR
-                                              (S = 1, or fp16's loss scale as a device scalar)
+                                              (S = 1, or fp16's loss scale as a device scalar);
+                                              dropout keyed by (seed, step, slot): parallel/rng.py
     found = scaler.unscale_(grads)            fp16 only: grads /= S, this rank's found-inf flag
     grad_norm = pm.grads.clip_(max_norm)      over the whole mesh, each parameter once
     guard.check(step, loss_sum, grad_norm,    trainer/run/guard.py: non-finite? preempted? overflow?
@@ -37,6 +38,7 @@ from parallel import watchdog
 from parallel.loss_scale import DynamicLossScale
 from parallel.parallelize import ParallelModel
 from parallel.pipeline.executor import FlushResult
+from parallel.rng import microbatch_keys
 from trainer.config.training_args import TrainingArguments
 from trainer.run.guard import StepGuard
 from trainer.run.moe_load import ExpertLoad
@@ -111,7 +113,8 @@ def train_step(
 
     `timed` marks the clock around every pipeline action and starts with a barrier
     (a common start, so per-rank wall times measure the pipeline, not skew).
-    `seed` keys LayerDrop's per-step draw (`models.m2m100.layerdrop_skips`; none without LayerDrop).
+    `seed` keys LayerDrop's per-step draw (`models.m2m100.layerdrop_skips`; none without LayerDrop)
+    and, with the step and each micro-batch's slot, its dropout masks (`parallel.rng`).
     `guard` decides, after the gradients and before the optimizer, whether the update
     is applied (the step's one device read); None applies it unchecked (benchmarks).
     `scaler` (fp16) scales the loss by S, unscales the gradients before clipping and
@@ -128,9 +131,12 @@ def train_step(
         with watchdog.waiting(watchdog.collective(f"barrier that starts step {step}", None)):
             dist.barrier()
     skips = layerdrop_skips(pm.model.config, seed, step)
+    keys = microbatch_keys(seed, step, global_batch.slot_ids(dp_rank))
     loss_scale = (1.0 if scaler is None else scaler.scale) / global_batch.num_tokens
     # NLLB-MoE: ParallelModel.train_step keys the routing by (seed, step) and scales the aux loss
-    results = pm.train_step(flushes, loss_scale=loss_scale, timed=timed, skip_layers=skips, step=step)
+    results = pm.train_step(
+        flushes, loss_scale=loss_scale, timed=timed, skip_layers=skips, step=step, dropout_keys=keys
+    )
     # Unscale before clipping: the norm and the clip threshold are in true-gradient units.
     found = scaler.unscale_(p.grad for p in pm.params()) if scaler is not None else None
     grad_norm = pm.grads.clip_(max_grad_norm)
