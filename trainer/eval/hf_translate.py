@@ -359,7 +359,8 @@ def run_on_mesh(args: TranslateArguments, dims: ParallelDims, stdin: TextIO, std
         lines = share_lines(stdin)
         if dist.get_rank() == 0:
             print(
-                f"trainer.translate: {len(lines)} lines on (pp, dp, tp) = {dims.shape}, ep {dims.ep}, "
+                f"trainer.translate: {len(lines)} lines on (pp, dp, tp) = {dims.shape}, "
+                f"{f'ep {dims.ep}, ' if dims.ep > 1 else ''}"
                 f"{device.type}, stages of {balance} blocks",
                 file=sys.stderr,
                 flush=True,
