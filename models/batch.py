@@ -21,6 +21,8 @@ class Seq2SeqBatch:
     labels:             (B, T) `__tgt__ tokens </s>` then -100
     src_lengths:        real source tokens per row (host ints)
     tgt_lengths:        loss-carrying target tokens per row (host ints)
+    slot:               the micro-batch's slot in its global batch (keys MoE routing randomness
+                        and expert-load statistics; 0 outside training)
 
     The lengths are read from the tensors once, while they are still on the CPU
     (collation), and travel with the batch, so trimming, token counts, the choice
@@ -34,6 +36,7 @@ class Seq2SeqBatch:
     labels: Tensor
     src_lengths: tuple[int, ...] | None = None
     tgt_lengths: tuple[int, ...] | None = None
+    slot: int = 0
     _key_mask: Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -87,6 +90,7 @@ class Seq2SeqBatch:
             move(self.decoder_input_ids),
             move(self.labels),
             *lengths,
+            slot=self.slot,
         )
 
     def select(self, rows: slice) -> Seq2SeqBatch:
@@ -101,6 +105,7 @@ class Seq2SeqBatch:
             self.labels[rows, :t_len],
             src_lens,
             tgt_lens,
+            slot=self.slot,
         )
 
     def pad_to_multiple(self, k: int, pad_id: int) -> Seq2SeqBatch:
@@ -116,6 +121,7 @@ class Seq2SeqBatch:
             pad(self.decoder_input_ids, pad_id),
             pad(self.labels, IGNORE_INDEX),
             *self.lengths(),
+            slot=self.slot,
         )
 
     def split(self, n: int) -> list[Seq2SeqBatch]:
@@ -127,4 +133,7 @@ class Seq2SeqBatch:
         if n <= 0 or self.size % n != 0:
             raise ValueError(f"num_microbatches={n} must divide the batch size {self.size}")
         step = self.size // n
-        return [self.select(slice(i * step, (i + 1) * step)) for i in range(n)]
+        parts = [self.select(slice(i * step, (i + 1) * step)) for i in range(n)]
+        for i, part in enumerate(parts):
+            part.slot = self.slot * n + i
+        return parts

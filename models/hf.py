@@ -1,13 +1,14 @@
-"""Import from and export to Hugging Face `M2M100ForConditionalGeneration` directories.
+"""Import from and export to Hugging Face `M2M100ForConditionalGeneration` and
+`NllbMoeForConditionalGeneration` directories.
 
-Our parameter names are HF's without the leading `model.`, except the fused
-attention projections: HF's `self_attn.{q,k,v}_proj` are our `self_attn.qkv_proj`
-and `encoder_attn.{k,v}_proj` our `encoder_attn.kv_proj`, rows grouped by head
-(`fuse_heads` / `split_heads`; see `models.m2m100.Attention`). The tied copies HF
-keeps (`model.encoder.embed_tokens`, `model.decoder.embed_tokens`, `lm_head`) map
-to our one `shared.weight`. Reading goes through `safetensors.safe_open`, slice by
-slice (`read_hf_slices`), so a pipeline stage's tp shard reads only the rows and
-columns it holds; `pytorch_model*.bin` files are memory-mapped and sliced alike.
+The names are `models.hf_names`': HF's without the leading `model.`, except the fused
+attention projections (rows grouped by head: `fuse_heads` / `split_heads`; see
+`models.attention.Attention`), the stacked experts of NLLB-MoE (E per-expert tensors stacked
+along a new dim 0) and NllbMoe's own layer names. Reading goes through
+`safetensors.safe_open`, slice by slice (`read_hf_slices`), so a pipeline stage's tp shard
+reads only the rows and columns it holds, and a rank holding experts [a, b) (a part sliced
+along dim 0 of a stacked expert parameter) reads only those experts' tensors;
+`pytorch_model*.bin` files are memory-mapped and sliced alike.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from torch import Tensor
 
 from models.config import ModelConfig
 from models.errors import CheckpointMismatchError, ModelConfigError
+from models.hf_names import FUSED as FUSED  # re-exported: importers name them from here
+from models.hf_names import HF_ALIASES, hf_names, our_key
+from models.hf_names import hf_key as hf_key
 from models.init import LocalSlice
 
-HF_PREFIX = "model."
-# HF keys that are tied copies of `model.shared.weight` (or positions, which are computed).
-_HF_ALIASES = ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", "lm_head.weight")
 _CONFIG_KEYS = (
     "vocab_size",
     "d_model",
@@ -51,13 +52,36 @@ _CONFIG_KEYS = (
     "eos_token_id",
     "decoder_start_token_id",
 )
+# NllbMoeConfig's fields beyond M2M100's (ModelConfig has them all, same names).
+MOE_CONFIG_KEYS = (
+    "num_experts",
+    "encoder_sparse_step",
+    "decoder_sparse_step",
+    "expert_capacity",
+    "router_bias",
+    "router_dtype",
+    "router_ignore_padding_tokens",
+    "second_expert_policy",
+    "normalize_router_prob_before_dropping",
+    "batch_prioritized_routing",
+    "moe_eval_capacity_token_fraction",
+    "moe_token_dropout",
+    "router_aux_loss_coef",
+    "router_z_loss_coef",
+)
+MOE_MODEL_TYPE = "nllb-moe"
 
 
 def to_hf_config(config: ModelConfig) -> Any:
-    """A `transformers.M2M100Config` equal to `config`."""
+    """A `transformers.M2M100Config` (or `NllbMoeConfig` for an MoE model) equal to `config`."""
     from transformers import M2M100Config
 
     kw = {k: getattr(config, k) for k in _CONFIG_KEYS}
+    if config.is_moe:
+        from transformers import NllbMoeConfig
+
+        kw.update({k: getattr(config, k) for k in MOE_CONFIG_KEYS})
+        return NllbMoeConfig(**kw, tie_word_embeddings=True, use_cache=True, is_encoder_decoder=True)
     return M2M100Config(
         **kw,
         tie_word_embeddings=True,
@@ -73,44 +97,18 @@ def from_hf_config(hf_config: dict[str, Any]) -> ModelConfig:
         CheckpointMismatchError: the directory is not an M2M100/NLLB model.
     """
     model_type = hf_config.get("model_type")
-    if model_type not in ("m2m_100", "nllb"):
+    if model_type not in ("m2m_100", "nllb", MOE_MODEL_TYPE):
         raise CheckpointMismatchError(
-            f"model_type={model_type!r} is not supported; expected 'm2m_100' (M2M100/NLLB checkpoints)"
+            f"model_type={model_type!r} is not supported; expected 'm2m_100' (M2M100/NLLB checkpoints) "
+            f"or {MOE_MODEL_TYPE!r} (NLLB-MoE)"
         )
-    kw = {k: hf_config[k] for k in _CONFIG_KEYS if k in hf_config and hf_config[k] is not None}
+    keys = _CONFIG_KEYS + (MOE_CONFIG_KEYS if model_type == MOE_MODEL_TYPE else ())
+    kw = {k: hf_config[k] for k in keys if k in hf_config and hf_config[k] is not None}
+    if model_type == MOE_MODEL_TYPE:
+        kw.setdefault("num_experts", 128)  # NllbMoeConfig's default
+        if int(kw["num_experts"]) < 2:
+            raise CheckpointMismatchError(f"an {MOE_MODEL_TYPE} config with num_experts={kw['num_experts']}")
     return ModelConfig(**kw)
-
-
-# Our fused attention projections and the HF tensors they hold, in row-group order.
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "kv_proj": ("k_proj", "v_proj")}
-
-
-def hf_key(name: str) -> str:
-    """Our (unfused) parameter name -> HF's (`shared.weight` -> `model.shared.weight`)."""
-    return HF_PREFIX + name
-
-
-def hf_names(name: str) -> list[str]:
-    """The HF keys one of our tensors is made of: one, or q/k/v for a fused projection."""
-    *parent, proj, leaf = name.split(".")
-    if proj in FUSED:
-        return [hf_key(".".join([*parent, part, leaf])) for part in FUSED[proj]]
-    return [hf_key(name)]
-
-
-def our_key(hf_name: str) -> str | None:
-    """HF parameter name -> ours (q/k/v map to their fused projection), or None for tied
-    aliases and computed buffers."""
-    if hf_name in _HF_ALIASES or "embed_positions" in hf_name:
-        return None
-    if not hf_name.startswith(HF_PREFIX):
-        return None
-    *parent, proj, leaf = hf_name[len(HF_PREFIX) :].split(".")
-    if parent and parent[-1] == "self_attn" and proj in FUSED["qkv_proj"]:
-        proj = "qkv_proj"
-    elif parent and parent[-1] == "encoder_attn" and proj in FUSED["kv_proj"]:
-        proj = "kv_proj"
-    return ".".join([*parent, proj, leaf])
 
 
 def _heads_of(name: str, config: ModelConfig) -> int:
@@ -130,10 +128,18 @@ def split_heads(fused: Tensor, n: int, num_heads: int) -> list[Tensor]:
 
 
 def hf_tensors(name: str, tensor: Tensor, config: ModelConfig) -> list[tuple[str, Tensor]]:
-    """One of our tensors -> its HF (key, tensor) pairs: itself, or q/k/v split from a fused projection."""
-    keys = hf_names(name)
-    parts = [tensor] if len(keys) == 1 else split_heads(tensor, len(keys), _heads_of(name, config))
-    return list(zip(keys, parts))
+    """One of our tensors -> its HF (key, tensor) pairs: itself, q/k/v split from a fused
+    projection, or one per expert of a stacked expert parameter."""
+    keys = hf_names(name, config)
+    if len(keys) == 1:
+        return [(keys[0], tensor)]
+    if _is_stacked(name):
+        return list(zip(keys, tensor.unbind(0)))
+    return list(zip(keys, split_heads(tensor, len(keys), _heads_of(name, config))))
+
+
+def _is_stacked(name: str) -> bool:
+    return name.rpartition(".")[0].endswith(".experts")
 
 
 def to_hf_state_dict(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
@@ -230,7 +236,7 @@ class _Checkpoint:
         if hf_name in self.where:
             return hf_name
         if hf_name == hf_key("shared.weight"):
-            return next((a for a in _HF_ALIASES if a in self.where), None)
+            return next((a for a in HF_ALIASES if a in self.where), None)
         return None
 
     def shape(self, key: str) -> tuple[int, ...]:
@@ -251,8 +257,11 @@ class _Checkpoint:
 
 
 def _read_part(ckpt: _Checkpoint, name: str, part: LocalSlice | None, config: ModelConfig) -> Tensor:
-    """Our tensor `name`'s `part` (None: whole) read from the checkpoint, q/k/v fused by head."""
-    keys = [ckpt.key(k) or k for k in hf_names(name)]
+    """Our tensor `name`'s `part` (None: whole) read from the checkpoint, q/k/v fused by head,
+    experts stacked (only those in the part's dim-0 range read)."""
+    keys = [ckpt.key(k) or k for k in hf_names(name, config)]
+    if _is_stacked(name):
+        return _read_experts(ckpt, name, keys, part)
     shapes = [ckpt.shape(k) for k in keys]
     full = (sum(s[0] for s in shapes), *shapes[0][1:])
     if part is None:
@@ -277,6 +286,21 @@ def _read_part(ckpt: _Checkpoint, name: str, part: LocalSlice | None, config: Mo
     return part.pad(fuse_heads(pieces, (hi - lo) // group))
 
 
+def _read_experts(ckpt: _Checkpoint, name: str, keys: list[str], part: LocalSlice | None) -> Tensor:
+    """A stacked expert parameter's part: expert e's tensor is `keys[e]`; a part sliced along
+    dim 0 reads only its experts, one along another dim reads each expert's slice of it."""
+    shape = ckpt.shape(keys[0])
+    full = (len(keys), *shape)
+    part = LocalSlice.whole(full) if part is None else part
+    if full != part.full_shape or any(ckpt.shape(keys[e]) != shape for e in range(*part.bounds(0))):
+        raise CheckpointMismatchError(
+            f"{name}: checkpoint experts of shape {len(keys)} x {shape} do not fit the model's {part.full_shape}"
+        )
+    lo, hi = part.bounds(0)
+    inner = [part.bounds(d) for d in range(1, len(full))]
+    return part.pad(torch.stack([ckpt.read(keys[e], inner) for e in range(lo, hi)]))
+
+
 def read_hf_slices(
     path: str | Path, parts: Mapping[str, LocalSlice | None], config: ModelConfig | None = None
 ) -> Iterator[tuple[str, Tensor]]:
@@ -298,7 +322,7 @@ def read_hf_slices(
     config = read_hf_config(path) if config is None else config
     ckpt = _Checkpoint(Path(path))
     try:
-        missing = sorted(n for n in parts if any(ckpt.key(k) is None for k in hf_names(n)))
+        missing = sorted(n for n in parts if any(ckpt.key(k) is None for k in hf_names(n, config)))
         if missing:
             raise CheckpointMismatchError(f"{path} lacks {missing[:5]} (model/checkpoint mismatch)")
         for name, part in parts.items():
@@ -314,11 +338,12 @@ def load_hf_weights(path: str | Path, wanted: Iterable[str] | None = None) -> di
         CheckpointMismatchError: a wanted tensor is absent.
     """
     if wanted is None:
+        config = read_hf_config(path)
         ckpt = _Checkpoint(Path(path))
         keys = set(ckpt.where)
         ckpt.close()
-        wanted = {n for n in (our_key(k) for k in keys) if n is not None}
-        if any(a in keys for a in _HF_ALIASES):
+        wanted = {n for n in (our_key(k, config) for k in keys) if n is not None}
+        if any(a in keys for a in HF_ALIASES):
             wanted.add("shared.weight")
     return dict(read_hf_slices(path, dict.fromkeys(wanted)))
 

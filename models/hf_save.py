@@ -1,4 +1,5 @@
-"""Write Hugging Face `M2M100ForConditionalGeneration` directories: config, safetensors shards, index.
+"""Write Hugging Face `M2M100ForConditionalGeneration` (or, for an MoE config,
+`NllbMoeForConditionalGeneration`) directories: config, safetensors shards, index.
 
 One writer for both paths: `save_hf_model` (a state dict in memory) and the streaming export
 (`trainer.checkpoint.hf_export`, a checkpoint read a shard at a time). The files are the ones
@@ -117,7 +118,9 @@ def write_hf_config(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf_cfg = to_hf_config(config)
-    hf_cfg.architectures = ["M2M100ForConditionalGeneration"]
+    hf_cfg.architectures = [
+        "NllbMoeForConditionalGeneration" if config.is_moe else "M2M100ForConditionalGeneration"
+    ]
     # transformers 5.x names the weights' dtype "dtype" (and warns on "torch_dtype"), 4.x "torch_dtype".
     setattr(hf_cfg, "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype", dtype)
     hf_cfg.save_pretrained(str(out))

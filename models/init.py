@@ -32,6 +32,8 @@ class LocalSlice:
     """What one rank holds of a logical (single-device) tensor of shape `full_shape`:
     `full.narrow(dim, start, length)`, zero-padded along `dim` to `size` entries
     (the padded vocabulary of a tp embedding). `dim` None: the whole tensor.
+    `experts` (first, count): a stacked expert tensor (E, ...) cut to experts
+    [first, first + count) along dim 0 (expert parallelism), besides any `dim` > 0 split.
     """
 
     full_shape: tuple[int, ...]
@@ -39,6 +41,7 @@ class LocalSlice:
     start: int = 0
     length: int = 0
     size: int = 0
+    experts: tuple[int, int] | None = None
 
     @staticmethod
     def whole(shape: tuple[int, ...] | torch.Size) -> LocalSlice:
@@ -46,6 +49,8 @@ class LocalSlice:
 
     def bounds(self, dim: int) -> tuple[int, int]:
         """[lo, hi) read along `dim` of the full tensor."""
+        if dim == 0 and self.experts is not None:
+            return self.experts[0], self.experts[0] + self.experts[1]
         if self.dim == dim:
             return self.start, self.start + self.length
         return 0, self.full_shape[dim]

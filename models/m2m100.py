@@ -24,9 +24,11 @@ only some blocks still names them the same (stable fully-qualified names).
 Tensor parallelism is applied from outside by swapping the `nn.Linear` /
 `nn.Embedding` / `LMHead` modules; attention therefore derives its local head count
 from the width of its projections' output rather than from the config. Attention
-projections are fused (q, k, v in one matmul; see `Attention`); `models.hf` maps
-them to and from HF's separate tensors. Each dropout site draws inside a hook (`DropoutRng`)
-a runner may point at a stream of its own (tp draws per rank: `parallel.tp.rng`).
+projections are fused (q, k, v in one matmul; see `models.attention.Attention`); `models.hf`
+maps them to and from HF's separate tensors. NLLB-MoE layers replace the FFN by `models.moe`'s
+`SparseFFN` (`ffn`) in the layers transformers makes sparse; the block list is the same. Each dropout site
+draws inside a hook (`models.attention.DropoutRng`) a runner may point at a stream of its
+own (tp draws per rank: `parallel.tp.rng`).
 """
 
 from __future__ import annotations
@@ -41,25 +43,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.batch import Seq2SeqBatch as Seq2SeqBatch  # re-exported: importers name it from here
+from models.attention import Attention as Attention  # re-exported: importers name them from here
+from models.attention import DropoutRng, dropout_at
+from models.attention import KVCache as KVCache
+from models.batch import Seq2SeqBatch as Seq2SeqBatch
 from models.config import ModelConfig
 from models.init import LocalSlice, keyed_init
 from models.loss import IGNORE_INDEX as IGNORE_INDEX  # re-exported too
 from models.loss import cross_entropy_sum
+from models.moe import MoECall, MoERun, SparseFFN, build_sparse_ffn, is_expert_param, keyed_expert_init
 
 State = dict[str, Tensor]
-
-# A dropout site's generator context: entered around the draw of its mask. `nullcontext`, the
-# default, draws from torch's default generator.
-DropoutRng = Callable[[], AbstractContextManager[object]]
-
-
-def dropout_at(rng: DropoutRng, x: Tensor, p: float, training: bool) -> Tensor:
-    """`F.dropout(x, p, training)` with its mask drawn inside the site's context `rng`."""
-    if not training or p == 0.0:
-        return x
-    with rng():
-        return F.dropout(x, p, True)
 
 
 class BlockKind(str, Enum):
@@ -158,142 +152,62 @@ ACT_FNS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
-class KVCache:
-    """Keys and values of the tokens decoded so far, for one self-attention (incremental decoding)."""
+class _Layer(nn.Module):
+    """What encoder and decoder layers share: the FFN, dense (`fc1`, `fc2`, M2M100's names) or
+    sparse (`ffn`, a `models.moe.SparseFFN`: an NLLB-MoE layer)."""
 
-    def __init__(self) -> None:
-        self.k: Tensor | None = None  # (N, h, t, d)
-        self.v: Tensor | None = None
-
-    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Add the new tokens' keys/values; returns the whole prefix's."""
-        if self.k is not None and self.v is not None:
-            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
-        self.k, self.v = k, v
-        return k, v
-
-    def reorder(self, rows: Tensor) -> None:
-        """Keep cache row `rows[n]` as row n (beam search follows the surviving beams)."""
-        if self.k is not None and self.v is not None:
-            self.k, self.v = self.k[rows], self.v[rows]
-
-
-class Attention(nn.Module):
-    """Multi-head attention through `scaled_dot_product_attention`, with fused projections.
-
-    Self-attention projects q, k and v with one matmul (`qkv_proj`, weight (3H, H));
-    cross-attention projects q from the decoder (`q_proj`) and k, v from the encoder
-    output with one matmul (`kv_proj`, (2H, H)). The fused weights' rows are grouped
-    by head, as Megatron lays them out:
-
-        qkv_proj rows   [q_0 k_0 v_0 | q_1 k_1 v_1 | ... ]   (d rows each, d = head dim)
-
-    so a tensor-parallel split of the rows hands each rank whole heads with their q,
-    k and v, and the local head count is rows // (3 d). `models.hf` converts to and
-    from HF's separate q_proj / k_proj / v_proj at the import/export boundary.
-    """
-
-    def __init__(self, d_model: int, num_heads: int, dropout: float, cross: bool = False) -> None:
-        super().__init__()
-        self.head_dim = d_model // num_heads
-        self.dropout, self.cross = dropout, cross
-        self.dropout_rng: DropoutRng = nullcontext  # the attention-probability masks' generator
-        if cross:
-            self.q_proj = nn.Linear(d_model, d_model)
-            self.kv_proj = nn.Linear(d_model, 2 * d_model)
+    def _init_ffn(self, c: ModelConfig, ffn_dim: int, sparse: SparseFFN | None) -> None:
+        self.is_sparse = sparse is not None
+        if sparse is not None:
+            self.ffn = sparse
         else:
-            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
+            self.fc1 = nn.Linear(c.d_model, ffn_dim)
+            self.fc2 = nn.Linear(ffn_dim, c.d_model)
+        self.final_layer_norm = nn.LayerNorm(c.d_model)
+        self.act = ACT_FNS[c.activation_function]
+        self.dropout, self.activation_dropout = c.dropout, c.activation_dropout
+        self.dropout_rng: DropoutRng = nullcontext  # residual-branch masks
+        self.activation_dropout_rng: DropoutRng = nullcontext  # FFN-hidden masks
 
-    def _heads(self, y: Tensor, n: int) -> list[Tensor]:  # (B, T, h n d) -> n x (B, h, T, d)
-        b, t, _ = y.shape
-        return list(y.view(b, t, -1, n, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0))
-
-    def project_kv(self, kv: Tensor) -> tuple[Tensor, Tensor]:  # (B, S, H) -> 2 x (B, h, S, d)
-        """Cross-attention keys and values of the encoder output (cached once when decoding)."""
-        k, v = self._heads(self.kv_proj(kv), 2)
-        return k, v
-
-    def forward(
-        self,
-        x: Tensor,  # (B, T, H)
-        kv: Tensor | None = None,  # (B, S, H): the encoder output, for cross-attention
-        key_mask: Tensor | None = None,  # (B, S) bool, True = attend
-        causal: bool = False,
-        cached_kv: tuple[Tensor, Tensor] | None = None,  # cross-attention k, v from `project_kv`
-        cache: KVCache | None = None,  # self-attention: append this step's k, v and attend to all
-    ) -> Tensor:
-        b, t, _ = x.shape
-        if self.cross:
-            (q,) = self._heads(self.q_proj(x), 1)  # (B, h, T, d)
-            k, v = cached_kv if cached_kv is not None else self.project_kv(x if kv is None else kv)
-        else:
-            q, k, v = self._heads(self.qkv_proj(x), 3)
-            if cache is not None:  # one new token per step: no causal mask needed
-                k, v = cache.append(k, v)
-        mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, S)
-        p = self.dropout if self.training else 0.0
-        with self.dropout_rng() if p > 0.0 else nullcontext():
-            out = F.scaled_dot_product_attention(  # a cache: one query per step, no causal mask
-                q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal and mask is None and cache is None
-            )
-        return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))
-
-
-class _LayerBranches(nn.Module):
-    """What encoder and decoder layers share: the FFN and the residual branch, with their dropouts."""
-
-    fc1: nn.Module
-    fc2: nn.Module
-    act: Callable[[Tensor], Tensor]
-    dropout: float
-    activation_dropout: float
-    dropout_rng: DropoutRng  # residual-branch masks
-    activation_dropout_rng: DropoutRng  # FFN-hidden masks
-
-    def ffn(self, x: Tensor) -> Tensor:
+    def feed_forward(self, x: Tensor, moe: MoECall | None = None) -> Tensor:
+        """The FFN branch, dropout included: Drop(fc2(Drop_act(act(fc1 x)))), or the sparse FFN
+        (its experts drop their own outputs; fairseq adds no residual dropout after an MoE layer)."""
+        if self.is_sparse:
+            return self.ffn(x, moe)  # type: ignore[no-any-return]
         h = self.act(self.fc1(x))
-        return self.fc2(dropout_at(self.activation_dropout_rng, h, self.activation_dropout, self.training))
+        h = self.fc2(dropout_at(self.activation_dropout_rng, h, self.activation_dropout, self.training))
+        return dropout_at(self.dropout_rng, h, self.dropout, self.training)
 
     def residual(self, x: Tensor, h: Tensor) -> Tensor:
         """x + Drop(h)."""
         return x + dropout_at(self.dropout_rng, h, self.dropout, self.training)
 
 
-class EncoderLayer(_LayerBranches):
-    """Pre-LN: x + Drop(SelfAttn(LN(x))); x + Drop(FFN(LN(x)))."""
+class EncoderLayer(_Layer):
+    """Pre-LN: x + Drop(SelfAttn(LN(x))); x + FFN(LN(x)) (see `feed_forward`)."""
 
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, sparse: SparseFFN | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(c.d_model, c.encoder_attention_heads, c.attention_dropout)
         self.self_attn_layer_norm = nn.LayerNorm(c.d_model)
-        self.fc1 = nn.Linear(c.d_model, c.encoder_ffn_dim)
-        self.fc2 = nn.Linear(c.encoder_ffn_dim, c.d_model)
-        self.final_layer_norm = nn.LayerNorm(c.d_model)
-        self.act = ACT_FNS[c.activation_function]
-        self.dropout, self.activation_dropout = c.dropout, c.activation_dropout
-        self.dropout_rng = self.activation_dropout_rng = nullcontext
+        self._init_ffn(c, c.encoder_ffn_dim, sparse)
 
-    def forward(self, x: Tensor, src_mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, src_mask: Tensor | None, moe: MoECall | None = None) -> Tensor:
+        """`moe`: what a sparse layer routes with (padding, micro-batch); None: evaluation defaults."""
         x = self.residual(x, self.self_attn(self.self_attn_layer_norm(x), key_mask=src_mask))
-        return self.residual(x, self.ffn(self.final_layer_norm(x)))
+        return x + self.feed_forward(self.final_layer_norm(x), moe)
 
 
-class DecoderLayer(_LayerBranches):
+class DecoderLayer(_Layer):
     """Pre-LN: causal self-attention, cross-attention on the encoder output, FFN."""
 
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, sparse: SparseFFN | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(c.d_model, c.decoder_attention_heads, c.attention_dropout)
         self.self_attn_layer_norm = nn.LayerNorm(c.d_model)
         self.encoder_attn = Attention(c.d_model, c.decoder_attention_heads, c.attention_dropout, cross=True)
         self.encoder_attn_layer_norm = nn.LayerNorm(c.d_model)
-        self.fc1 = nn.Linear(c.d_model, c.decoder_ffn_dim)
-        self.fc2 = nn.Linear(c.decoder_ffn_dim, c.d_model)
-        self.final_layer_norm = nn.LayerNorm(c.d_model)
-        self.act = ACT_FNS[c.activation_function]
-        self.dropout, self.activation_dropout = c.dropout, c.activation_dropout
-        self.dropout_rng = self.activation_dropout_rng = nullcontext
+        self._init_ffn(c, c.decoder_ffn_dim, sparse)
 
     def forward(
         self,
@@ -302,14 +216,16 @@ class DecoderLayer(_LayerBranches):
         src_mask: Tensor | None,
         self_cache: KVCache | None = None,
         cross_kv: tuple[Tensor, Tensor] | None = None,
+        moe: MoECall | None = None,
     ) -> Tensor:
-        """`self_cache` and `cross_kv` are for incremental decoding (`models.generate`)."""
+        """`self_cache` and `cross_kv` are for incremental decoding (`models.generate`); `moe` as
+        in `EncoderLayer.forward`."""
         x = self.residual(x, self.self_attn(self.self_attn_layer_norm(x), causal=True, cache=self_cache))
         h = self.encoder_attn(
             self.encoder_attn_layer_norm(x), kv=encoder_out, key_mask=src_mask, cached_kv=cross_kv
         )
         x = self.residual(x, h)
-        return self.residual(x, self.ffn(self.final_layer_norm(x)))
+        return x + self.feed_forward(self.final_layer_norm(x), moe)
 
 
 class Stack(nn.Module):
@@ -349,8 +265,14 @@ class M2M100Translation(nn.Module):
         self.embed_scale = math.sqrt(c.d_model) if c.scale_embedding else 1.0
         self.shared: nn.Module | None = nn.Embedding(c.vocab_size, c.d_model, padding_idx=c.pad_token_id)
         self.positions = SinusoidalPositions(c.max_position_embeddings, c.d_model, c.pad_token_id)
-        self.encoder = Stack((EncoderLayer(c) for _ in range(c.encoder_layers)), c.d_model)
-        self.decoder = Stack((DecoderLayer(c) for _ in range(c.decoder_layers)), c.d_model)
+        # NLLB-MoE: the sparse layers' router options and per-step keys, shared by all of them.
+        self.moe = MoERun(aux_loss_coef=c.router_aux_loss_coef, n_sparse_layers=len(c.sparse_layers()))
+        self.encoder = Stack(
+            (EncoderLayer(c, self._sparse_ffn(False, i)) for i in range(c.encoder_layers)), c.d_model
+        )
+        self.decoder = Stack(
+            (DecoderLayer(c, self._sparse_ffn(True, i)) for i in range(c.decoder_layers)), c.d_model
+        )
         self.lm_head: nn.Module | None = LMHead()
         self.blocks: list[BlockSpec] = block_specs(c)
         self.skip_layers: frozenset[str] = frozenset()  # LayerDrop: block names skipped this step
@@ -358,9 +280,28 @@ class M2M100Translation(nn.Module):
 
     # --- construction helpers
 
+    def _sparse_ffn(self, decoder: bool, index: int) -> SparseFFN | None:
+        c = self.config
+        if not c.is_sparse(decoder, index):
+            return None
+        name = f"{'decoder' if decoder else 'encoder'}.layers.{index}"
+        ffn_dim = c.decoder_ffn_dim if decoder else c.encoder_ffn_dim
+        return build_sparse_ffn(c, ffn_dim, name, self.moe, ACT_FNS[c.activation_function])
+
+    def sparse_ffns(self) -> dict[str, SparseFFN]:
+        """This model's sparse FFNs by layer name (`encoder.layers.3`), encoder first."""
+        out: dict[str, SparseFFN] = {}
+        for side, stack in (("encoder", self.encoder), ("decoder", self.decoder)):
+            for key, layer in stack.layers.items():
+                if isinstance(layer, _Layer) and layer.is_sparse:
+                    out[f"{side}.layers.{key}"] = layer.ffn
+        return out
+
     def init_value(self, name: str, part: LocalSlice, seed: int) -> Tensor:
         """Initial value (float32, CPU) of `part` of logical parameter `name` for `seed`:
         HF M2M100's distribution, drawn per parameter (`models.init.keyed_init`)."""
+        if is_expert_param(name):  # each expert's slice keyed by its transformers name
+            return keyed_expert_init(name, part, seed, self.config.init_std)
         pad = self.config.pad_token_id if name == "shared.weight" else None
         return keyed_init(name, part, seed, self.config.init_std, pad)
 
@@ -433,7 +374,10 @@ class M2M100Translation(nn.Module):
         if self.skip_layers and self.training and spec.name in self.skip_layers:  # LayerDrop: identity
             return dict(state)
         if spec.kind is BlockKind.ENC_LAYER:
-            return {"hidden": self.encoder.layers[str(spec.index)](state["hidden"], src_mask)}
+            layer = self.encoder.layers[str(spec.index)]
+            if layer.is_sparse:
+                return {"hidden": layer(state["hidden"], src_mask, self.moe_call(batch, decoder=False))}
+            return {"hidden": layer(state["hidden"], src_mask)}
         if spec.kind is BlockKind.ENC_NORM:
             assert self.encoder.layer_norm is not None
             return {"encoder_out": self.encoder.layer_norm(state["hidden"])}
@@ -442,7 +386,8 @@ class M2M100Translation(nn.Module):
             return {"encoder_out": state["encoder_out"], "hidden": hidden}
         if spec.kind is BlockKind.DEC_LAYER:
             layer = self.decoder.layers[str(spec.index)]
-            hidden = layer(state["hidden"], state["encoder_out"], src_mask)
+            moe = self.moe_call(batch, decoder=True) if layer.is_sparse else None
+            hidden = layer(state["hidden"], state["encoder_out"], src_mask, moe=moe)
             return {"encoder_out": state["encoder_out"], "hidden": hidden}
         assert (
             spec.kind is BlockKind.HEAD and self.decoder.layer_norm is not None and self.lm_head is not None
@@ -450,10 +395,28 @@ class M2M100Translation(nn.Module):
         assert self.shared is not None
         return {"logits": self.lm_head(self.decoder.layer_norm(state["hidden"]), self.shared.weight)}
 
-    def run_blocks(self, state: State, batch: Seq2SeqBatch, blocks: Sequence[BlockSpec] | None = None,
-                   around: Callable[[BlockSpec], AbstractContextManager[None]] | None = None) -> State:  # fmt: skip
-        """`blocks` (default: all) in order, each inside `around(spec)` if given (a stage keys its
-        dropout so): one call per run of blocks, as hooks on this method (FSDP's) expect."""
+    def moe_call(self, batch: Seq2SeqBatch, decoder: bool) -> MoECall:
+        """What a sparse layer routes this micro-batch with: its padding (source padding, or
+        target positions holding the pad token, as fairseq's decoder), its slot and target tokens."""
+        src, tgt = batch.lengths()
+        if decoder:
+            padded = bool(tgt) and min(tgt) < batch.decoder_input_ids.shape[1]
+            pad = batch.decoder_input_ids.eq(self.config.pad_token_id) if padded else None
+        else:
+            key_mask = batch.src_key_mask
+            pad = None if key_mask is None else ~key_mask
+        return MoECall(pad=pad, slot=batch.slot, num_tokens=batch.num_tokens())
+
+    def run_blocks(
+        self,
+        state: State,
+        batch: Seq2SeqBatch,
+        blocks: Sequence[BlockSpec] | None = None,
+        around: Callable[[BlockSpec], AbstractContextManager[None]] | None = None,
+    ) -> State:
+        """Apply `blocks` (default: all) in order; `around(spec)`, when given, is entered around
+        each block (a pipeline stage keys each block's dropout stream with it). One call for the
+        whole run of blocks, so hooks on this method (FSDP's) see one forward per micro-batch."""
         for spec in self.blocks if blocks is None else blocks:
             with around(spec) if around is not None else nullcontext():
                 state = self.run_block(spec, state, batch)

@@ -28,6 +28,12 @@ the hidden states between stages keep the residual stream's dtype. Sequence para
 decoding (`parallel.tp.apply.sequence_parallel_suspended`): one token per step
 cannot be split along T, and the forward values do not depend on it. Nothing per token reads the device except
 what the search needs (its finished check on the leader, the command on the others).
+
+Expert parallelism (ep > 1): the ep peers of a replica decode the same batch together,
+as tp ranks do: each runs its own experts on their share of every token and the ep
+group sums the outputs (`parallel.expert.apply.replicated_tokens`), so every peer gets
+the same logits and takes the same number of steps (no all-to-all to keep in lockstep
+across replicas decoding different batches; the callers hand ep peers the same batches).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from models.generate import (
     special_tokens,
 )
 from models.m2m100 import BlockSpec, Seq2SeqBatch, State
+from parallel.expert.apply import replicated_tokens
 from parallel.parallelize import ParallelModel
 from parallel.pipeline.p2p import PendingSend, Transfer, exchange, wait_sends
 from parallel.tp.apply import sequence_parallel_suspended
@@ -224,8 +231,9 @@ def pipeline_generate(
         pm: this rank's parallel model, decoding in evaluation's precision (`pm.evaluating`:
             autocast to the run's working dtype, or every weight cast with `bf16_full_eval`;
             FSDP parameters gathered, a collective over dp: every dp replica calls as often,
-            or all calls sit in one outer `pm.evaluating()`). Sequence parallelism, if on, is
-            suspended for the call: one token per step cannot be split along T.
+            or all calls sit in one outer `pm.evaluating()`; with ep > 1 the ep peers must pass
+            the same batch). Sequence parallelism, if on, is suspended for the call: one token
+            per step cannot be split along T.
         input_ids: (B, S) `__src__ tokens </s>` right-padded.
         attention_mask: (B, S) 1 on real tokens.
         forced_bos_token_id: one tag, one per row, or None (see `generate`).
@@ -242,7 +250,11 @@ def pipeline_generate(
     special = special_tokens(pm.model.config, forced_bos_token_id, b, k, pm.device)
     ids, mask = input_ids.to(pm.device), attention_mask.to(pm.device)
     sp = pm.tp_info is not None and pm.tp_info.sequence_parallel
-    with pm.evaluating(), sequence_parallel_suspended(pm.model) if sp else nullcontext():
+    with (
+        pm.evaluating(),
+        sequence_parallel_suspended(pm.model) if sp else nullcontext(),
+        replicated_tokens(pm.model),
+    ):
         return _generate(pm, ids, mask, special, settings)
 
 

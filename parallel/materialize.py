@@ -9,8 +9,9 @@ given memory only for this rank's blocks and tp shards, on the target device.
 
 `local_slices` says, for every local parameter, its logical (single-device) name, full
 shape and the part this rank holds (`models.init.LocalSlice`, from the tp marks via
-`parallel.tp.layers.tp_local_slice`, the same knowledge `ParallelModel.to_logical`
-uses). Both fills read it: `keyed_init_fill` draws each part from the keyed generators
+`parallel.tp.layers.tp_local_slice` and, for experts cut over ep, the experts it keeps
+via `parallel.expert.params.expert_local_slice`: expert-local construction, the same
+knowledge `ParallelModel.to_logical` uses). Both fills read it: `keyed_init_fill` draws each part from the keyed generators
 (equal to the one-process model's slice for the same seed), `pretrained_fill` reads
 each part from an HF directory (`models.hf.read_hf_slices`). Either produces one
 tensor at a time, so no rank ever holds more than its shard plus one parameter's part.
@@ -35,14 +36,14 @@ from torch import Tensor
 from models.init import LocalSlice
 from models.m2m100 import M2M100Translation
 from parallel.dp.fsdp import dp_chunk, is_fsdp_param, local
-from parallel.tp.layers import tp_local_slice
+from parallel.expert.params import expert_local_slice
 
 Fill = Callable[[Mapping[str, LocalSlice]], Iterator[tuple[str, Tensor]]]
 
 
 def local_slices(model: M2M100Translation, tp_size: int = 1, tp_rank: int = 0) -> dict[str, LocalSlice]:
     """Logical name -> the part of it this rank's parameter holds (whole when not tp-sharded)."""
-    return {name: tp_local_slice(p, tp_size, tp_rank) for name, p in model.named_parameters()}
+    return {name: expert_local_slice(p, tp_size, tp_rank) for name, p in model.named_parameters()}
 
 
 def keyed_init_fill(model: M2M100Translation, seed: int) -> Fill:
@@ -112,3 +113,36 @@ def materialize(
         unset.discard(name)
     if unset:
         raise ValueError(f"materialize left {len(unset)} parameters unset: {sorted(unset)[:5]}")
+
+
+def stage_fill(
+    model: M2M100Translation,
+    seed: int | None,
+    pretrained: str | Path | None,
+    from_checkpoint: bool,
+    before_tp: bool,
+) -> Fill | None:
+    """How to fill a meta model's shard (None: it has weights, or they come from a checkpoint),
+    the arguments checked."""
+    given = {
+        "seed": seed is not None,
+        "pretrained": pretrained is not None,
+        "from_checkpoint": from_checkpoint,
+    }
+    if not is_meta(model):
+        if any(given.values()):
+            raise ValueError(
+                "seed= / pretrained= / from_checkpoint= build stage-local from a ModelConfig or a meta "
+                "model; this model already has weights (build it under torch.device('meta') or pass its config)"
+            )
+        return None
+    if before_tp:
+        raise ValueError("before_tp needs a model with weights; for a meta model pass pretrained= instead")
+    if sum(given.values()) != 1:
+        raise ValueError(
+            f"a meta model needs exactly one of seed=, pretrained= or from_checkpoint= (got seed={seed}, "
+            f"pretrained={pretrained}, from_checkpoint={from_checkpoint})"
+        )
+    if pretrained is not None:
+        return pretrained_fill(pretrained, model)
+    return keyed_init_fill(model, seed) if seed is not None else None

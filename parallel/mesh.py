@@ -18,6 +18,14 @@ Usage (one object created once and passed in; a function gets only its axis):
     mesh = build_mesh(dims, "cuda" if torch.cuda.is_available() else "cpu")
     apply_tensor_parallel(model, mesh.group("tp"))
 
+Experts (ep): the expert-parallel axis is a sub-group of the dp axis. The dp
+coordinate splits as `dp_i = edp_i * ep + ep_i`: the ep ranks of one ep group are
+consecutive dp replicas (ep * tp consecutive global ranks, inside a node where it
+fits), each holding E / ep experts of every sparse layer; the expert-data-parallel
+group (edp = dp / ep) joins the replicas holding the same experts:
+
+    pp=1, dp=4, ep=2, tp=1:   ep groups {0 1} {2 3}   edp groups {0 2} {1 3}
+
 Single process: `init_distributed` initialises a 1-rank group on an in-memory
 `HashStore` (no port, no env vars), so the mesh, its groups and every collective
 work unchanged with world size 1.
@@ -44,7 +52,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Axis = Literal["pp", "dp", "tp"]
+Axis = Literal["pp", "dp", "tp", "ep", "edp"]
 AXES: tuple[Axis, Axis, Axis] = ("pp", "dp", "tp")
 
 
@@ -62,6 +70,7 @@ class ParallelDims:
         world_size: number of ranks (processes).
         local_world_size: ranks per node (torchrun's LOCAL_WORLD_SIZE); None = unknown.
         allow_tp_across_nodes: permit `tp > local_world_size` (slow inter-node all-reduces).
+        ep: expert-parallel size, a divisor of dp (each sparse layer's experts spread over ep replicas).
     """
 
     pp: int
@@ -70,12 +79,14 @@ class ParallelDims:
     world_size: int
     local_world_size: int | None = None
     allow_tp_across_nodes: bool = False
+    ep: int = 1
 
     def validate(self, model_config: ModelConfig | None = None) -> ParallelDims:
         """Check the sizes (and the model's divisibility by tp); infer dp if -1. Pure: no collectives.
 
         Args:
-            model_config: when given, tp must divide its heads, FFN widths and d_model.
+            model_config: when given, tp must divide its heads, FFN widths and d_model, and ep its
+                experts (ep > 1 needs a sparse model).
 
         Returns:
             self, with `dp` resolved.
@@ -101,6 +112,11 @@ class ParallelDims:
                 f"({self.world_size}); valid: data_parallel_size={self.world_size // (self.pp * self.tp)} "
                 f"or -1 (inferred)"
             )
+        if self.ep < 1 or self.dp % self.ep:
+            raise ParallelConfigError(
+                f"expert_parallel_size={self.ep} does not divide data_parallel_size({self.dp}); "
+                f"valid: {_divisors(self.dp)}"
+            )
         lws = self.local_world_size
         if lws is not None and self.tp > lws and not self.allow_tp_across_nodes:
             raise ParallelConfigError(
@@ -109,6 +125,7 @@ class ParallelDims:
             )
         if model_config is not None:
             check_tp_divides_model(model_config, self.tp)
+            check_ep_divides_model(model_config, self.ep)
         return self
 
     def _check_divides_world(self) -> None:
@@ -133,6 +150,15 @@ class ParallelDims:
         """(pp, dp, tp), the mesh shape (dp must be resolved)."""
         return (self.pp, self.dp, self.tp)
 
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the replicas holding the same experts (dp / ep)."""
+        return self.dp // self.ep
+
+    def size(self, axis: Axis) -> int:
+        """Size of `axis` ("pp", "dp", "tp", "ep" or "edp"; dp must be resolved)."""
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "ep": self.ep, "edp": self.edp}[axis]
+
 
 def check_tp_divides_model(config: ModelConfig, tp: int) -> None:
     """Raise if tp does not divide the attention heads, FFN widths or d_model.
@@ -154,6 +180,24 @@ def check_tp_divides_model(config: ModelConfig, tp: int) -> None:
             raise ParallelConfigError(
                 f"tensor_parallel_size={tp} does not divide {name}({value}); valid: {_divisors(value)}"
             )
+
+
+def check_ep_divides_model(config: ModelConfig, ep: int) -> None:
+    """Raise if ep does not divide the experts of each sparse layer, or ep > 1 on a dense model.
+
+    Raises:
+        ParallelConfigError: naming `expert_parallel_size`, its value and the valid ones.
+    """
+    experts = int(getattr(config, "num_experts", 0) or 0)
+    if ep > 1 and experts == 0:
+        raise ParallelConfigError(
+            f"expert_parallel_size={ep} needs a sparse (Mixture-of-Experts) model; this one is dense "
+            f"(num_experts=0); valid: 1"
+        )
+    if experts and experts % ep:
+        raise ParallelConfigError(
+            f"expert_parallel_size={ep} does not divide num_experts({experts}); valid: {_divisors(experts)}"
+        )
 
 
 def _divisors(n: int) -> str:
@@ -305,6 +349,7 @@ class ParallelMesh:
     dims: ParallelDims
     device_mesh: DeviceMesh
     coords: tuple[int, int, int]
+    expert_mesh: DeviceMesh | None = None  # (pp, edp, ep, tp), when ep > 1
     _pp_subgroups: dict[tuple[int, ...], ProcessGroup] = field(default_factory=dict, repr=False)
 
     @property
@@ -320,23 +365,46 @@ class ParallelMesh:
         return self.coords[2]
 
     @property
+    def ep_rank(self) -> int:
+        """Position in this rank's ep group: its experts are [ep_rank * E/ep, (ep_rank + 1) * E/ep)."""
+        return self.dp_rank % self.dims.ep
+
+    @property
+    def edp_rank(self) -> int:
+        """Position in this rank's expert-data-parallel group."""
+        return self.dp_rank // self.dims.ep
+
+    @property
     def rank(self) -> int:
         """This process's global rank."""
         return coords_to_rank(self.coords, self.dims.shape)
 
     def __getitem__(self, axis: Axis) -> DeviceMesh:
-        """The 1-D sub-mesh of `axis` that holds this rank (torchtitan's `mesh["tp"]`)."""
-        return self.device_mesh[axis]
+        """The 1-D sub-mesh of `axis` that holds this rank (torchtitan's `mesh["tp"]`); "edp" is
+        the dp sub-mesh when ep is 1; "ep" exists only when ep > 1."""
+        if axis in AXES:
+            return self.device_mesh[axis]
+        if self.expert_mesh is not None:
+            return self.expert_mesh[axis]
+        if axis == "edp":  # ep == 1: the replicas holding the same experts are the dp replicas
+            return self.device_mesh["dp"]
+        raise ValueError("the 'ep' axis exists only when expert_parallel_size > 1")
 
     def group(self, axis: Axis) -> ProcessGroup:
-        """The process group of this rank along `axis`."""
-        return self.device_mesh.get_group(axis)
+        """The process group of this rank along `axis` ("ep" only when ep > 1)."""
+        if axis in AXES:
+            return self.device_mesh.get_group(axis)
+        return self[axis].get_group()
 
     def size(self, axis: Axis) -> int:
-        return self.dims.shape[AXES.index(axis)]
+        return self.dims.size(axis)
 
     def axis_rank(self, axis: Axis) -> int:
         """This rank's coordinate along `axis`."""
+        if axis == "ep":
+            return self.ep_rank
+        if axis == "edp":
+            return self.edp_rank
         return self.coords[AXES.index(axis)]
 
     def pp_peer(self, stage_rank: int) -> int:
@@ -385,7 +453,8 @@ class ParallelMesh:
 
 
 def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> ParallelMesh:
-    """Create the (pp, dp, tp) DeviceMesh and its groups (collective: all ranks call it).
+    """Create the (pp, dp, tp) DeviceMesh and its groups, and with ep > 1 the (pp, edp, ep, tp)
+    view of the same ranks with its ep and edp groups (collective: all ranks call it).
 
     Args:
         dims: sizes; validated here again (pure) before any collective.
@@ -409,7 +478,12 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> ParallelMesh:
     device_mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
     for axis in AXES:  # create the sub-groups now, collectively, not lazily on first use
         device_mesh.get_group(axis)
+    expert_mesh = None
+    if dims.ep > 1:  # dp split into (edp, ep), ep inner: an ep group is ep consecutive replicas
+        expert_mesh = device_mesh._unflatten(1, (dims.edp, dims.ep), ("edp", "ep"))
+        for axis in ("edp", "ep"):
+            expert_mesh.get_group(axis)
     coords = rank_to_coords(dist.get_rank(), dims.shape)
-    mesh = ParallelMesh(dims=dims, device_mesh=device_mesh, coords=coords)
+    mesh = ParallelMesh(dims=dims, device_mesh=device_mesh, coords=coords, expert_mesh=expert_mesh)
     mesh.pp_subgroup((0, dims.pp - 1) if dims.pp > 1 else (0,))
     return mesh

@@ -4,6 +4,8 @@
                                             identical on every rank)
       -> pipeline split (pp)                keep_only(the blocks of this rank's stages)
       -> tensor parallel (tp)               swap linears/embedding/head for Megatron-style modules
+      -> expert parallel (ep)               keep this rank's experts, split their FFN dim over tp,
+                                            all-to-all dispatch (parallel.expert.apply)
       -> rematerialisation                  wrap layers / attention in torch.utils.checkpoint
       -> regional compilation               torch.compile each layer (torch_compile: true)
       -> fully sharded dp (dp_sharding=fsdp) FSDP2 units on the dp axis (parallel.dp.fsdp)
@@ -30,11 +32,15 @@ from torch import Tensor, nn
 from models.config import ModelConfig
 from models.loss import cross_entropy_sum
 from models.m2m100 import M2M100Translation, Seq2SeqBatch
+from models.moe import is_expert_param as is_stacked_expert
 from parallel.dp.fsdp import FullySharded
 from parallel.dp.fsdp import logical as logical_fsdp
 from parallel.dp.zero1 import ZeroOneSharding
+from parallel.expert.apply import ExpertParallelInfo, apply_expert_parallel, replicated_tokens
+from parallel.expert.logical import expert_entries
+from parallel.expert.params import is_expert_param
 from parallel.grads import StepGradients
-from parallel.materialize import Fill, is_meta, keyed_init_fill, materialize, pretrained_fill
+from parallel.materialize import is_meta, materialize, stage_fill
 from parallel.mesh import ParallelMesh
 from parallel.mixed_precision import WorkingWeights, evaluation_precision
 from parallel.pipeline.executor import FlushResult, LossFn, PipelineExecutor, PipelineTopology
@@ -105,8 +111,11 @@ class ParallelModel:
         saved_tensor_meter: bool = False,
         fsdp: FullySharded | None = None,
         eval_dtype: torch.dtype | None = None,
+        ep_info: ExpertParallelInfo | None = None,
+        seed: int = 0,
     ) -> None:
         self.model, self.plan, self.mesh, self.tp_info = model, plan, mesh, tp_info
+        self.ep_info, self.seed = ep_info, seed
         # Evaluation's precision (`evaluating`): every weight cast to eval_dtype, or autocast.
         self.eval_dtype, self._evaluating = eval_dtype, False
         self.master_dtype = next(model.parameters()).dtype
@@ -123,8 +132,15 @@ class ParallelModel:
         self._params_by_name = dict(model.named_parameters())
         self.device = next(model.parameters()).device
         self.zero: ZeroOneSharding | None = None
+        self.zero_experts: ZeroOneSharding | None = None  # ep > 1: the experts' state over edp
         if dp_sharding == "zero1" and mesh.size("dp") > 1:
-            self.zero = ZeroOneSharding(list(model.named_parameters()), mesh.group("dp"))
+            named = list(model.named_parameters())
+            self.zero = ZeroOneSharding(
+                [(n, p) for n, p in named if not is_expert_param(p)], mesh.group("dp")
+            )
+            experts = [(n, p) for n, p in named if is_expert_param(p)]
+            if experts and mesh.size("edp") > 1:
+                self.zero_experts = ZeroOneSharding(experts, mesh.group("edp"))
         self.grads = StepGradients(
             model,
             [model.block_parameters(self.stages[s].blocks) for s in sorted(self.stages)],
@@ -169,13 +185,17 @@ class ParallelModel:
 
     def optimizer_params(self) -> list[nn.Parameter]:
         """What this rank's optimizer updates: all parameters (FSDP: their dp shards, as
-        DTensors), or its ZeRO-1 share."""
-        return self.zero.owned() if self.zero is not None else self.params()
+        DTensors), or its ZeRO-1 share (experts cut over ep: its share over edp)."""
+        if self.zero is None:
+            return self.params()
+        experts = [p for p in self.params() if is_expert_param(p)]
+        return self.zero.owned() + (self.zero_experts.owned() if self.zero_experts is not None else experts)
 
     def after_optimizer_step(self) -> None:
         """ZeRO-1: owners broadcast the parameters they updated."""
-        if self.zero is not None:
-            self.zero.broadcast_updated()
+        for zero in (self.zero, self.zero_experts):
+            if zero is not None:
+                zero.broadcast_updated()
 
     def named_params(self) -> dict[str, nn.Parameter]:
         return dict(self.model.named_parameters())
@@ -186,12 +206,15 @@ class ParallelModel:
         loss_scale: float | Tensor,
         timed: bool = False,
         skip_layers: frozenset[str] = frozenset(),
+        step: int = 0,
         dropout_keys: Sequence[Sequence[int]] | None = None,
     ) -> list[FlushResult]:
         """Forward+backward over `gradient_accumulation_steps` flushes; grads are final after it.
 
         `loss_scale` multiplies each micro-batch's loss sum before its backward: 1 / tokens, or
-        (fp16) S / tokens as a 0-d device tensor.
+        (fp16) S / tokens as a 0-d device tensor. Sparse layers (NLLB-MoE) take it too, for
+        their load-balancing loss, with `step` keying their routing randomness
+        (`models.moe.MoERun.begin_step`).
 
         Every micro-batch of the step is copied to the device first (pinned, asynchronous),
         so the copies overlap the compute instead of waiting inside the flush.
@@ -210,6 +233,7 @@ class ParallelModel:
         if not uses_dropout(self.model.config):
             dropout_keys = None  # nothing to draw: no block re-seeds
         self.model.skip_layers = skip_layers
+        self.model.moe.begin_step(self.seed, step, loss_scale)
         try:
             results = self._run_flushes(flushes, loss_scale, timed, dropout_keys)
         finally:
@@ -257,11 +281,16 @@ class ParallelModel:
             out = [b.pad_to_multiple(self.tp_info.tp_size, self.model.config.pad_token_id) for b in out]
         return out
 
-    def to_logical(self, name: str, tensor: Tensor) -> Tensor:
+    def to_logical(self, name: str, tensor: Tensor) -> Tensor | dict[str, Tensor]:
         """The tensor (a parameter or its optimizer state) as DCP should see it: single-device
-        shape, tp shards wrapped as `DTensor` on the tp sub-mesh (vocab padding cut off)."""
+        shape, tp shards wrapped as `DTensor` on the tp sub-mesh (vocab padding cut off); a
+        stacked expert tensor as its experts' entries under their transformers names
+        (`parallel.expert.logical`)."""
         param = self._params_by_name.get(name)
         info = self.tp_info
+        if param is not None and is_stacked_expert(name):
+            tp_mesh = self.mesh["tp"] if self.mesh.size("tp") > 1 else None
+            return expert_entries(name, tensor, param, tp_mesh, self.mesh.size("tp"))
         # rows [start, end) of the padded vocabulary: keep the real ones
         real = max(0, min(info.vocab_end, info.vocab_size) - info.vocab_start) if info is not None else 0
         if param is not None and self.fsdp is not None:  # a DTensor on the (dp, tp) sub-mesh
@@ -310,13 +339,15 @@ class ParallelModel:
         """Sum of token losses and token count over `batches` (meaningful on the last stage).
 
         Runs `parallel.pipeline.schedule.forward_only` (any number of batches, any placement),
-        in evaluation's precision (`evaluating`). Collective over the mesh.
+        in evaluation's precision (`evaluating`). Collective over the mesh. Every rank evaluates
+        the same batches, so sparse layers spread over ep take their tokens as replicated
+        (`parallel.expert.apply.replicated_tokens`: no all-to-all).
         """
         if not batches:
             return 0.0, 0
         batches = self._prepare(batches)
         actions = forward_only(self.plan.placement, len(batches))[self.mesh.pp_rank]
-        with self.evaluating():
+        with self.evaluating(), replicated_tokens(self.model):
             executor = self._executor(actions, grads=None, evaluation=True)
             res = executor.run_flush(batches, 1.0, last_flush=False, timed=False)
         return (0.0 if res.loss_sum is None else float(res.loss_sum)), res.num_tokens
@@ -396,7 +427,7 @@ def build_parallel_model(
         with torch.device("meta"):
             model = M2M100Translation(model)
     meta = is_meta(model)
-    fill = _stage_fill(model, seed, pretrained, from_checkpoint, before_tp)
+    fill = stage_fill(model, seed, pretrained, from_checkpoint, before_tp is not None)
     p = mesh.size("pp")
     plan = make_plan(model.blocks, balance, p, v, m, schedule)
     model.keep_only(plan.rank_blocks(mesh.pp_rank))
@@ -412,6 +443,8 @@ def build_parallel_model(
         def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
             return tp_info.loss(logits, labels, label_smoothing)
 
+    ep_group = mesh.group("ep") if mesh.size("ep") > 1 else None
+    ep_info = apply_expert_parallel(model, ep_group, mesh.group("tp") if mesh.size("tp") > 1 else None)
     if not meta and device is not None:
         model.to(device)
     apply_remat(model, remat)
@@ -435,37 +468,6 @@ def build_parallel_model(
         saved_tensor_meter=saved_tensor_meter,
         eval_dtype=eval_dtype,
         fsdp=fsdp,
+        ep_info=ep_info,
+        seed=seed if seed is not None else torch.initial_seed(),
     )
-
-
-def _stage_fill(
-    model: M2M100Translation,
-    seed: int | None,
-    pretrained: str | Path | None,
-    from_checkpoint: bool,
-    before_tp: object,
-) -> Fill | None:
-    """How to fill a meta model's shard (None: it has weights, or they come from a checkpoint),
-    the arguments checked."""
-    given = {
-        "seed": seed is not None,
-        "pretrained": pretrained is not None,
-        "from_checkpoint": from_checkpoint,
-    }
-    if not is_meta(model):
-        if any(given.values()):
-            raise ValueError(
-                "seed= / pretrained= / from_checkpoint= build stage-local from a ModelConfig or a meta "
-                "model; this model already has weights (build it under torch.device('meta') or pass its config)"
-            )
-        return None
-    if before_tp is not None:
-        raise ValueError("before_tp needs a model with weights; for a meta model pass pretrained= instead")
-    if sum(given.values()) != 1:
-        raise ValueError(
-            f"a meta model needs exactly one of seed=, pretrained= or from_checkpoint= (got seed={seed}, "
-            f"pretrained={pretrained}, from_checkpoint={from_checkpoint})"
-        )
-    if pretrained is not None:
-        return pretrained_fill(pretrained, model)
-    return keyed_init_fill(model, seed) if seed is not None else None

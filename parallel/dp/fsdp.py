@@ -43,10 +43,11 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from parallel.dp.fsdp_internals import forget_forwards, local_tensor, post_backward_all, strided_shard
-from parallel.mesh import ParallelMesh
+from parallel.expert.params import is_expert_param
+from parallel.mesh import Axis, ParallelMesh
 
 # Marks parallel.tp puts on parameters; fully_shard makes new Parameters, which must keep them.
-_MARKS = ("tp_sharded", "tp_shard_dim", "tp_logical_size", "sequence_parallel")
+_MARKS = ("tp_sharded", "tp_shard_dim", "tp_logical_size", "sequence_parallel", "expert_parallel")
 # Methods that run blocks without `forward` (pipeline stages call run_blocks).
 _FORWARD_METHODS = ("run_blocks",)
 
@@ -60,9 +61,13 @@ def _shard_dim(param: nn.Parameter) -> Shard:
     return Shard(0)
 
 
-def _units(model: nn.Module, param_dtype: torch.dtype | None) -> list[tuple[nn.Module, MixedPrecisionPolicy]]:
-    """The FSDP units, inner first: each encoder/decoder layer this rank holds, then the root
-    (what the layers leave: embedding, final norms). Under bf16, layer norms are units of their
+def _units(
+    model: nn.Module, param_dtype: torch.dtype | None
+) -> list[tuple[nn.Module, MixedPrecisionPolicy, Axis]]:
+    """The FSDP units, inner first, with the axis each shards over: each encoder/decoder layer
+    this rank holds, then the root (what the layers leave: embedding, final norms), over dp.
+    Experts cut over ep > 1 (`parallel.expert`) are units of their own over edp: the replicas
+    holding the same experts. Under bf16, layer norms are units of their
     own that keep fp32 weights (as `parallel.mixed_precision` does: the residual stream stays
     fp32, and CPU layer norm rejects bf16 weights on fp32 input). Inputs are not cast: autocast,
     on under bf16, casts activations at each matmul (and FSDP cannot rebuild a batch dataclass)."""
@@ -71,8 +76,17 @@ def _units(model: nn.Module, param_dtype: torch.dtype | None) -> list[tuple[nn.M
     norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)] if param_dtype is not None else []
     stacks = [getattr(model, name, None) for name in ("encoder", "decoder")]
     layers = [layer for stack in stacks if stack is not None for layer in stack.layers.values()]
+    experts = [
+        m
+        for m in model.modules()
+        if any(is_expert_param(p) for p in m.parameters(recurse=False))  # the stacked experts
+    ]
     policy = low if param_dtype is not None else fp32
-    return [(m, fp32) for m in norms] + [(m, policy) for m in [*layers, model]]
+    return (
+        [(m, fp32, "dp") for m in norms]
+        + [(m, policy, "edp") for m in experts]
+        + [(m, policy, "dp") for m in [*layers, model]]
+    )
 
 
 class FullySharded:
@@ -94,10 +108,10 @@ class FullySharded:
         marks = {
             name: {k: getattr(p, k) for k in _MARKS if hasattr(p, k)} for name, p in model.named_parameters()
         }
-        for module, policy in _units(model, param_dtype):  # children before the units holding them
+        for module, policy, axis in _units(model, param_dtype):  # children before the units holding them
             fully_shard(
                 module,
-                mesh=mesh["dp"],
+                mesh=mesh[axis],
                 reshard_after_forward=not deferred,
                 mp_policy=policy,
                 shard_placement_fn=_shard_dim,

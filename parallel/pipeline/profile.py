@@ -122,12 +122,15 @@ def profile_blocks_by_kind(
     seed: int = 0,
     repeats: int = 3,
     run: RunSetting = RunSetting(),
+    ep: int = 1,
 ) -> tuple[list[float], list[float], list[int]]:
     """(seconds of forward + backward, bytes of parameters + activations, parameter count) for
     every block of `config`'s model on one rank of `run`, measured on `one_layer_model`: the
     layers of a stack are alike, so each gets its kind's cost. Parameters are the rank's shards
     (fp32 masters, the tied table at the source embedding); activations as the executor's meter
-    counts a stage of that one block.
+    counts a stage of that one block. An NLLB-MoE's sparse layers are a kind of their own
+    (measured on a one-layer copy whose layers are sparse), and a rank holds E / ep of their
+    experts: their parameter count and bytes are this rank's.
 
     Args:
         config: the model to partition.
@@ -136,14 +139,38 @@ def profile_blocks_by_kind(
         seed: its init seed (the values do not change the costs).
         repeats: timed repetitions per block after a warm-up.
         run: the run's tp shard, precision and remat.
+        ep: expert-parallel size.
     """
-    model, loss_fn = one_layer_model(config, device, seed, run)
-    counts = dict(zip((s.kind for s in model.blocks), param_counts_per_block(model)))
-    kinds = _profile_one_layer(model, loss_fn, batch, run, repeats, timed=True)
-    specs = block_specs(config)
-    times = [kinds[s.kind].forward_s + kinds[s.kind].backward_s for s in specs]
-    mems = [float(4 * counts[s.kind] + kinds[s.kind].activation_bytes) for s in specs]
-    return times, mems, [counts[s.kind] for s in specs]
+    costs: dict[tuple[BlockKind, bool], tuple[float, float, int]] = {}
+    for sparse in (False, True) if config.sparse_layers() else (False,):
+        step = 1 if sparse else 0
+        one = replace(config, encoder_sparse_step=step, decoder_sparse_step=step)
+        model, loss_fn = one_layer_model(one, device, seed, run)
+        kinds = _profile_one_layer(model, loss_fn, batch, run, repeats, timed=True)
+        counts, experts = param_counts_per_block(model), expert_params_per_block(model)
+        for spec, c, x in zip(model.blocks, counts, experts):
+            mine = c - (x - x // ep)  # less the experts other ranks hold
+            ph = kinds[spec.kind]
+            costs.setdefault(
+                (spec.kind, x > 0),
+                (ph.forward_s + ph.backward_s, float(4 * mine + ph.activation_bytes), mine),
+            )
+    per_block = [costs[(s.kind, _is_sparse(config, s))] for s in block_specs(config)]
+    return [c[0] for c in per_block], [c[1] for c in per_block], [c[2] for c in per_block]
+
+
+def _is_sparse(config: ModelConfig, spec: BlockSpec) -> bool:
+    layer = spec.kind in (BlockKind.ENC_LAYER, BlockKind.DEC_LAYER)
+    return layer and config.is_sparse(spec.kind is BlockKind.DEC_LAYER, spec.index)
+
+
+def expert_params_per_block(model: M2M100Translation) -> list[int]:
+    """Expert parameters of each block of `model` (0 but for its sparse layers; meta models too)."""
+    ffns = model.sparse_ffns()
+    return [
+        sum(p.numel() for p in ffns[spec.name].experts.parameters()) if spec.name in ffns else 0
+        for spec in model.blocks
+    ]
 
 
 def param_counts_per_block(model: M2M100Translation) -> list[int]:

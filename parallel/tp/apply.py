@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from models.config import ModelConfig
 from models.m2m100 import Attention, DecoderLayer, EncoderLayer, LMHead, M2M100Translation
+from models.moe import SparseFFN
 from parallel.mesh import ParallelMesh, check_tp_divides_model
 from parallel.tp.comm import (
     SEQ_DIM,
@@ -135,6 +136,10 @@ def _parallelize_attention(attn: Attention, group: ProcessGroup, sp: bool) -> No
 
 def _parallelize_ffn(layer: EncoderLayer | DecoderLayer, group: ProcessGroup, sp: bool) -> None:
     # FFN: Y = act(X W_1) W_2 with W_1 column-split and W_2 row-split (one all-reduce).
+    # A sparse layer's experts are split by parallel.expert.apply (each expert's F), its router
+    # stays replicated.
+    if layer.is_sparse:
+        return
     _swap_linear(layer, "fc1", ColumnParallelLinear, group, sequence_parallel=sp)
     _swap_linear(layer, "fc2", RowParallelLinear, group, sequence_parallel=sp)
 
@@ -212,6 +217,13 @@ def enable_sequence_parallel(model: M2M100Translation, group: ProcessGroup) -> N
     row-parallel biases `sequence_parallel=True`: their gradients are partial sums
     over the sequence slices; `parallel.grads.sync_sequence_parallel_grads` completes them.
 
+    A sparse layer's FFN (`models.moe.SparseFFN`) sees the whole routing group: its input is
+    all-gathered along T (backward: the rank's slice of the replicated gradient) and its
+    output split back (backward: all-gather), so the router, the capacity and the aux loss see
+    the unsplit micro-batch and the experts compute as without sequence parallelism. (Padding
+    the batch to a multiple of tp adds token slots, which enlarges a capacity computed from
+    B * T; dropless routing is unaffected.)
+
     Requires T (and S) divisible by tp: pad batches to a multiple of tp.
     """
     for stack in (model.encoder, model.decoder):
@@ -224,6 +236,9 @@ def enable_sequence_parallel(model: M2M100Translation, group: ProcessGroup) -> N
                         param.sequence_parallel = True  # type: ignore[attr-defined]
                 if isinstance(sub, Attention):
                     sub.register_forward_pre_hook(_make_attention_gather_hook(group))
+                if isinstance(sub, SparseFFN):
+                    sub.register_forward_pre_hook(_make_replicated_gather_hook(group))
+                    sub.register_forward_hook(_make_split_hook(group))
             if i - 1 not in keys:
                 layer.register_forward_pre_hook(_make_scatter_hook(group))
             if i + 1 not in keys:
@@ -260,6 +275,26 @@ def _make_attention_gather_hook(group: ProcessGroup) -> Any:
     return hook
 
 
+def _make_replicated_gather_hook(group: ProcessGroup) -> Any:
+    # (B, T/p, H) -> (B, T, H), every tp rank computing on it alike; backward keeps the rank's slice.
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        if getattr(module, _SUSPENDED, False):
+            return args
+        return (gather_sequence_parallel_to_replicated(args[0], group), *args[1:])
+
+    return hook
+
+
+def _make_split_hook(group: ProcessGroup) -> Any:
+    # (B, T, H) replicated -> the rank's (B, T/p, H); backward all-gathers.
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
+        if getattr(module, _SUSPENDED, False):
+            return output
+        return scatter_to_sequence_parallel(output, group)
+
+    return hook
+
+
 def _make_gather_hook(group: ProcessGroup) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
         if getattr(module, _SUSPENDED, False):
@@ -285,7 +320,7 @@ def sequence_parallel_suspended(model: nn.Module) -> Iterator[None]:
     linears = [
         m for m in modules if isinstance(m, ColumnParallelLinear | RowParallelLinear) and m.sequence_parallel
     ]
-    hooked = [m for m in modules if isinstance(m, EncoderLayer | DecoderLayer | Attention)]
+    hooked = [m for m in modules if isinstance(m, EncoderLayer | DecoderLayer | Attention | SparseFFN)]
     try:
         for linear in linears:
             linear.sequence_parallel = False

@@ -73,6 +73,7 @@ def _tp_across_nodes_error(world: int) -> str | None:
         pipeline_parallel_size=1,
         data_parallel_size=-1,
         tensor_parallel_size=world,
+        expert_parallel_size=1,
         allow_tp_across_nodes=False,
     )
     try:

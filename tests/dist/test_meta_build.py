@@ -22,7 +22,7 @@ import torch
 from models.hf import load_hf_into
 from models.hf_save import save_hf_model
 from models.m2m100 import M2M100Translation
-import parallel.parallelize as parallelize
+import parallel.materialize as materialize_module
 from parallel.dp.fsdp import dp_chunk, local
 from parallel.mesh import ParallelDims, build_mesh
 from parallel.parallelize import build_parallel_model
@@ -84,7 +84,7 @@ def _fsdp_case(name: str, mesh: Any, kw: dict[str, Any]) -> dict[str, Any]:
     try:
         with pytest.MonkeyPatch.context() as mp:
             for fill in ("keyed_init_fill", "pretrained_fill"):
-                mp.setattr(parallelize, fill, _recording(getattr(parallelize, fill), held))
+                mp.setattr(materialize_module, fill, _recording(getattr(materialize_module, fill), held))
             pm = build_parallel_model(_tiny_config(), mesh, balance, 2, "1f1b", 1, "none", 0.0,
                                       dp_sharding="fsdp", **kw)  # fmt: skip
         error = None

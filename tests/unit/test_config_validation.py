@@ -50,6 +50,9 @@ BAD = [
     (TrainingArguments, "fp16_initial_scale", 0.0, r"fp16_initial_scale=0\.0 must be in \(0, 3\.40282e\+38"),
     (TrainingArguments, "fp16_initial_scale", 1e39, r"fp16_initial_scale=1e\+39 must be in \(0, 3\.4028"),
     (TrainingArguments, "fp16_scale_growth_interval", 0, r"fp16_scale_growth_interval=0 must be >= 1"),
+    (ModelArguments, "moe_capacity_factor", 0.0, r"moe_capacity_factor=0.0 must be > 0"),
+    (ModelArguments, "num_experts", 1, r"num_experts=1 must be 0 \(dense\) or >= 2"),
+    (ModelArguments, "moe_token_dropout", 1.0, r"moe_token_dropout=1.0 must be in \[0, 1\)"),
 ]
 
 
@@ -77,8 +80,13 @@ def test_every_numeric_field_is_checked() -> None:
         for f in fields(cls):
             if f.type not in ("int", "float", "int | None", "float | None"):
                 continue
-            # data_parallel_size: -1 is inferred (its range is tested in test_mesh); hang_warning_s: < 0 is off
-            negative_ok = f.name in ("data_parallel_size", "hang_warning_s")
+            # data_parallel_size: -1 is inferred (its range is tested in test_mesh); hang_warning_s: < 0 is off;
+            # moe_eval_capacity_token_fraction: <= 0 is the training capacity (NllbMoeConfig's meaning)
+            negative_ok = f.name in (
+                "data_parallel_size",
+                "hang_warning_s",
+                "moe_eval_capacity_token_fraction",
+            )
             below = -2 if f.name == "max_steps" else -1  # max_steps: -1 trains num_train_epochs
             values = ([] if negative_ok else [below]) + ([float("nan")] if "float" in str(f.type) else [])
             for value in values:
@@ -182,6 +190,7 @@ def test_shipped_configs_pass_their_own_checks_on_the_meshes_they_name() -> None
         "nllb200_1.3b": 8,
     }
     worlds["nllb200_3.3b"] = 16
+    worlds["nllb_moe_54b"] = 32
     for path in sorted((root / "configs").glob("*.yaml")):
         cfg = parse_config(["--config", str(path)])
         validate_early(cfg, worlds.get(path.stem, 1))

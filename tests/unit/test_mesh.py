@@ -94,6 +94,25 @@ def test_tp_must_divide_heads_ffn_and_d_model() -> None:
     check_tp_divides_model(cfg, 4)  # 60 and 101 are fine for tp=4
 
 
+def test_expert_parallel_size_checked_before_any_group() -> None:
+    """ep must divide dp and the experts, and needs a sparse model: one line naming the field."""
+    moe = ModelConfig(vocab_size=101, num_experts=6, encoder_sparse_step=2, decoder_sparse_step=2)
+    with pytest.raises(
+        ValueError, match=r"expert_parallel_size=3 does not divide data_parallel_size\(4\); valid: 1, 2, 4"
+    ):
+        ParallelDims(pp=1, dp=4, tp=1, world_size=4, ep=3).validate()
+    with pytest.raises(
+        ValueError, match=r"expert_parallel_size=4 does not divide num_experts\(6\); valid: 1, 2, 3, 6"
+    ):
+        ParallelDims(pp=1, dp=4, tp=1, world_size=4, ep=4).validate(moe)
+    with pytest.raises(ValueError, match=r"expert_parallel_size=2 needs a sparse .*num_experts=0.*valid: 1"):
+        ParallelDims(pp=1, dp=2, tp=1, world_size=2, ep=2).validate(ModelConfig(vocab_size=101))
+    dims = ParallelDims(pp=2, dp=-1, tp=1, world_size=8, ep=2).validate(moe)
+    assert (dims.dp, dims.edp, dims.size("ep"), dims.size("edp")) == (4, 2, 2, 2)
+    args = ParallelArguments(data_parallel_size=4, expert_parallel_size=2)
+    assert parallel_dims(args, world_size=4).validate(moe).ep == 2
+
+
 def test_from_args() -> None:
     args = ParallelArguments(pipeline_parallel_size=2, tensor_parallel_size=2, allow_tp_across_nodes=True)
     dims = parallel_dims(args, world_size=8, local_world_size=2).validate()

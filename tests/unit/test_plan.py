@@ -320,3 +320,54 @@ def test_validate_runs_in_rounds_and_measures_the_drift(
     assert rows[1]["measured_peak_activation_bytes"] == 10.0 and not rows[0]["calibration_layout"]
     text = plan_report.format_validation(rows)
     assert "measured best: #1" in text and "+1.0%" in text
+
+
+def test_moe_params_memory_and_meshes_follow_expert_parallelism() -> None:
+    """NLLB-MoE: per-block counts hold the router and E / ep experts (all E: the model's count),
+    the rank's memory shards the experts' state over edp, and ep is searched with the mesh."""
+    from trainer.planner.blocks import block_expert_counts, kind_key
+    from trainer.planner.moe import a2a_bytes
+
+    mc = ModelConfig(vocab_size=300, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=48, num_experts=4,
+                     encoder_sparse_step=2, decoder_sparse_step=2)  # fmt: skip
+    per_block, table = block_param_counts(mc)
+    assert sum(per_block) + table == sum(p.numel() for p in M2M100Translation(mc).parameters())
+    assert sum(per_block) + table == mc.num_parameters()
+    one, two = block_expert_counts(mc), block_expert_counts(mc, ep=2)
+    assert [x // 2 for x in one] == two and sum(x > 0 for x in one) == 2  # encoder and decoder layer 1
+    assert {kind_key(mc, s) for s, x in zip(M2M100Translation(mc).blocks, one) if x} == {
+        "enc_layer+moe",
+        "dec_layer+moe",
+    }
+    valid, _ = space.meshes(world=4, gpus_per_node=4, arch=mc)
+    assert sorted((d.pp, d.dp, d.ep) for d in valid if d.tp == 1) == [
+        (1, 4, 1), (1, 4, 2), (1, 4, 4), (2, 2, 1), (2, 2, 2), (4, 1, 1)
+    ]  # fmt: skip
+    # 100 kept assignments over ep 4: 75 rows leave, each H wide, both ways, forward and backward
+    assert a2a_bytes(100, 4, 32, 4, 2) == 75 * 32 * (4 + 2) * 2
+    assert a2a_bytes(100, 4, 32, 4, 2, recompute=True) == 75 * 32 * (4 + 2) * 3
+    assert a2a_bytes(100, 1, 32) == 0.0
+    layout = Layout(1, 1, 4, 1, 1, 2, "1f1b", 1, "none", "uniform", (len(per_block),), sharding="zero1")
+    ctx = CostContext(mc, LinkModel(1e-5, 1e9, 1e-5, 1e9), 4, False, False, 1e-9)
+    kinds = measure_kind_costs(mc, Shape(2, 5, 6), "none", bf16=False, repeats=1)
+    assert {"enc_layer+moe", "dec_layer+moe"} <= set(kinds)
+    preds = {}
+    for ep in (1, 4):
+        lay = replace(layout, ep=ep)
+        costs = block_costs(kinds, mc, Shape(2, 5, 6), 1, ctx, ep)
+        preds[ep] = predict_step(lay, layout_stage_costs(lay, costs, Shape(2, 5, 6), ctx), ctx)
+    experts = sum(one)
+    dense = sum(per_block) + table - experts
+    assert preds[1].params_per_pp_rank == [dense + experts]
+    assert preds[4].params_per_pp_rank == [dense + experts // 4]
+    # zero1: dense moments over dp = 4, the experts' (E / ep each) over edp = 1
+    assert preds[4].memory["optimizer"] == pytest.approx(8 * (dense / 4 + experts / 4))
+    assert preds[1].memory["optimizer"] == pytest.approx(8 * (dense + experts) / 4)
+    assert preds[4].memory["parameters"] < preds[1].memory["parameters"]
+    # the trainer's partition counts a sparse layer with this rank's experts too
+    from trainer.run.balance import _param_counts
+
+    four, _ = block_param_counts(mc, ep=4)
+    got = _param_counts(mc, ep=4)
+    assert got[1:] == four[1:] and got[0] == four[0] + table

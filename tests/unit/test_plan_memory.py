@@ -226,6 +226,19 @@ def test_the_12b_config_runs_the_planned_mesh_on_2x8_and_4x8() -> None:
     )
 
 
+def test_the_nllb_moe_54b_config_runs_the_planned_mesh_on_4x8_and_8x8() -> None:
+    from trainer.config.parse import parse_config
+    from trainer.run.preflight import validate_early
+
+    for world, dp in ((32, 8), (64, 16)):
+        cfg = parse_config(["--config", str(ROOT / "configs" / "nllb_moe_54b.yaml")])
+        dims = validate_early(cfg, world)
+        assert (dims.pp, dims.tp, dims.dp, dims.ep, dims.edp) == (4, 1, dp, 8, dp // 8)
+    mc = cfg.model.model_config(cfg.model.vocab_size, {})
+    assert round(mc.num_parameters() / 1e9, 1) == 54.5 and len(mc.sparse_layers()) == 12
+    assert mc.num_experts == 128 and (mc.d_model, mc.encoder_ffn_dim) == (2048, 8192)
+
+
 # The NLLB-200 dense configs: (world, machine, the planned (pp, tp, dp), parameters in billions)
 NLLB200 = {
     "nllb200_distilled_600m": (8, "1x8", (1, 1, 8), 0.6),

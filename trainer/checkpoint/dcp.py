@@ -59,12 +59,19 @@ from trainer.run.outdir import discard_earlier_run
 
 logger = logging.getLogger("trainer")
 
-# Maps (fqn, local tensor) -> the tensor to hand to DCP (plain or a DTensor of logical shape).
-ToLogical = Callable[[str, Tensor], Tensor]
+# Maps (fqn, local tensor) -> the tensor to hand to DCP (plain or a DTensor of logical shape), or
+# several entries {logical fqn: tensor} (a stacked expert parameter: one per expert, transformers names).
+ToLogical = Callable[[str, Tensor], Tensor | dict[str, Tensor]]
 
 
 def _identity(_: str, t: Tensor) -> Tensor:
     return t
+
+
+def _entries(to_logical: ToLogical, name: str, t: Tensor) -> dict[str, Tensor]:
+    """The checkpoint entries of local tensor `t` of parameter `name`."""
+    out = to_logical(name, t)
+    return out if isinstance(out, dict) else {name: out}
 
 
 def _rank() -> int:
@@ -86,7 +93,11 @@ def named_trainable(parts: list[nn.Module]) -> dict[str, nn.Parameter]:
 
 
 def model_state(parts: list[nn.Module], to_logical: ToLogical = _identity) -> dict[str, Tensor]:
-    return {k: to_logical(k, p.detach()) for k, p in named_trainable(parts).items()}
+    return {
+        e: t
+        for k, p in named_trainable(parts).items()
+        for e, t in _entries(to_logical, k, p.detach()).items()
+    }
 
 
 def optimizer_state(
@@ -115,7 +126,10 @@ def optimizer_state(
                 "step": _initial_step(p, group_of[id(p)]),
             }
             optimizer.state[p] = st
-        out[name] = {k: (to_logical(name, v) if v.dim() > 0 else v) for k, v in st.items()}
+        per_key = {k: (_entries(to_logical, name, v) if v.dim() > 0 else None) for k, v in st.items()}
+        entries = next(e for e in per_key.values() if e is not None)  # the logical names
+        for entry in entries:
+            out[entry] = {k: (st[k] if e is None else e[entry]) for k, e in per_key.items()}
     return out
 
 
@@ -365,8 +379,7 @@ def load_checkpoint(
         CheckpointMismatchError: the checkpoint does not fit the model (names or shapes).
     """
     params = named_trainable(parts)
-    model_tpl = {k: to_logical(k, p.detach()) for k, p in params.items()}
-    state: dict[str, Any] = {"model": model_tpl}
+    state: dict[str, Any] = {"model": model_state(parts, to_logical)}
     if optimizer is not None:
         state["optim"] = optimizer_state(optimizer, params, to_logical, template=True)
     try:

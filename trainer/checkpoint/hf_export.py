@@ -31,6 +31,7 @@ from models.hf_save import (
     write_shards,
 )
 from models.m2m100 import M2M100Translation
+from models.moe import expert_param_name, is_expert_param
 from trainer.checkpoint.commit import COMMIT_MARKER, is_complete, list_checkpoints, verify_checkpoint
 from trainer.errors import BadInputError
 from trainer.tokenizer.stock_m2m100 import (
@@ -251,6 +252,22 @@ def stored_model_tensors(checkpoint: Path) -> dict[str, StoredTensor]:
 _MODEL = "model."  # DCP flattens {"model": {fqn: t}} to "model.<fqn>"
 
 
+def expected_entries(config: ModelConfig, stored: dict[str, StoredTensor]) -> dict[str, tuple[int, ...]]:
+    """The model's tensors as the checkpoint names them, in model order: NLLB-MoE's stacked
+    expert parameters as one entry per expert under its transformers name when the checkpoint
+    holds them so (expert parallelism saves them that way, to reshard across ep sizes), else
+    stacked."""
+    with torch.device("meta"):
+        params = [(n, tuple(p.shape)) for n, p in M2M100Translation(config).named_parameters()]
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in params:
+        if is_expert_param(name) and name not in stored:
+            out.update((expert_param_name(name, e), shape[1:]) for e in range(shape[0]))
+        else:
+            out[name] = shape
+    return out
+
+
 def check_stored(stored: dict[str, StoredTensor], config: ModelConfig, checkpoint: Path) -> None:
     """The checkpoint holds exactly the model's tensors, each of the model's shape (the shared
     embedding may carry vocabulary padding rows, cut on export).
@@ -258,8 +275,7 @@ def check_stored(stored: dict[str, StoredTensor], config: ModelConfig, checkpoin
     Raises:
         CheckpointMismatchError: naming the missing / unexpected tensors or the first wrong shape.
     """
-    with torch.device("meta"):
-        expected = {n: tuple(p.shape) for n, p in M2M100Translation(config).named_parameters()}
+    expected = expected_entries(config, stored)
     missing, unexpected = sorted(set(expected) - set(stored)), sorted(set(stored) - set(expected))
     if missing or unexpected:
         raise CheckpointMismatchError(
@@ -318,7 +334,15 @@ def load_full_state(checkpoint: str | Path, config: ModelConfig | None = None) -
     config = config or read_model_config(path)
     stored = stored_model_tensors(path)
     check_stored(stored, config, path)
-    return read_model_tensors(path, list(stored), stored, config.vocab_size)
+    state = read_model_tensors(path, list(stored), stored, config.vocab_size)
+    with torch.device("meta"):
+        stacked = [
+            (n, p.shape[0]) for n, p in M2M100Translation(config).named_parameters() if is_expert_param(n)
+        ]
+    for name, experts in stacked:  # per-expert entries (expert parallelism's) back to the stacked parameter
+        if name not in state:
+            state[name] = torch.stack([state.pop(expert_param_name(name, e)) for e in range(experts)])
+    return state
 
 
 # Checkpoint bytes one DCP read brings in while a shard is cast to another dtype (a tensor larger
@@ -348,8 +372,7 @@ def export_weights(
     """
     stored = stored_model_tensors(checkpoint)
     check_stored(stored, config, checkpoint)
-    with torch.device("meta"):
-        order = [n for n, _ in M2M100Translation(config).named_parameters()]
+    order = list(expected_entries(config, stored))
     out_config = stock_config(config, layout) if layout is not None else config
 
     def out_shape(name: str) -> tuple[int, ...]:

@@ -28,7 +28,8 @@ clear error on all ranks and leaves output_dir as it was.
         example count is checked by the sampler), tokenization workers and cache_dir,
         optimizer betas / eps / weight decay and
         clipping (applied from the resumed step on; DCP restores only the moment tensors),
-        regularisation (dropout, label smoothing), the divergence guard (nan_policy), precision /
+        regularisation (dropout, label smoothing, NLLB-MoE's moe_token_dropout), NLLB-MoE's
+        router_aux_loss_coef, moe_dropless and moe_capacity_factor, the divergence guard (nan_policy), precision /
         compile, timeouts, tracking, output_dir; num_train_epochs, the eval/save strategies,
         best-model and early-stopping settings, do_train/do_predict and test_file.
 """
@@ -48,7 +49,13 @@ import yaml
 from models.config import ModelConfig
 from parallel.mesh import ParallelDims
 from trainer.checkpoint import dcp as ckpt
-from trainer.config.schema import LAYERDROP_FIELDS, JobConfig
+from trainer.config.schema import (
+    LAYERDROP_FIELDS,
+    MOE_RUN_FIELDS,
+    MOE_SESSION_FIELDS,
+    SESSION_DROPOUTS,
+    JobConfig,
+)
 from trainer.data.batching import BatchLayout
 from trainer.errors import ConfigError
 
@@ -75,6 +82,14 @@ MUST_MATCH: dict[str, tuple[str, ...]] = {
         "activation_function",
         "max_position_embeddings",
         "scale_embedding",
+        "num_experts",  # NLLB-MoE architecture and routing recipe
+        "encoder_sparse_step",
+        "decoder_sparse_step",
+        "router_bias",
+        "second_expert_policy",
+        "normalize_router_prob_before_dropping",
+        "batch_prioritized_routing",
+        "moe_eval_capacity_token_fraction",
     ),
     "data": (
         "seed",
@@ -95,11 +110,13 @@ MUST_MATCH: dict[str, tuple[str, ...]] = {
 }
 GLOBAL_BATCH = ("per_device_train_batch_size", "num_microbatches", "gradient_accumulation_steps")
 # Regularisation is the session's choice: the weights' model_config takes these from the new config.
-SESSION_MODEL_FIELDS = ("dropout", "attention_dropout", "activation_dropout")
+SESSION_MODEL_FIELDS = SESSION_DROPOUTS
 MAY_CHANGE = (
     *GLOBAL_BATCH,  # each may change; their product (x dp) may not
     *SESSION_MODEL_FIELDS,
     *LAYERDROP_FIELDS,  # LayerDrop too, where the session sets it (None: the checkpoint's value)
+    *MOE_SESSION_FIELDS,  # NLLB-MoE: EOM and the aux loss weight, as LayerDrop
+    *MOE_RUN_FIELDS,  # NLLB-MoE routing options of the run (dropless, capacity factor)
     "init_std",  # only draws the initial weights, which come from the checkpoint
     "train_file",
     "validation_file",
@@ -109,6 +126,7 @@ MAY_CHANGE = (
     "pipeline_parallel_size",
     "tensor_parallel_size",
     "data_parallel_size",
+    "expert_parallel_size",  # checkpoints keep one entry per expert: they reshard across ep
     "pipeline_schedule",
     "virtual_pipeline_stages",
     "activation_checkpointing",
@@ -192,7 +210,8 @@ class ResumePoint:
         """The architecture the checkpoint's weights have, with this session's dropouts."""
         values = dict(self.state["model_config"])
         values.update({k: getattr(cfg.model, k) for k in SESSION_MODEL_FIELDS})
-        values.update({k: v for k in LAYERDROP_FIELDS if (v := getattr(cfg.model, k)) is not None})
+        session = (*LAYERDROP_FIELDS, *MOE_SESSION_FIELDS)
+        values.update({k: v for k in session if (v := getattr(cfg.model, k)) is not None})
         return ModelConfig.from_dict(values)
 
 

@@ -33,4 +33,5 @@ def parallel_dims(
         world_size=world_size,
         local_world_size=local_world_size,
         allow_tp_across_nodes=args.allow_tp_across_nodes,
+        ep=args.expert_parallel_size,
     )

@@ -79,22 +79,99 @@ class ModelArguments:
     max_position_embeddings: int = field(default=1024, metadata={"help": "Longest sequence."})
     scale_embedding: bool = field(default=True, metadata={"help": "Multiply embeddings by sqrt(d_model)."})
     init_std: float = field(default=0.02, metadata={"help": "Std of the normal init."})
+    # NLLB-MoE architecture of a new model (NllbMoeConfig names); a checkpoint's are read as they are.
+    num_experts: int = field(
+        default=0, metadata={"help": "Experts per sparse FFN (NLLB-MoE); 0: a dense M2M100 model."}
+    )
+    encoder_sparse_step: int = field(
+        default=4, metadata={"help": "Encoder layer i is sparse iff (i + 1) % step == 0 (0: none)."}
+    )
+    decoder_sparse_step: int = field(default=4, metadata={"help": "As encoder_sparse_step, decoder."})
+    router_bias: bool = field(default=False, metadata={"help": "A bias in the router's classifier."})
+    second_expert_policy: str = field(
+        default="all", metadata={"help": "Second expert: all | sampling (Gumbel) | random (kept w.p. 2 g2)."}
+    )
+    normalize_router_prob_before_dropping: bool = field(
+        default=False, metadata={"help": "Renormalise the two gates before capacity drops (else after)."}
+    )
+    batch_prioritized_routing: bool = field(
+        default=False, metadata={"help": "Capacity goes to the tokens with the highest router probability."}
+    )
+    moe_eval_capacity_token_fraction: float = field(
+        default=1.0, metadata={"help": "Evaluation capacity = fraction x tokens (1.0: nothing dropped)."}
+    )
+    # NLLB-MoE: the run's choices (also over a checkpoint's values).
+    moe_token_dropout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Expert output masking (fairseq's EOM): each (token, expert) output dropped with "
+            "this probability; default: the checkpoint's, else 0.2 (NllbMoeConfig's)."
+        },
+    )
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={
+            "help": "Weight of the load-balancing loss (0.01 in the NLLB recipe, 0 for fine-tuning); "
+            "default: the checkpoint's, else 0.001 (NllbMoeConfig's)."
+        },
+    )
+    moe_dropless: bool = field(
+        default=False, metadata={"help": "NLLB-MoE: route without capacity (no token ever dropped)."}
+    )
+    moe_capacity_factor: float = field(
+        default=1.0, metadata={"help": "NLLB-MoE training capacity C = f x 2 x ceil(tokens / experts)."}
+    )
 
     def model_config(self, vocab_size: int, special_ids: dict[str, int]) -> ModelConfig:
         """The ModelConfig for a tokenizer with `vocab_size` entries and these special ids."""
         arch = {
             f.name: getattr(self, f.name)
             for f in fields(self)
-            if f.name not in ("model_name_or_path", "tokenizer_name", "vocab_size")
+            if f.name not in ("model_name_or_path", "tokenizer_name", "vocab_size", *MOE_RUN_FIELDS)
         }
         for name in LAYERDROP_FIELDS:
             arch[name] = arch[name] or 0.0  # None: no LayerDrop for a new model
+        for name in MOE_SESSION_FIELDS:
+            if arch[name] is None:  # None: NllbMoeConfig's default for a new model
+                del arch[name]
         return ModelConfig(vocab_size=vocab_size, **arch, **special_ids)  # type: ignore[arg-type]
+
+    def apply_session(self, mc: ModelConfig) -> ModelConfig:
+        """`mc` (a checkpoint's architecture) with this run's regularisation and MoE choices."""
+        for k in SESSION_DROPOUTS:
+            setattr(mc, k, getattr(self, k))
+        for k in (*LAYERDROP_FIELDS, *MOE_SESSION_FIELDS):  # the checkpoint's unless the run sets it
+            if getattr(self, k) is not None:
+                setattr(mc, k, getattr(self, k))
+        mc.validate()
+        return mc
+
+    def check_moe(self, arch: ModelConfig) -> None:
+        """The NLLB-MoE run fields fit `arch` (the model this run trains).
+
+        Raises:
+            ConfigError: an MoE field set for a dense model, naming the field.
+        """
+        if arch.is_moe:
+            return
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in (*MOE_ARCH_FIELDS, *MOE_SESSION_FIELDS, *MOE_RUN_FIELDS):
+            value, default = getattr(self, name), defaults[name]
+            if value != default:
+                raise ConfigError(
+                    f"{name}={value} applies to NLLB-MoE models only, but this model is dense "
+                    f"(num_experts=0); drop it, or set num_experts > 0 for a new MoE model"
+                )
 
     def __post_init__(self) -> None:
         # Sizes, heads vs d_model, activation and dropouts: ModelConfig.validate is their one home.
         check_range(self, ("vocab_size",), 8)  # 4 specials + at least a few pieces and tags
         check_range(self, ("init_std",), 0, low_open=True)
+        if not (self.moe_capacity_factor > 0 and math.isfinite(self.moe_capacity_factor)):
+            raise ConfigError(
+                f"moe_capacity_factor={self.moe_capacity_factor} must be > 0 "
+                "(capacity = factor x 2 x ceil(tokens / experts)); moe_dropless: true drops nothing"
+            )
         try:
             self.model_config(self.vocab_size, {})
         except ModelConfigError as e:
@@ -112,6 +189,13 @@ class ParallelArguments:
         default=1, metadata={"help": "Tensor-parallel ranks (tp axis, innermost)."}
     )
     data_parallel_size: int = field(default=-1, metadata={"help": "Data-parallel replicas; -1 = inferred."})
+    expert_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Expert-parallel ranks (ep, a sub-group of the dp axis): each sparse layer's experts "
+            "spread over ep replicas, E / ep per rank; must divide data_parallel_size and num_experts."
+        },
+    )
     num_microbatches: int = field(default=1, metadata={"help": "Micro-batches per pipeline flush."})
     pipeline_schedule: str = field(default="1f1b", metadata={"help": f"One of {list(SCHEDULE_CHOICES)}."})
     virtual_pipeline_stages: int = field(
@@ -160,6 +244,7 @@ class ParallelArguments:
         names = (
             "pipeline_parallel_size",
             "tensor_parallel_size",
+            "expert_parallel_size",
             "num_microbatches",
             "virtual_pipeline_stages",
         )
@@ -187,6 +272,22 @@ class ParallelArguments:
 
 
 LAYERDROP_FIELDS = ("encoder_layerdrop", "decoder_layerdrop")
+SESSION_DROPOUTS = ("dropout", "attention_dropout", "activation_dropout")
+# NLLB-MoE architecture fields of a new model (besides num_experts, which decides it).
+MOE_ARCH_FIELDS = (
+    "encoder_sparse_step",
+    "decoder_sparse_step",
+    "router_bias",
+    "second_expert_policy",
+    "normalize_router_prob_before_dropping",
+    "batch_prioritized_routing",
+    "moe_eval_capacity_token_fraction",
+)
+# NLLB-MoE model fields a run may set over a checkpoint's (None: the checkpoint's).
+MOE_SESSION_FIELDS = ("moe_token_dropout", "router_aux_loss_coef")
+# NLLB-MoE options of the run alone (not in the model config), with their defaults.
+MOE_RUN_DEFAULTS: dict[str, object] = {"moe_dropless": False, "moe_capacity_factor": 1.0}
+MOE_RUN_FIELDS = tuple(MOE_RUN_DEFAULTS)
 
 
 @dataclass

@@ -132,8 +132,14 @@ class GlobalBatch:
 
     def shard(self, dp_rank: int) -> list[list[Seq2SeqBatch]]:
         """Replica `dp_rank`'s share: `gradient_accumulation_steps` lists of
-        `num_microbatches` padded batches, each trimmed to its own longest sequence."""
-        return [[self.fetch(idx) for idx in flush] for flush in self.replica_slots(dp_rank)]
+        `num_microbatches` padded batches, each trimmed to its own longest sequence and
+        carrying its slot (`BatchLayout.slot`: keys MoE routing randomness)."""
+        lay = self.layout
+        out = [[self.fetch(idx) for idx in flush] for flush in self.replica_slots(dp_rank)]
+        for g, flush in enumerate(out):
+            for j, batch in enumerate(flush):
+                batch.slot = lay.slot(dp_rank, g, j)
+        return out
 
 
 def direction_ids(ds: Any) -> tuple[list[str], np.ndarray]:

@@ -79,6 +79,14 @@ class TranslateArguments:
         default=-1,
         metadata={"help": "Replicas sharing the lines under torchrun; -1: WORLD_SIZE / (pp * tp)."},
     )
+    expert_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "NLLB-MoE under torchrun: experts spread over this many of the dp replicas (each "
+            "rank reads only its experts); they decode the same lines together. Must divide "
+            "data_parallel_size and num_experts."
+        },
+    )
     dtype: str = field(
         default="float32",
         metadata={
@@ -207,7 +215,11 @@ def mesh_dims(args: TranslateArguments, world: int) -> ParallelDims:
 
     # No LOCAL_WORLD_SIZE check: tp across nodes is slow but correct, and decoding moves little over tp.
     dims = ParallelDims(
-        args.pipeline_parallel_size, args.data_parallel_size, args.tensor_parallel_size, world
+        args.pipeline_parallel_size,
+        args.data_parallel_size,
+        args.tensor_parallel_size,
+        world,
+        ep=args.expert_parallel_size,
     )
     try:
         return dims.validate()
@@ -216,17 +228,18 @@ def mesh_dims(args: TranslateArguments, world: int) -> ParallelDims:
 
 
 def check_model_fits(dims: ParallelDims, config: ModelConfig) -> list[int]:
-    """tp vs heads/FFN/d_model and pp vs blocks; returns the uniform block counts per stage.
+    """tp vs heads/FFN/d_model, ep vs experts and pp vs blocks; returns the uniform block counts per stage.
 
     Raises:
         TranslateError: naming the size that does not fit (pure; before any process group).
     """
     from models.m2m100 import block_specs
-    from parallel.mesh import check_tp_divides_model
+    from parallel.mesh import check_ep_divides_model, check_tp_divides_model
     from parallel.pipeline.partition import uniform_partition
 
     try:
         check_tp_divides_model(config, dims.tp)
+        check_ep_divides_model(config, dims.ep)
     except ValueError as e:
         raise TranslateError(str(e)) from None
     n_blocks = len(block_specs(config))
@@ -347,6 +360,7 @@ def run_on_mesh(args: TranslateArguments, dims: ParallelDims, stdin: TextIO, std
         if dist.get_rank() == 0:
             print(
                 f"trainer.translate: {len(lines)} lines on (pp, dp, tp) = {dims.shape}, "
+                f"{f'ep {dims.ep}, ' if dims.ep > 1 else ''}"
                 f"{device.type}, stages of {balance} blocks",
                 file=sys.stderr,
                 flush=True,

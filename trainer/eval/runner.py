@@ -6,7 +6,9 @@ model the optimizer trains. Translation for BLEU/chrF also runs on the 3D model
 as it is (`parallel.generate.pipeline_generate`: per-stage KV caches, tp layers),
 so no rank ever holds more than its own shard of the weights:
 
-    dp replica r decodes batches r, r + dp, ... of each direction (length-sorted
+    dp replica r decodes batches r, r + dp, ... of each direction (with experts spread over
+    ep, the ep replicas of an expert group decode the same batches together: edp replica r
+    takes batches r, r + edp, ...; `parallel.generate`) (length-sorted
     batches from `build_batches`, so the replicas get similar work) on its pp x tp
     slice; the last stage's tp-0 rank of each replica holds the token ids of its
     batches; they are gathered (ids, not weights) to the logging rank, which
@@ -150,12 +152,13 @@ def translate_on_mesh(
     outputs = []
     # FSDP: one gather (a dp collective) for all of this replica's batches, whose count may
     # differ between replicas, and one cast (bf16_full_eval); pipeline_generate's nest in it.
+    # Expert parallelism: the ep peers decode the same batches (one replica per edp rank).
     with pm.evaluating():
-        for batch in batches[mesh.dp_rank :: mesh.size("dp")]:
+        for batch in batches[mesh.edp_rank :: mesh.size("edp")]:
             ids = pipeline_generate(
                 pm, batch.input_ids, batch.attention_mask, batch.forced_bos_token_id, settings
             )
-            if ids is not None and mesh.tp_rank == 0:
+            if ids is not None and mesh.tp_rank == 0 and mesh.ep_rank == 0:
                 outputs.append((batch.index, ids.tolist()))
     if dist.get_world_size() == 1:
         return hypotheses_in_order(outputs, tokenizer)

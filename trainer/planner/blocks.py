@@ -1,6 +1,10 @@
 """Per-block costs: one micro-batch through each block kind (embeddings, encoder layer, norm,
 decoder layer, head), measured here on a one-layer copy of the model (`measure_kind_costs`) or
 from FLOPs and the device table (`table_kind_costs`); parameter counts per block.
+
+NLLB-MoE: a sparse encoder / decoder layer is a kind of its own (`kind_key`: "enc_layer+moe",
+"dec_layer+moe"), measured on a one-layer copy whose layers are sparse, or costed from its
+FLOPs (`trainer.planner.moe`); its experts count E / ep per rank.
 """
 
 from __future__ import annotations
@@ -12,13 +16,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from models.config import ModelConfig
-from models.m2m100 import IGNORE_INDEX, BlockKind, Seq2SeqBatch, block_specs
+from models.m2m100 import IGNORE_INDEX, BlockKind, BlockSpec, Seq2SeqBatch, block_specs
 from parallel.pipeline.profile import BlockPhases, RunSetting, profile_kinds
 from parallel.tp.layers import vocab_partition
 from trainer.errors import ConfigError
 from trainer.planner.hardware import DeviceSpec
+from trainer.planner.moe import expert_params, router_params, sparse_layer_flops
 
 LAYER_KINDS = (BlockKind.ENC_LAYER, BlockKind.DEC_LAYER)
+SPARSE = "+moe"  # suffix of a sparse layer's kind key
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,15 @@ def synthetic_batch(mc: ModelConfig, shape: Shape, seed: int = 0) -> Seq2SeqBatc
     return Seq2SeqBatch(src, torch.ones_like(src), dec, labels)
 
 
+def one_layer_config(mc: ModelConfig, sparse: bool = False) -> ModelConfig:
+    """The model with one encoder and one decoder layer: every block kind once (layers are alike);
+    for an NLLB-MoE, both layers dense, or both sparse with `sparse`."""
+    if not mc.is_moe:
+        return replace(mc, encoder_layers=1, decoder_layers=1)
+    step = 1 if sparse else 0
+    return replace(mc, encoder_layers=1, decoder_layers=1, encoder_sparse_step=step, decoder_sparse_step=step)
+
+
 def padded_vocab_config(mc: ModelConfig, multiple: int) -> ModelConfig:
     """`mc` with its vocabulary padded to a multiple of `multiple`, as tensor parallelism pads it
     (`parallel.tp.layers.vocab_partition`: V' = ceil(V / tp) tp rows, the padding never a real id).
@@ -52,12 +67,18 @@ def padded_vocab_config(mc: ModelConfig, multiple: int) -> ModelConfig:
     return mc if padded == mc.vocab_size else replace(mc, vocab_size=padded)
 
 
-def one_layer_config(mc: ModelConfig) -> ModelConfig:
-    """The model with one encoder and one decoder layer: every block kind once (layers are alike)."""
-    return replace(mc, encoder_layers=1, decoder_layers=1)
+def is_sparse_block(mc: ModelConfig, spec: BlockSpec) -> bool:
+    """Whether block `spec` is a sparse (MoE) encoder / decoder layer of `mc`."""
+    return spec.kind in LAYER_KINDS and mc.is_sparse(spec.kind is BlockKind.DEC_LAYER, spec.index)
 
 
-KindCosts = dict[BlockKind, BlockPhases]
+def kind_key(mc: ModelConfig, spec: BlockSpec) -> str:
+    """The cost table's key of block `spec`: its kind, or its kind + "+moe" for a sparse layer."""
+    return f"{spec.kind.value}{SPARSE}" if is_sparse_block(mc, spec) else spec.kind.value
+
+
+# block kind (`BlockKind`, a str) or a sparse layer's key -> its costs
+KindCosts = dict[str, BlockPhases]
 
 
 def measure_kind_costs(
@@ -81,7 +102,15 @@ def measure_kind_costs(
     """
     dtype = torch.bfloat16 if bf16 else None
     run = RunSetting(tp, sequence_parallel and tp > 1, dtype, working_weights=bf16, remat=remat)
-    return profile_kinds(mc, synthetic_batch(mc, shape), device or torch.device("cpu"), run, repeats, timed)
+    out: KindCosts = {}
+    for sparse in [False, True] if mc.sparse_layers() else [False]:  # an NLLB-MoE: dense and sparse layers
+        one = one_layer_config(mc, sparse)
+        kinds = profile_kinds(
+            one, synthetic_batch(mc, shape), device or torch.device("cpu"), run, repeats, timed
+        )
+        for spec in block_specs(one):
+            out.setdefault(kind_key(one, spec), kinds[spec.kind])
+    return out
 
 
 # A one-layer copy above this many parameters is not built: its activation bytes come from two narrow copies
@@ -90,14 +119,22 @@ NARROW_FACTORS = (8, 16)
 
 
 def narrow_config(mc: ModelConfig, k: int) -> ModelConfig:
-    """The one-layer model with d_model, the FFNs and the vocabulary divided by k (heads kept)."""
-    for name in ("d_model", "encoder_ffn_dim", "decoder_ffn_dim", "vocab_size"):
+    """The one-layer model with d_model, the FFNs and the vocabulary divided by k (heads kept; the
+    vocabulary rounded to the nearest integer)."""
+    for name in ("d_model", "encoder_ffn_dim", "decoder_ffn_dim"):  # the vocabulary rounds (below)
         if getattr(mc, name) % k:
             raise ConfigError(
                 f"{name}={getattr(mc, name)} is not a multiple of {k}: cannot narrow the model by {k}"
             )
-    return replace(one_layer_config(mc), d_model=mc.d_model // k, encoder_ffn_dim=mc.encoder_ffn_dim // k,
-                   decoder_ffn_dim=mc.decoder_ffn_dim // k, vocab_size=mc.vocab_size // k)  # fmt: skip
+    return replace(
+        mc,
+        encoder_layers=1,
+        decoder_layers=1,
+        d_model=mc.d_model // k,
+        encoder_ffn_dim=mc.encoder_ffn_dim // k,
+        decoder_ffn_dim=mc.decoder_ffn_dim // k,
+        vocab_size=round(mc.vocab_size / k),
+    )  # fmt: skip  (NLLB's 256206: off by < 1e-5)
 
 
 def activation_kind_costs(
@@ -116,7 +153,8 @@ def activation_kind_costs(
     measure = functools.partial(
         measure_kind_costs, remat=remat, bf16=False, timed=False, tp=tp, sequence_parallel=sequence_parallel
     )
-    if one_layer_config(mc).num_parameters() <= WIDE_ONE_LAYER_PARAMS:
+    widest = max(one_layer_config(mc, sparse).num_parameters() for sparse in (False, mc.is_moe))
+    if widest <= WIDE_ONE_LAYER_PARAMS:
         return measure(mc, shape)
     k1, k2 = NARROW_FACTORS
     mc = padded_vocab_config(mc, math.lcm(k1, k2))
@@ -140,20 +178,24 @@ def activation_kind_costs(
     return out
 
 
-def block_forward_flops(mc: ModelConfig, kind: BlockKind, shape: Shape) -> tuple[float, float]:
-    """(forward FLOPs, of which in Attention modules) of one block on one micro-batch.
+def block_forward_flops(mc: ModelConfig, key: str, shape: Shape) -> tuple[float, float]:
+    """(forward FLOPs, of which in Attention modules) of one block (its `kind_key`) on one micro-batch.
 
-    The per-block split of `trainer.run.flops.step_flops` (2 FLOPs per multiply-add).
+    The per-block split of `trainer.run.flops.step_flops` (2 FLOPs per multiply-add); a sparse
+    layer adds its router and the second expert of each token (`trainer.planner.moe`).
     """
     b, s, t, d = shape.b, shape.s, shape.t, mc.d_model
+    kind, sparse = BlockKind(key.removesuffix(SPARSE)), key.endswith(SPARSE)
     if kind is BlockKind.ENC_LAYER:
         attn = 2 * b * (4 * s * d * d + 2 * s * s * d)
-        return attn + 2 * b * s * 2 * d * mc.encoder_ffn_dim, attn
+        extra = sparse_layer_flops(b * s, d, mc.encoder_ffn_dim, mc.num_experts) if sparse else 0.0
+        return attn + 2 * b * s * 2 * d * mc.encoder_ffn_dim + extra, attn
     if kind is BlockKind.DEC_LAYER:
         attn = 2 * b * (4 * t * d * d + 2 * t * t * d) + 2 * b * (
             2 * t * d * d + 2 * s * d * d + 2 * t * s * d
         )
-        return attn + 2 * b * t * 2 * d * mc.decoder_ffn_dim, attn
+        extra = sparse_layer_flops(b * t, d, mc.decoder_ffn_dim, mc.num_experts) if sparse else 0.0
+        return attn + 2 * b * t * 2 * d * mc.decoder_ffn_dim + extra, attn
     if kind is BlockKind.HEAD:
         return 2 * b * t * d * mc.vocab_size, 0.0
     return 0.0, 0.0
@@ -182,10 +224,11 @@ def table_kind_costs(
     host = device.block_overhead_s / 3
     for kind, measured in activations.items():
         fwd, attn = (f / tp for f in block_forward_flops(mc, kind, shape))
-        share = {"full": 1.0, "selective": 0.5}.get(remat, 0.0) if kind in LAYER_KINDS else 0.0
-        recompute = {"full": fwd, "selective": attn}.get(remat, 0.0) if kind in LAYER_KINDS else 0.0
+        layer = kind.removesuffix(SPARSE) in LAYER_KINDS
+        share = {"full": 1.0, "selective": 0.5}.get(remat, 0.0) if layer else 0.0
+        recompute = {"full": fwd, "selective": attn}.get(remat, 0.0) if layer else 0.0
         f = max(fwd / rate, host)
-        w = fwd / rate if kind in LAYER_KINDS else 0.0
+        w = fwd / rate if layer else 0.0
         i = max((2 * fwd + recompute) / rate - w, (2 + share) * host)
         act = int(measured.activation_bytes * act_scale)
         parts = measured.parts.scaled(act_scale) if measured.parts else None
@@ -193,11 +236,12 @@ def table_kind_costs(
     return out
 
 
-def block_param_counts(mc: ModelConfig, tp: int = 1) -> tuple[list[int], int]:
-    """(parameters per block with the tied table left out, the table's) on one tp rank.
+def block_param_counts(mc: ModelConfig, tp: int = 1, ep: int = 1) -> tuple[list[int], int]:
+    """(parameters per block with the tied table left out, the table's) on one (tp, ep) rank.
 
     Column-parallel weights and biases and row-parallel weights divide by tp; row-parallel
     biases and layer norms are replicated; the table's rows are padded to a multiple of tp.
+    A sparse layer holds its router and E / ep experts (`block_expert_counts`) instead of an FFN.
     """
     d = mc.d_model
     norm = 2 * d
@@ -217,4 +261,22 @@ def block_param_counts(mc: ModelConfig, tp: int = 1) -> tuple[list[int], int]:
         BlockKind.HEAD: norm,
     }
     table = -(-mc.vocab_size // tp) * d
-    return [per_kind[spec.kind] for spec in block_specs(mc)], table
+    experts = block_expert_counts(mc, tp, ep)
+    out = []
+    for spec, x in zip(block_specs(mc), experts):
+        n = per_kind[spec.kind]
+        if x:  # the FFN's parameters give way to the router and the rank's experts
+            n += x + router_params(mc) - ffn(_ffn_dim(mc, spec))
+        out.append(n)
+    return out, table
+
+
+def _ffn_dim(mc: ModelConfig, spec: BlockSpec) -> int:
+    return mc.decoder_ffn_dim if spec.kind is BlockKind.DEC_LAYER else mc.encoder_ffn_dim
+
+
+def block_expert_counts(mc: ModelConfig, tp: int = 1, ep: int = 1) -> list[int]:
+    """Expert parameters per block on one (tp, ep) rank (0 for every block but a sparse layer)."""
+    return [
+        expert_params(mc, _ffn_dim(mc, s), tp, ep) if is_sparse_block(mc, s) else 0 for s in block_specs(mc)
+    ]

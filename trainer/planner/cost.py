@@ -21,7 +21,10 @@
 Tensor parallelism: a block's compute and activation bytes are measured on one rank's shard
 (or, from the device table, its FLOPs divided by tp); its communication is modelled, Megatron's
 all-reduces (2 per encoder layer, 3 per decoder layer, forward and backward, of (B, T, H)
-activations) through the link model. Legend: p = pp, m micro-batches, g accumulation flushes, v
+activations) through the link model. Expert parallelism (NLLB-MoE, `trainer.planner.moe`): a
+sparse layer's block pays its all-to-alls (dispatch and combine, forward and backward, and the
+recomputed forward under full remat) over the ep group's link; a rank holds E / ep experts,
+whose gradients reduce (and ZeRO-1 / FSDP shard) over edp = dp / ep. Legend: p = pp, m micro-batches, g accumulation flushes, v
 stages per rank, b sentences per micro-batch, s / t padded source / target tokens.
 
 The kind costs live in `trainer.planner.blocks`, the link model and device table in
@@ -40,10 +43,18 @@ from parallel.pipeline.partition import resolve_partition
 from parallel.pipeline.profile import BlockPhases
 from parallel.pipeline.schedule import Action, build_schedule, placement_for
 from parallel.pipeline.simulate import StageCosts, simulate
-from trainer.planner.blocks import KindCosts, Shape, block_param_counts
+from trainer.planner.blocks import (
+    KindCosts,
+    Shape,
+    block_expert_counts,
+    block_param_counts,
+    is_sparse_block,
+    kind_key,
+)
 from trainer.planner.hardware import LinkModel
 from trainer.planner.layout import SPLIT_BACKWARD, Layout
 from trainer.planner.memory import MemorySettings, RankShape, rank_memory, rank_shape, startup_memory
+from trainer.planner.moe import a2a_rows, ep_inter_node
 
 
 @dataclass
@@ -89,14 +100,22 @@ class Prediction:
 
 
 def block_costs(
-    kinds: KindCosts, mc: ModelConfig, shape: Shape, tp: int, ctx: CostContext
+    kinds: KindCosts,
+    mc: ModelConfig,
+    shape: Shape,
+    tp: int,
+    ctx: CostContext,
+    ep: int = 1,
+    recompute: bool = False,
 ) -> list[BlockPhases]:
-    """Every block's costs on one tp rank.
+    """Every block's costs on one (tp, ep) rank.
 
     Args:
         kinds: the block kinds' costs on one tp rank's shard (measured on it, or from the device
             table at 1/tp of the FLOPs): its compute and its activation bytes.
         tp: tensor-parallel size; adds Megatron's all-reduces of (b, len, H) activations.
+        ep: expert-parallel size; sparse layers add their all-to-alls (`moe_a2a_s`).
+        recompute: full remat (the sparse layers' forward all-to-alls run again in the backward).
     """
     out = []
     inter = tp > ctx.gpus_per_node
@@ -110,12 +129,27 @@ def block_costs(
         BlockKind.HEAD: (0, 1, shape.t),
     }
     for spec in block_specs(mc):
-        ph = kinds[spec.kind]
+        ph = kinds[kind_key(mc, spec)]
         n_f, n_b, length = comm.get(spec.kind, (0, 0, 0))
         ar = ctx.link.all_reduce(shape.b * length * mc.d_model * e, tp, inter) if tp > 1 else 0.0
-        out.append(replace(ph, forward_s=ph.forward_s + n_f * ar, backward_s=ph.backward_s + n_b * ar,
-                           backward_input_s=ph.backward_input_s + n_b * ar))  # fmt: skip
+        a2a = moe_a2a_s(ctx, shape.b * length, ep, tp) if is_sparse_block(mc, spec) else 0.0
+        a2a_b = a2a * (2 if recompute else 1)
+        out.append(replace(ph, forward_s=ph.forward_s + n_f * ar + a2a, backward_s=ph.backward_s + n_b * ar + a2a_b,
+                           backward_input_s=ph.backward_input_s + n_b * ar + a2a_b))  # fmt: skip
     return out
+
+
+def moe_a2a_s(ctx: CostContext, n_tokens: int, ep: int, tp: int) -> float:
+    """One pass (forward, or backward) of a sparse layer's two all-to-alls on `n_tokens`: the
+    kept assignments' rows to other ranks (top-2, uniform routing) in the layer input's dtype
+    (fp32: the residual stream's norm), and back in the experts' (bf16 under autocast)."""
+    if ep <= 1:
+        return 0.0
+    rows = a2a_rows(2 * n_tokens, ep) * ctx.mc.d_model
+    inter = ep_inter_node(ep, tp, ctx.gpus_per_node)
+    return ctx.link.all_to_all(rows * 4, ep, inter) + ctx.link.all_to_all(
+        rows * (2 if ctx.bf16 else 4), ep, inter
+    )
 
 
 def balance_from_costs(
@@ -191,10 +225,11 @@ def layout_stage_costs(
 
 def _outside_pipeline(layout: Layout, ctx: CostContext) -> tuple[list[RankShape], float, float, float]:
     """(each pp rank's parameters, grad reduce s, optimizer s, data fetch s): a step's costs besides its flushes."""
-    params_block, table = block_param_counts(ctx.mc, layout.tp)
+    params_block, table = block_param_counts(ctx.mc, layout.tp, layout.ep)
     ranks = _rank_shapes(params_block, table, layout, ctx.mc)
     most = max(r.params for r in ranks)
-    grad_reduce = _grad_reduce_s(most, table, layout, ctx)
+    experts = max(r.experts for r in ranks)
+    grad_reduce = _grad_reduce_s(most - experts, table, layout, ctx) + _expert_reduce_s(experts, layout, ctx)
     sharded = layout.sharding in ("zero1", "fsdp")
     optimizer = ctx.optimizer_s_per_param * most / (layout.dp if sharded else 1)
     data = ctx.fetch_s_per_microbatch * layout.m * layout.g
@@ -228,7 +263,7 @@ def predict_step(layout: Layout, sc: StageCosts, ctx: CostContext) -> Prediction
     step = layout.g * sim.makespan + grad_reduce + optimizer + data
     settings = ctx.memory_settings
     deferred = p > 1 or layout.schedule in SPLIT_BACKWARD  # parallel.dp.fsdp's deferred mode
-    mems = [rank_memory(r, a, layout.sharding, layout.dp, m * layout.g, deferred, settings)
+    mems = [rank_memory(r, a, layout.sharding, layout.dp, m * layout.g, deferred, settings, layout.ep)
             for r, a in zip(ranks, sim.peak_activation_bytes)]  # fmt: skip
     worst = max(range(p), key=lambda r: sum(mems[r][0].values()))
     startup = max(startup_memory(r, settings, layout.sharding, layout.dp) for r in ranks)
@@ -244,13 +279,29 @@ def predict_step(layout: Layout, sc: StageCosts, ctx: CostContext) -> Prediction
 def _rank_shapes(params_block: list[int], table: int, layout: Layout, mc: ModelConfig) -> list[RankShape]:
     """Parameters held by each pp rank (the tied table once per rank that uses it), and their largest pieces."""
     specs = block_specs(mc)
+    experts = block_expert_counts(mc, layout.tp, layout.ep)
     out = []
     for r in range(layout.pp):
         stages = placement_for(layout.schedule, layout.pp, layout.v).stages_of(r)
         blocks = [i for s in stages for i in range(sum(layout.balance[:s]), sum(layout.balance[: s + 1]))]
         uses_table = any(specs[i].uses_shared_embedding for i in blocks)
-        out.append(rank_shape(mc, blocks, params_block, table, uses_table, layout.tp))
+        out.append(rank_shape(mc, blocks, params_block, table, uses_table, layout.tp, experts, layout.ep))
     return out
+
+
+def _expert_reduce_s(experts: int, layout: Layout, ctx: CostContext) -> float:
+    """The experts' fp32 grads reduced over edp = dp / ep (ZeRO-1: plus the broadcast; FSDP: a
+    reduce-scatter and the gathers, as `_grad_reduce_s`); 0 without sparse layers on the rank."""
+    edp = layout.dp // layout.ep
+    if not experts or edp <= 1:
+        return 0.0
+    inter = edp * layout.ep * layout.tp > max(1, ctx.gpus_per_node)
+    half = ctx.link.all_reduce(4.0 * experts, edp, inter) / 2
+    if layout.sharding == "fsdp":
+        return half + (layout.g if layout.pp > 1 else 2 * layout.m * layout.g) * half * (
+            0.5 if ctx.bf16 else 1.0
+        )
+    return 2 * half + (half if layout.sharding == "zero1" else 0.0)
 
 
 def _grad_reduce_s(params: int, table: int, layout: Layout, ctx: CostContext) -> float:

@@ -38,6 +38,15 @@ class LinkModel:
         )
         return 2 * (n - 1) * latency + 2 * (n - 1) / n * nbytes / bw
 
+    def all_to_all(self, nbytes_sent: float, n: int, inter: bool) -> float:
+        """Seconds for an all-to-all over n ranks in which each rank sends `nbytes_sent` to the
+        others (pairwise exchanges, n - 1 latencies; every rank's link busy at once)."""
+        if n <= 1:
+            return 0.0
+        if inter:
+            return (n - 1) * self.inter_latency_s + nbytes_sent / self.inter_bytes_per_s
+        return (n - 1) * self.intra_latency_s + nbytes_sent / self.intra_bytes_per_s
+
 
 @dataclass(frozen=True)
 class DeviceSpec:

@@ -27,6 +27,7 @@ class Layout:
     balance: tuple[int, ...] = ()
     token_mode: bool = False
     sharding: str = "none"  # data_parallel_sharding: none | zero1 | fsdp
+    ep: int = 1  # expert_parallel_size (NLLB-MoE): a divisor of dp
 
 
 def layout_args(layout: Layout, base: list[str], sequence_parallel: bool = False) -> list[str]:
@@ -48,6 +49,7 @@ def layout_args(layout: Layout, base: list[str], sequence_parallel: bool = False
         "--activation_checkpointing", layout.remat,
         "--partition_method", balance,
         "--data_parallel_sharding", layout.sharding,
+        *(["--expert_parallel_size", str(layout.ep)] if layout.ep > 1 else []),
         *(["--sequence_parallel", "false"] if sequence_parallel and layout.tp == 1 else []),
     ]  # fmt: skip
 
@@ -64,7 +66,7 @@ def family(layout: Layout) -> Family:
 def describe(layout: Layout) -> str:
     mb = f"{layout.microbatch} tok" if layout.token_mode else f"b={layout.microbatch}"
     return (
-        f"pp={layout.pp} tp={layout.tp} dp={layout.dp} m={layout.m} g={layout.g} {mb} "
+        f"pp={layout.pp} tp={layout.tp} dp={layout.dp}{f' ep={layout.ep}' if layout.ep > 1 else ''} m={layout.m} g={layout.g} {mb} "
         f"{layout.schedule}(v={layout.v}) remat={layout.remat} partition={layout.partition}"
         + (f" sharding={layout.sharding}" if layout.sharding != "none" else "")
     )

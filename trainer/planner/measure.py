@@ -25,6 +25,7 @@ from trainer.config.pretrained import pretrained_sources
 from trainer.config.schema import JobConfig
 from trainer.errors import DataError
 from trainer.planner.blocks import (
+    SPARSE,
     KindCosts,
     Shape,
     activation_kind_costs,
@@ -147,9 +148,12 @@ class CostSource:
             self._acts[key] = activation_kind_costs(self.mc, Shape(1, s, t), remat, tp, sp)
         return self._acts[key]
 
-    def block_costs(self, shape: Shape, remat: str, tp: int, ctx: CostContext) -> list[BlockPhases]:
-        """Every block's costs on one tp rank (`plan_cost.block_costs`)."""
-        return block_costs(self.kind_costs(shape, remat, tp), self.mc, shape, tp, ctx)
+    def block_costs(
+        self, shape: Shape, remat: str, tp: int, ctx: CostContext, ep: int = 1
+    ) -> list[BlockPhases]:
+        """Every block's costs on one (tp, ep) rank (`plan_cost.block_costs`)."""
+        kinds = self.kind_costs(shape, remat, tp)
+        return block_costs(kinds, self.mc, shape, tp, ctx, ep, recompute=remat == "full")
 
 
 def measure_optimizer_s_per_param(mc: ModelConfig, repeats: int = 3) -> float:
@@ -283,7 +287,7 @@ def _step_overheads(cfg, mc, shape, kinds, opt_s_per_param, repeats, mesh) -> di
     from trainer.run.step import build_optimizer, build_scheduler, train_step
 
     small = one_layer_config(mc)
-    block_s = sum(ph.forward_s + ph.backward_s for ph in kinds.values())
+    block_s = sum(ph.forward_s + ph.backward_s for k, ph in kinds.items() if not k.endswith(SPARSE))
     over = {}
     for m in (1, 3):
         torch.manual_seed(0)

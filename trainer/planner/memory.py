@@ -34,6 +34,9 @@ them where such chunks churn: measured on scripts/bench_memory.py's 50M model, d
 broadcast) and dp=4 fsdp 1287 MiB (780 with the threshold fixed, predicted 789: the per-layer
 gathers). The bench reports both allocators (benchmarks/memory_cpu_small.md).
 
+Experts (NLLB-MoE under expert parallelism ep): of P, the X expert parameters (E / ep experts of
+each sparse layer on the rank) are sharded by ZeRO-1 and FSDP over edp = dp / ep instead of dp.
+
 Start-up (stage-local construction, `parallel.parallelize.build_parallel_model`): a rank builds
 on meta and materialises only its pp / tp shard, one parameter at a time: baseline + 4 P + the
 largest single parameter. Under fsdp the meta model is dp-sharded first, so only the dp shard
@@ -67,11 +70,14 @@ class RankShape:
     largest_param: int  # the largest single tensor (start-up holds one extra)
     largest_layer: int  # the largest encoder / decoder layer (an fsdp unit)
     root: int  # what its layers leave (the tied table, embeddings' and final norms): fsdp's root unit
+    experts: int = 0  # of `params`, the experts' (E / ep per sparse layer): sharded over edp
 
 
 def rank_shape(mc: ModelConfig, blocks: list[int], params_block: list[int], table: int,
-               uses_table: bool, tp: int) -> RankShape:  # fmt: skip
-    """The `RankShape` of a pp rank holding `blocks` (and the tied table if `uses_table`) on one tp rank."""
+               uses_table: bool, tp: int, experts_block: list[int] | None = None,
+               ep: int = 1) -> RankShape:  # fmt: skip
+    """The `RankShape` of a pp rank holding `blocks` (and the tied table if `uses_table`) on one
+    (tp, ep) rank; `experts_block`: the expert parameters of each block (`block_expert_counts`)."""
     specs = block_specs(mc)
     kinds = {specs[i].kind for i in blocks}
     d = mc.d_model
@@ -82,9 +88,12 @@ def rank_shape(mc: ModelConfig, blocks: list[int], params_block: list[int], tabl
         largest = max(largest, d * mc.decoder_ffn_dim // tp, d * d // tp)
     if uses_table:
         largest = max(largest, table)
+    experts = sum(experts_block[i] for i in blocks) if experts_block else 0
+    if experts:  # the stacked expert weight (E / ep, F / tp, H)
+        largest = max(largest, (mc.num_experts // ep) * d * max(mc.encoder_ffn_dim, mc.decoder_ffn_dim) // tp)
     layers = [params_block[i] for i in blocks if specs[i].kind in (BlockKind.ENC_LAYER, BlockKind.DEC_LAYER)]
     params = sum(params_block[i] for i in blocks) + (table if uses_table else 0)
-    return RankShape(params, largest, max(layers, default=0), params - sum(layers))
+    return RankShape(params, largest, max(layers, default=0), params - sum(layers), experts)
 
 
 @dataclass(frozen=True)
@@ -98,17 +107,22 @@ class MemorySettings:
 
 def rank_memory(
     rank: RankShape, activations: float, sharding: str, dp: int, steps_in_flush: int, deferred: bool,
-    settings: MemorySettings,
+    settings: MemorySettings, ep: int = 1,
 ) -> tuple[dict[str, float], dict[str, float]]:  # fmt: skip
     """(the peak's terms, which sum to it; the step transients by cause) of one rank (module docstring).
 
     steps_in_flush: m x g, micro-batches per optimizer step (bf16 working copies pay off above 1).
     deferred: fsdp gathers the stage once per flush (pp > 1 or a split backward), else per layer.
+    ep: expert-parallel size (the experts' states shard over dp / ep).
     """
     p = float(rank.params)
     fsdp = sharding == "fsdp" and dp > 1
-    shard = dp if fsdp else 1
-    moments = dp if sharding in ("zero1", "fsdp") else 1
+    edp = dp // ep
+    x = float(rank.experts)
+    # the divisors of the parameters' bytes (dense part over dp, experts over edp), as one effective factor
+    shard = p / ((p - x) / (dp if fsdp else 1) + x / (edp if fsdp else 1)) if p else 1.0
+    sharded = sharding in ("zero1", "fsdp")
+    moments = p / ((p - x) / (dp if sharded else 1) + x / (edp if sharded else 1)) if p else 1.0
     e = 2.0 if settings.bf16 else 4.0
     gathered_params = gathered_grads = 0.0
     if fsdp:

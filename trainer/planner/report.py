@@ -99,14 +99,14 @@ def format_table(result: dict[str, Any], top: int) -> str:
     lines = [
         f"plan for {result['config']} on {result['world_size']} ranks ({result['gpus_per_node']} per node), "
         f"costs {result['costs']}",
-        f"{'#':>3} {'pp':>2} {'tp':>2} {'dp':>2} {'m':>3} {'g':>2} {'mb':>5}  {'schedule':<19} {'remat':<9} "
+        f"{'#':>3} {'pp':>2} {'tp':>2} {'dp':>2} {'ep':>2} {'m':>3} {'g':>2} {'mb':>5}  {'schedule':<19} {'remat':<9} "
         f"{'partition':<10} {'dp shard':<8} {'step s':>9} {'bubble':>6} {'peak GiB':>8} {'start GiB':>9}  why",
     ]
     for row in result["candidates"][:top]:
         lay = row["layout"]
         sched = f"{lay['schedule']}" + (f" v={lay['v']}" if lay["v"] > 1 else "")
         lines.append(
-            f"{row['rank']:>3} {lay['pp']:>2} {lay['tp']:>2} {lay['dp']:>2} {lay['m']:>3} {lay['g']:>2} "
+            f"{row['rank']:>3} {lay['pp']:>2} {lay['tp']:>2} {lay['dp']:>2} {lay.get('ep', 1):>2} {lay['m']:>3} {lay['g']:>2} "
             f"{lay['microbatch']:>5}  {sched:<19} {lay['remat']:<9} {lay['partition']:<10} "
             f"{lay.get('sharding', 'none'):<8} {row['predicted_step_time_s']:>9.4g} "
             f"{row['predicted_bubble_fraction']:>6.1%} {row['predicted_peak_memory_bytes'] / GIB:>8.2f} "
@@ -118,7 +118,7 @@ def format_table(result: dict[str, Any], top: int) -> str:
     else:
         lay = own["layout"]
         lines.append(
-            f"the config's own layout (pp={lay['pp']} tp={lay['tp']} dp={lay['dp']} m={lay['m']} "
+            f"the config's own layout (pp={lay['pp']} tp={lay['tp']} dp={lay['dp']} ep={lay.get('ep', 1)} m={lay['m']} "
             f"{lay['schedule']} v={lay['v']} remat={lay['remat']} dp shard={lay.get('sharding', 'none')}) would rank #{own['rank']}: "
             f"{own['predicted_step_time_s']:.4g} s/step, bubble {own['predicted_bubble_fraction']:.1%}, "
             f"{own['predicted_peak_memory_bytes'] / GIB:.2f} GiB"

@@ -101,9 +101,8 @@ def plan(cfg: JobConfig, base_args: list[str], opts: PlanOptions) -> dict[str, A
                 if error:
                     rejected.append({"layout": describe(layout), "reason": f"trainer rejects it: {error}"})
                     continue
-                sc = layout_stage_costs(
-                    layout, source.block_costs(shape, layout.remat, layout.tp, cut_ctx), shape, cut_ctx
-                )
+                costs = source.block_costs(shape, layout.remat, layout.tp, cut_ctx, layout.ep)
+                sc = layout_stage_costs(layout, costs, shape, cut_ctx)
                 pending.append((lower_bound(layout, sc, cut_ctx), layout, sc, cut_ctx))
     fits = calibrate(pending, base_args, opts, run_root(opts, "calibrate")) if calibrating else {}
     candidates, pruned = _simulate_best(apply(pending, fits), memory_gib, opts, rejected)
@@ -197,6 +196,7 @@ class TrainerCheck:
             layout.schedule,
             layout.v,
             layout.sharding,
+            layout.ep,
         )
         if key not in self._seen:
             try:
@@ -218,7 +218,8 @@ class TrainerCheck:
             c.parallel, pipeline_parallel_size=layout.pp, tensor_parallel_size=layout.tp,
             data_parallel_size=layout.dp, num_microbatches=layout.m, pipeline_schedule=layout.schedule,
             virtual_pipeline_stages=max(layout.v, 2), partition_method="uniform",
-            data_parallel_sharding=layout.sharding, sequence_parallel=c.parallel.sequence_parallel and layout.tp > 1,
+            data_parallel_sharding=layout.sharding, expert_parallel_size=layout.ep,
+            sequence_parallel=c.parallel.sequence_parallel and layout.tp > 1,
         )  # fmt: skip
         b = c.training.per_device_train_batch_size if layout.token_mode else layout.microbatch
         training = replace(c.training, gradient_accumulation_steps=layout.g, per_device_train_batch_size=b)
@@ -250,15 +251,16 @@ def _layouts(
 ) -> Iterator[Layout]:  # fmt: skip
     """Schedules x remat x partitions x dp sharding of one mesh and batch cut, distinct balances only."""
     schedules = schedule_space() if dims.pp > 1 else [("1f1b", 1)]  # one stage: the schedules coincide
-    params, _ = block_param_counts(source.mc, dims.tp)
+    params, _ = block_param_counts(source.mc, dims.tp, dims.ep)
     for schedule, v in schedules:
         if source.opts.schedules and schedule not in source.opts.schedules:
             continue
         for remat in source.opts.remat or REMAT_SPACE:
-            costs = source.block_costs(shape, remat, dims.tp, ctx)
+            costs = source.block_costs(shape, remat, dims.tp, ctx, dims.ep)
             seen: set[tuple[int, ...]] = set()
             for method in PARTITION_SPACE if dims.pp * v > 1 else ("uniform",):
-                base = Layout(dims.pp, dims.tp, dims.dp, m, g, mb, schedule, v, remat, method, (), token_mode)
+                base = Layout(dims.pp, dims.tp, dims.dp, m, g, mb, schedule, v, remat, method, (), token_mode,
+                              ep=dims.ep)  # fmt: skip
                 try:
                     balance = tuple(balance_from_costs(method, costs, params, dims.pp * v))
                 except ParallelConfigError as e:
@@ -286,13 +288,13 @@ def own_layout(
     shape = source.shape(mb, m, g, dims.dp, token)
     fetch = source.fetch_s.get((mb, m, g, dims.dp, int(token)), 0.0)
     ctx = replace(ctx, fetch_s_per_microbatch=fetch)
-    costs = source.block_costs(shape, p.activation_checkpointing, dims.tp, ctx)
-    params, _ = block_param_counts(source.mc, dims.tp)
+    costs = source.block_costs(shape, p.activation_checkpointing, dims.tp, ctx, dims.ep)
+    params, _ = block_param_counts(source.mc, dims.tp, dims.ep)
     try:
         balance = p.partition_balance() or balance_from_costs(p.partition_method, costs, params, dims.pp * v)
         layout = Layout(dims.pp, dims.tp, dims.dp, m, g, mb, p.pipeline_schedule, v,
                         p.activation_checkpointing, p.partition_method, tuple(balance), token,
-                        p.data_parallel_sharding)  # fmt: skip
+                        p.data_parallel_sharding, dims.ep)  # fmt: skip
         [(_, _, sc, lay_ctx)] = apply(
             [(0.0, layout, layout_stage_costs(layout, costs, shape, ctx), ctx)], fits or {}
         )

@@ -71,7 +71,8 @@ def divisors(n: int) -> list[int]:
 def meshes(
     world: int, gpus_per_node: int, arch: ModelConfig
 ) -> tuple[list[ParallelDims], list[tuple[str, str]]]:
-    """Every (pp, tp, dp) with pp * tp * dp = world that `ParallelDims.validate` accepts.
+    """Every (pp, tp, dp) with pp * tp * dp = world that `ParallelDims.validate` accepts, and for a
+    sparse model every expert-parallel size ep dividing dp and the experts.
 
     Returns:
         (valid dims, [(mesh, reason)] for the rejected ones).
@@ -79,11 +80,13 @@ def meshes(
     valid, rejected = [], []
     for pp in divisors(world):
         for tp in divisors(world // pp):
-            dims = ParallelDims(pp, world // (pp * tp), tp, world, local_world_size=gpus_per_node)
-            try:
-                valid.append(dims.validate(arch))
-            except ParallelConfigError as e:
-                rejected.append((f"pp={pp} tp={tp} dp={world // (pp * tp)}", str(e)))
+            dp = world // (pp * tp)
+            for ep in divisors(dp) if arch.is_moe and arch.sparse_layers() else [1]:
+                dims = ParallelDims(pp, dp, tp, world, local_world_size=gpus_per_node, ep=ep)
+                try:
+                    valid.append(dims.validate(arch))
+                except ParallelConfigError as e:
+                    rejected.append((f"pp={pp} tp={tp} dp={dp}" + (f" ep={ep}" if ep > 1 else ""), str(e)))
     return valid, rejected
 
 

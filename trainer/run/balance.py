@@ -28,7 +28,12 @@ from models.config import ModelConfig
 from models.m2m100 import M2M100Translation, block_specs
 from parallel.mesh import ParallelMesh
 from parallel.pipeline.partition import format_partition, resolve_partition
-from parallel.pipeline.profile import RunSetting, param_counts_per_block, profile_blocks_by_kind
+from parallel.pipeline.profile import (
+    RunSetting,
+    expert_params_per_block,
+    param_counts_per_block,
+    profile_blocks_by_kind,
+)
 from trainer.config.schema import JobConfig
 
 
@@ -48,7 +53,7 @@ def choose_partition(
     names = [b.name for b in block_specs(mc)]
     method = cfg.parallel.partition_balance() or cfg.parallel.partition_method
     if not isinstance(method, str) or method in ("uniform", "parameters"):
-        counts = _param_counts(mc) if method == "parameters" else None
+        counts = _param_counts(mc, mesh.size("ep")) if method == "parameters" else None
         balance = resolve_partition(method, names, n_stages, param_counts=counts)
         return balance, format_partition(balance, names)
     payload: list[object] = [None]
@@ -56,7 +61,9 @@ def choose_partition(
         # A sample micro-batch from a copy of the sampler (the real one's position is untouched).
         batch = next(copy.deepcopy(sampler)).shard(0)[0][0].to(device)
         run = run_setting(cfg, mesh.size("tp"), dtype)
-        times, mems, counts = profile_blocks_by_kind(mc, batch, device, seed=cfg.training.seed, run=run)
+        times, mems, counts = profile_blocks_by_kind(
+            mc, batch, device, seed=cfg.training.seed, run=run, ep=mesh.size("ep")
+        )
         balance = resolve_partition(
             method, names, n_stages, param_counts=counts, time_costs=times, mem_costs=mems
         )
@@ -73,8 +80,10 @@ def run_setting(cfg: JobConfig, tp: int, dtype: torch.dtype | None) -> RunSettin
     return RunSetting(tp, p.sequence_parallel and tp > 1, dtype, several, p.activation_checkpointing)
 
 
-def _param_counts(mc: ModelConfig) -> list[int]:
-    """Parameters per block (the tied table counted once), from a meta model: no memory, no init."""
+def _param_counts(mc: ModelConfig, ep: int = 1) -> list[int]:
+    """Parameters per block on one rank (the tied table counted once; a sparse layer's experts
+    E / ep), from a meta model: no memory, no init."""
     with torch.device("meta"):
         model = M2M100Translation(mc)
-    return param_counts_per_block(model)
+    experts = expert_params_per_block(model)
+    return [n - (x - x // ep) for n, x in zip(param_counts_per_block(model), experts)]

@@ -34,6 +34,7 @@ from trainer.run.guard import (
     StepGuard,
 )
 from trainer.run.memory import gather_memory, memory_lines, peak_host_bytes
+from trainer.run.moe_load import load_line
 from trainer.run.outdir import claim_output_dir
 from trainer.run.preflight import idle_option_warnings, validate_early
 from trainer.run.setup import RunContext, setup_run
@@ -230,6 +231,8 @@ def log_row(
     if torch.cuda.is_available():
         row["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated()
     tracker.log(row)
+    if tracker.enabled and "moe_aux_loss" in row:
+        logger.info("step %d %s", st.step, load_line(row))
     return row
 
 

@@ -44,6 +44,7 @@ def validate_early(cfg: JobConfig, world: int, arch: ModelConfig | None = None) 
     for name in LAYERDROP_FIELDS:
         if getattr(cfg.model, name) is not None:
             setattr(arch, name, getattr(cfg.model, name))
+    cfg.model.check_moe(arch)
     dims.validate(arch)
     layerdrop = max(arch.encoder_layerdrop, arch.decoder_layerdrop)
     if cfg.parallel.data_parallel_sharding == "fsdp" and dims.dp > 1 and layerdrop > 0:

@@ -31,7 +31,7 @@ from parallel.watchdog import RankIdentity, default_warn_after, start_watchdog
 from trainer.checkpoint.async_save import CheckpointSaver
 from trainer.checkpoint.resume import ResumePoint, adopt_tokenizer, log_changes
 from trainer.config.pretrained import check_tokenizer_fits, pretrained_sources
-from trainer.config.schema import LAYERDROP_FIELDS, JobConfig
+from trainer.config.schema import JobConfig
 from trainer.config.training_args import TrainingArguments
 from trainer.data.batching import BatchLayout, GlobalBatchSampler
 from trainer.data.sampling import DirectionSampling
@@ -148,13 +148,7 @@ def model_config_for(cfg: JobConfig, tok: Tokenizer) -> ModelConfig:
     if model is not None:
         from models.hf import read_hf_config
 
-        mc = read_hf_config(model)
-        for k in ("dropout", "attention_dropout", "activation_dropout"):
-            setattr(mc, k, getattr(cfg.model, k))  # regularisation is the run's choice
-        for k in LAYERDROP_FIELDS:  # LayerDrop: the checkpoint's unless the run sets it
-            if getattr(cfg.model, k) is not None:
-                setattr(mc, k, getattr(cfg.model, k))
-        mc.validate()
+        mc = cfg.model.apply_session(read_hf_config(model))
         return mc
     return cfg.model.model_config(tok.vocab_size, tok.special_ids())
 
@@ -200,7 +194,7 @@ def build_model(
         model = pretrained_sources(cfg.model.model_name_or_path, cfg.model.tokenizer_name).model
         path = None if model is None else str(model)
     p = cfg.parallel
-    return build_parallel_model(
+    pm = build_parallel_model(
         mc,
         mesh,
         balance,
@@ -220,6 +214,9 @@ def build_model(
         compile_layers=cfg.training.torch_compile,
         saved_tensor_meter=p.profile_activation_memory,
     )
+    pm.model.moe.dropless = cfg.model.moe_dropless  # NLLB-MoE routing options of the run
+    pm.model.moe.capacity_factor = cfg.model.moe_capacity_factor
+    return pm
 
 
 @dataclass
@@ -374,10 +371,11 @@ def record_setup(
     if resume is None or not (out / "model_config.json").is_file():
         (out / "model_config.json").write_text(json.dumps(mc.to_dict(), indent=1))
     logger.info(
-        "mesh pp=%d dp=%d tp=%d, schedule %s (v=%d), remat %s\n%s",
+        "mesh pp=%d dp=%d tp=%d%s, schedule %s (v=%d), remat %s\n%s",
         dims.pp,
         dims.dp,
         dims.tp,
+        f" ep={dims.ep} (edp={dims.edp})" if dims.ep > 1 else "",
         cfg.parallel.pipeline_schedule,
         cfg.parallel.virtual_stages,
         cfg.parallel.activation_checkpointing,

@@ -100,8 +100,8 @@ def load_best_model(ctx: RunContext, step: int) -> None:
 
 
 def mesh_sizes(dims: ParallelDims) -> dict[str, int]:
-    """The mesh as recorded in run config, checkpoints and the summary."""
-    return {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp}
+    """The mesh as recorded in run config, checkpoints and the summary (ep where experts are spread)."""
+    return {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp, **({"ep": dims.ep} if dims.ep > 1 else {})}
 
 
 def state_mesh_matches(path: Path, dims: ParallelDims) -> bool:

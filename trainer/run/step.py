@@ -41,6 +41,7 @@ from parallel.pipeline.executor import FlushResult
 from parallel.rng import microbatch_keys
 from trainer.config.training_args import TrainingArguments
 from trainer.run.guard import StepGuard
+from trainer.run.moe_load import ExpertLoad
 
 
 def build_optimizer(
@@ -132,7 +133,10 @@ def train_step(
     skips = layerdrop_skips(pm.model.config, seed, step)
     keys = microbatch_keys(seed, step, global_batch.slot_ids(dp_rank))
     loss_scale = (1.0 if scaler is None else scaler.scale) / global_batch.num_tokens
-    results = pm.train_step(flushes, loss_scale=loss_scale, timed=timed, skip_layers=skips, dropout_keys=keys)
+    # NLLB-MoE: ParallelModel.train_step keys the routing by (seed, step) and scales the aux loss
+    results = pm.train_step(
+        flushes, loss_scale=loss_scale, timed=timed, skip_layers=skips, step=step, dropout_keys=keys
+    )
     # Unscale before clipping: the norm and the clip threshold are in true-gradient units.
     found = scaler.unscale_(p.grad for p in pm.params()) if scaler is not None else None
     grad_norm = pm.grads.clip_(max_grad_norm)
@@ -182,6 +186,10 @@ class LogWindow:
         self, pm: ParallelModel, peak_flops: float | None = None, scaler: DynamicLossScale | None = None
     ) -> None:
         self.pm, self.peak_flops, self.scaler = pm, peak_flops, scaler
+        # NLLB-MoE: expert load, read with the loss (tp ranks > 0 repeat tp rank 0's routing).
+        self.moe = (
+            ExpertLoad(pm.model, pm.device, counts=pm.mesh.tp_rank == 0) if pm.model.config.is_moe else None
+        )
         self.total_tokens, self.total_s = 0, 0.0
         self._reset()
 
@@ -201,6 +209,8 @@ class LogWindow:
         self.src_tokens += st.num_src_tokens
         self.flops += flops
         self.seconds += seconds
+        if self.moe is not None:
+            self.moe.collect()
         if st.skipped and not st.overflow:
             return
         self.loss_tokens += st.num_tokens
@@ -221,7 +231,11 @@ class LogWindow:
             with watchdog.waiting(watchdog.collective("dp all-reduce of the logged loss", dp_group)):
                 dist.all_reduce(loss_sum, group=dp_group)
         values = [loss_sum, st.grad_norm.float()] + ([self.scaler.scale] if self.scaler is not None else [])
-        loss, grad_norm, *scale = torch.stack(values).tolist()  # the one sync
+        read = torch.stack(values).double()
+        if self.moe is not None:  # the expert load rides in the same read
+            read = torch.cat([read, self.moe.values()])
+        loss, grad_norm, *rest = read.tolist()  # the one sync
+        scale, moe = rest[: len(values) - 2], rest[len(values) - 2 :]
         wall = self.seconds + time.perf_counter() - start
         tokens = self.tokens + self.src_tokens
         self.total_tokens += tokens
@@ -233,6 +247,7 @@ class LogWindow:
             "step_time_s": wall / max(self.steps, 1),
             "num_tokens": float(self.tokens),
             **({"loss_scale": scale[0]} if scale else {}),
+            **(self.moe.row(moe) if self.moe is not None else {}),
         }
         if self.peak_flops:
             row["mfu"] = self.flops / wall / self.peak_flops

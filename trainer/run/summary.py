@@ -51,7 +51,9 @@ def print_summary(s: dict[str, Any]) -> None:
         "=" * 64,
         "run summary",
         "=" * 64,
-        f"mesh                 pp={s['mesh']['pp']} dp={s['mesh']['dp']} tp={s['mesh']['tp']}  "
+        f"mesh                 pp={s['mesh']['pp']} dp={s['mesh']['dp']} tp={s['mesh']['tp']}"
+        + (f" ep={s['mesh']['ep']}" if "ep" in s["mesh"] else "")
+        + "  "
         f"partition {s['partition']}",
     ]
     for key in ("eval_loss", "eval_bleu", "eval_chrf"):

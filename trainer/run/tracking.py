@@ -6,7 +6,8 @@ disabled one whose methods do nothing, so call sites need no rank checks.
 
 `metrics.jsonl` keeps the flat names of the contract (`loss`, `eval_bleu_en-de`);
 W&B and TensorBoard get them grouped the way the Hugging Face Trainer reports them:
-`train/loss`, `eval/bleu_en-de` (see `dashboard_key`).
+`train/loss`, `eval/bleu_en-de`, and an NLLB-MoE run's expert load `moe/enc3_tokens_max`
+(see `dashboard_key`).
 
 `metrics.jsonl` holds each step once: on opening, the logging rank cuts the rows of
 steps after the one this session starts from (a resumed run repeats them), atomically.
@@ -29,9 +30,12 @@ BACKENDS = ("wandb", "tensorboard")
 
 
 def dashboard_key(key: str) -> str:
-    """A metrics.jsonl name -> its grouped dashboard name: `eval_x` -> `eval/x`, else `train/x`."""
+    """A metrics.jsonl name -> its grouped dashboard name: `eval_x` -> `eval/x`, NLLB-MoE's expert
+    load `moe_x` -> `moe/x`, else `train/x`."""
     if key.startswith("eval_"):
         return "eval/" + key[len("eval_") :]
+    if key.startswith("moe_"):
+        return "moe/" + key[len("moe_") :]
     return "train/" + key
 
 
