@@ -14,10 +14,10 @@ an entry here:
   save and report_to are the config's;
 - sizes: d_model 32, at most 4 heads, FFN 64, the fewest layers that give every stage a block
   (at least 2 per side, two blocks to spare under an explicit balance, one sparse layer per side
-  for MoE), at most 4 experts, vocabulary 256,
-  sentences of 16 tokens, micro-batches of 2 pairs or 64 tokens, m cut to pp, 4 optimizer steps
-  (or 2 epochs of 2 steps), a save every 2, evaluation before and after training on 8 samples,
-  decoding 12 tokens;
+  for MoE), at most 4 experts, vocabulary 256, sentences of 16 tokens, micro-batches of 2 pairs
+  or 64 tokens, m cut to pp, 4 optimizer steps (or 2 epochs of 2 steps), a save every 2 where the
+  config saves every N, evaluation before and after training on at most 8 sentences per
+  direction, decoding 12 tokens;
 - data the box does not have (`/data/...`) becomes small JSON-lines files written by the test
   from the built-in corpus, keyed by the config's own codes (`eng_Latn` <- `en` through ISO 639-3);
   `dataset_name: builtin` stays, with fewer items;
@@ -133,9 +133,11 @@ def mesh_flags(file: dict[str, Any]) -> tuple[dict[str, int], dict[str, Any], li
         cut.append(f"dp -1 (inferred {dp})")
     mesh = {"pp": pp, "dp": dp, "tp": tp}
     if ep_cfg > 1:
-        mesh["ep"] = math.gcd(ep_cfg, dp)  # run_summary.json names ep where experts are spread
-        flags["expert_parallel_size"] = mesh["ep"]
-        cut.append(f"ep {ep_cfg}->{mesh['ep']}")
+        ep = math.gcd(ep_cfg, dp)
+        flags["expert_parallel_size"] = ep
+        cut.append(f"ep {ep_cfg}->{ep}")
+        if ep > 1:  # run_summary.json names ep where experts are spread
+            mesh["ep"] = ep
     m = int(file.get("num_microbatches", 1))
     if pp > 1 and m > pp:
         flags["num_microbatches"] = pp
