@@ -130,7 +130,7 @@ def test_shipped_configs_rehearse_end_to_end(world: int, tmp_path: Path) -> None
     ]
     env = {"WANDB_MODE": "disabled", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
     results = run_distributed(
-        rehearse, world, args=(cases,), timeout=600, env=env, collective_timeout=120, preload=TRAINER_PRELOAD
+        rehearse, world, args=(cases,), timeout=600, env=env, collective_timeout=120
     )
     for r, case in zip(rehearsals, cases):
         per_rank = [rank_results[cases.index(case)] for rank_results in results]

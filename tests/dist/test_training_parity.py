@@ -58,7 +58,7 @@ def reference(tmp_path_factory) -> tuple[list, dict, str]:
     """Single process: the unsplit run, and the same with micro-batches + accumulation."""
     tmp = str(tmp_path_factory.mktemp("ref"))
     cases = [mesh(), mesh(m=4, gas=2)]
-    [hists] = run_distributed(train_cases, 1, args=(base_config(tmp), cases), timeout=300, preload=TRAINER_PRELOAD)
+    [hists] = run_distributed(train_cases, 1, args=(base_config(tmp), cases), timeout=300)
     return hists[0], {"m4-gas2": hists[1]}, f"{tmp}/run-0/tokenizer"
 
 
@@ -69,7 +69,6 @@ def _run(world: int, cases: dict, tmp: str, tokenizer: str) -> dict[str, list]:
         args=(base_config(tmp, tokenizer), list(cases.values())),
         timeout=900,
         collective_timeout=300,
-        preload=TRAINER_PRELOAD,
     )
     by_case = [next(r[i] for r in results if r[i] is not None) for i in range(len(cases))]
     return dict(zip(cases, by_case))
@@ -153,7 +152,7 @@ def test_layerdrop_same_layers_on_every_mesh(reference, tmp_path) -> None:
     )
     skipped = [layerdrop_skips(layers, base.get("seed", 42), s) for s in range(1, 6)]
     assert any(skipped) and not all(len(s) == 0 for s in skipped), skipped  # the test drops layers
-    [hists] = run_distributed(train_cases, 1, args=(base, [mesh(**LAYERDROP)]), timeout=300, preload=TRAINER_PRELOAD)
+    [hists] = run_distributed(train_cases, 1, args=(base, [mesh(**LAYERDROP)]), timeout=300)
     ref = hists[0]
     assert any(abs(a[1] - b[1]) > 1e-4 for a, b in zip(ref, ref_plain)), "LayerDrop changed nothing"
     cases = {
