@@ -51,6 +51,7 @@ from parallel.mesh import ParallelDims
 from trainer.checkpoint import dcp as ckpt
 from trainer.config.schema import (
     LAYERDROP_FIELDS,
+    MOE_ARCH_FIELDS,
     MOE_RUN_FIELDS,
     MOE_SESSION_FIELDS,
     SESSION_DROPOUTS,
@@ -83,13 +84,7 @@ MUST_MATCH: dict[str, tuple[str, ...]] = {
         "max_position_embeddings",
         "scale_embedding",
         "num_experts",  # NLLB-MoE architecture and routing recipe
-        "encoder_sparse_step",
-        "decoder_sparse_step",
-        "router_bias",
-        "second_expert_policy",
-        "normalize_router_prob_before_dropping",
-        "batch_prioritized_routing",
-        "moe_eval_capacity_token_fraction",
+        *MOE_ARCH_FIELDS,
     ),
     "data": (
         "seed",
