@@ -19,6 +19,7 @@ M = 2N assignment rows.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.attention import DropoutRng, dropout_at
 from models.moe.router import Routing
 
 
@@ -103,8 +105,13 @@ class Experts(nn.Module):
     Parameters (names mapped to transformers' `experts.expert_<e>.fc1.weight` by
     `expert_param_name`): fc1_weight (E_l, F, H), fc1_bias (E_l, F), fc2_weight (E_l, H, F),
     fc2_bias (E_l, H). `num_experts` is the global E, `expert_offset` the global index of
-    the first local expert (0 on one process).
+    the first local expert (0 on one process). The FFN-hidden dropout draws inside the hook
+    `activation_dropout_rng` (`models.attention.DropoutRng`), as a dense layer's does: tp points
+    it at a per-rank stream (`parallel.tp.rng`), each expert's F dim being split over tp.
     """
+
+    # A class default: the tp shards `parallel.expert.apply` builds with `__new__` have it too.
+    activation_dropout_rng: DropoutRng = nullcontext
 
     def __init__(
         self,
@@ -137,7 +144,7 @@ class Experts(nn.Module):
             h = self.act(batched_linear(x, self.fc1_weight, self.fc1_bias))  # (E_l, C, F)
         else:
             h = self.act(GroupedLinear.apply(x, self.fc1_weight, self.fc1_bias, groups))  # (M, F)
-        h = F.dropout(h, self.activation_dropout, self.training)
+        h = dropout_at(self.activation_dropout_rng, h, self.activation_dropout, self.training)
         if groups is None:
             y = batched_linear(h, self.fc2_weight, self.fc2_bias)
         else:

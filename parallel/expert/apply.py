@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from models.attention import dropout_at
 from models.m2m100 import M2M100Translation
 from models.moe import Experts, batched_linear
 from models.moe.experts import GroupedRows
@@ -175,6 +176,7 @@ class TensorParallelExperts(Experts):
             experts.activation_dropout,
             experts.dropout,
         )
+        out.activation_dropout_rng = experts.activation_dropout_rng  # per tp rank (parallel.tp.rng)
         out.group = group
         out.train(experts.training)
         for name, dim in TP_DIM.items():
@@ -196,7 +198,7 @@ class TensorParallelExperts(Experts):
             raise ValueError("TensorParallelExperts takes the (E_l, C, H) buffer, not grouped rows")
         x = copy_to_tp(x, self.group)
         h = self.act(batched_linear(x, self.fc1_weight, self.fc1_bias))  # (E_l, C, F/p)
-        h = F.dropout(h, self.activation_dropout, self.training)
+        h = dropout_at(self.activation_dropout_rng, h, self.activation_dropout, self.training)
         partial = batched_linear(h, self.fc2_weight, torch.zeros_like(self.fc2_bias))  # (E_l, C, H)
         y = reduce_from_tp(partial, self.group) + self.fc2_bias.to(partial.dtype)[:, None, :]
         return F.dropout(y, self.dropout, self.training)

@@ -6,6 +6,7 @@ Megatron draws the dropout of model-parallel regions from a per-tp-rank generato
     site                                         activations on rank r     stream
     attention probabilities (`Attention`)        heads [r h/p, (r+1) h/p)  fork(r)
     FFN hidden (`activation_dropout`)            columns [r F/p, (r+1) F/p) fork(r)
+      (also each expert's, NLLB-MoE)
     residual branches (`dropout`)                (B, T, H) replicated       shared
                                   with sequence parallelism: (B, T/p, H)    fork(r)
     embedding dropout                            (B, T, H) replicated       shared
@@ -37,6 +38,7 @@ from torch import nn
 
 from models.init import stable_seed
 from models.m2m100 import Attention, DecoderLayer, EncoderLayer
+from models.moe import Experts
 from parallel.rng import seeded
 
 
@@ -80,4 +82,7 @@ def install_tensor_parallel_rng(model: nn.Module, tp_rank: int, sequence_paralle
             if sequence_parallel:
                 module.dropout_rng = rng.fork
                 count += 1
+        elif isinstance(module, Experts):  # each expert's F is split over tp (parallel.expert.apply)
+            module.activation_dropout_rng = rng.fork
+            count += 1
     return count

@@ -386,6 +386,28 @@ def test_aux_loss_gradient_is_scale_times_d_aux() -> None:
     assert AuxLossScaler.apply(out, aux, scale) is not out
 
 
+def test_expert_activation_dropout_draws_per_tp_rank() -> None:
+    """Each expert's F is split over tp, so its hidden dropout draws per tp rank as a dense FFN's
+    does (`parallel.tp.rng`): the hook reaches `Experts` and the tp shard built from them (both
+    used to draw from the shared stream, the same mask pattern on every rank's F slice)."""
+    from parallel.expert.apply import TensorParallelExperts
+    from parallel.tp.rng import install_tensor_parallel_rng
+
+    torch.manual_seed(1)
+    x = torch.randn(E, 5, H)
+    outs = []
+    for tp_rank in (0, 1):
+        ex = Experts(H, FF, E, F.relu, activation_dropout=0.5).train()
+        for p in ex.parameters():
+            torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(2))
+        assert install_tensor_parallel_rng(ex, tp_rank, sequence_parallel=False) == 1
+        shard = TensorParallelExperts.from_experts(ex, None, 1, 0)  # type: ignore[arg-type]
+        assert shard.activation_dropout_rng == ex.activation_dropout_rng
+        torch.manual_seed(0)  # the shared stream: the same state on every tp rank
+        outs.append(ex(x))
+    assert not torch.equal(outs[0], outs[1])
+
+
 def test_keyed_expert_init_slices_equal_the_whole() -> None:
     name = "encoder.layers.3.ffn.experts.fc1_weight"
     whole = keyed_expert_init(name, LocalSlice.whole((E, FF, H)), 7, 0.02)
