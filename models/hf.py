@@ -107,7 +107,9 @@ def from_hf_config(hf_config: dict[str, Any]) -> ModelConfig:
     if model_type == MOE_MODEL_TYPE:
         kw.setdefault("num_experts", 128)  # NllbMoeConfig's default
         if int(kw["num_experts"]) < 2:
-            raise CheckpointMismatchError(f"an {MOE_MODEL_TYPE} config with num_experts={kw['num_experts']}")
+            raise CheckpointMismatchError(
+                f"num_experts={kw['num_experts']} in an {MOE_MODEL_TYPE} config; valid: >= 2 (top-2 routing)"
+            )
     return ModelConfig(**kw)
 
 

@@ -336,3 +336,12 @@ def test_export_reads_stacked_or_per_expert_checkpoint_entries(tmp_path: Path, p
 def _saved(hf: NllbMoeForConditionalGeneration, path: Path) -> Path:
     hf.save_pretrained(path)
     return path
+
+
+@pytest.mark.parametrize("num_experts", [0, 1])
+def test_nllb_moe_config_without_two_experts_is_one_line_naming_the_field(num_experts: int) -> None:
+    from models.errors import CheckpointMismatchError
+    from models.hf import from_hf_config
+
+    with pytest.raises(CheckpointMismatchError, match=rf"^num_experts={num_experts} .*valid: >= 2"):
+        from_hf_config({**HF_CFG, "model_type": "nllb-moe", "num_experts": num_experts})
