@@ -5,7 +5,7 @@
 
 One process (`one_process`): the same NLLB-MoE config (32 experts in every 2nd encoder and
 decoder layer), the same weights and the same batch, trained one optimizer step at a time
-(AdamW, clipping at 1.0, fp32, dropout 0.1 and expert output masking 0.2 on both sides):
+(fused AdamW, clipping at 1.0, fp32, dropout 0.1 and expert output masking 0.2 on both sides):
 
     ours             `build_parallel_model` on a one-rank mesh driven by `trainer.run.step.train_step`
                      (what `trainer.train` runs), capacity C = 2 ceil(N / E) (fairseq's): experts
@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 from models.config import ModelConfig  # noqa: E402
 from models.hf import to_hf_config, to_hf_state_dict  # noqa: E402
 from models.m2m100 import IGNORE_INDEX, M2M100Translation, Seq2SeqBatch  # noqa: E402
+from trainer.data.batching import FixedBatch  # noqa: E402
 
 GOAL = 0.5
 
@@ -92,17 +93,6 @@ def make_batch(mc: ModelConfig, b: int, s: int, seed: int = 0) -> Seq2SeqBatch:
     return Seq2SeqBatch(src, (src != mc.pad_token_id).long(), dec, lab)
 
 
-class _OneBatch:
-    """The `GlobalBatch` interface `train_step` reads, over one fixed batch."""
-
-    def __init__(self, batch: Seq2SeqBatch) -> None:
-        self.microbatches = [batch]
-        self.num_tokens, self.num_src_tokens = batch.num_tokens(), batch.num_src_tokens()
-
-    def shard(self, dp_rank: int) -> list[list[Seq2SeqBatch]]:
-        return [self.microbatches]
-
-
 def ours(base: M2M100Translation, batch: Seq2SeqBatch, dropless: bool, grouped: bool = True) -> Any:
     """One optimizer step of our engine on a one-rank mesh."""
     import copy
@@ -122,7 +112,7 @@ def ours(base: M2M100Translation, batch: Seq2SeqBatch, dropless: bool, grouped: 
     args = TrainingArguments(output_dir="/tmp/bench_moe", learning_rate=1e-4, max_steps=10**6)
     optimizer = build_optimizer(pm.model, args, only=pm.optimizer_params())
     scheduler = build_scheduler(optimizer, args)
-    gb = _OneBatch(batch)
+    gb = FixedBatch([batch])
     count = [0]
 
     def step() -> float:
@@ -151,7 +141,7 @@ def hf(base: M2M100Translation, batch: Seq2SeqBatch, capacity: int, fixed_combin
         for module in model.modules():
             if isinstance(module, modeling_nllb_moe.NllbMoeSparseMLP):
                 module.forward = _sparse_mlp_4_57.__get__(module)  # type: ignore[method-assign]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step() -> float:
         out = model(

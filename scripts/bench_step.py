@@ -4,8 +4,8 @@
     python scripts/bench_step.py --cases 418m,1.2b --compile  # a GPU
 
 Both sides train the same M2M100 architecture from the same weights on the same
-batch (fp32 on a CPU, bf16 on a GPU), with AdamW (foreach on a CPU, fused on a
-GPU) and clipping at 1.0. "Ours" is `build_parallel_model` on a one-rank mesh
+batch (fp32 on a CPU, bf16 on a GPU), with fused AdamW (what `build_optimizer`
+uses) and clipping at 1.0. "Ours" is `build_parallel_model` on a one-rank mesh
 driven by `trainer.run.step.train_step`, exactly what `trainer.train` runs; "HF" is
 `M2M100ForConditionalGeneration` (sdpa attention) in a plain loop, with m
 micro-batches accumulated when the case has m > 1; "HF compile" the same under
@@ -41,6 +41,7 @@ from models.config import ModelConfig  # noqa: E402
 from models.hf import to_hf_config, to_hf_state_dict  # noqa: E402
 from models.m2m100 import IGNORE_INDEX, M2M100Translation, Seq2SeqBatch  # noqa: E402
 from parallel.dispatch_count import DispatchCounter  # noqa: E402
+from trainer.data.batching import FixedBatch  # noqa: E402
 from trainer.run.flops import peak_flops, step_flops  # noqa: E402
 
 
@@ -109,20 +110,6 @@ def make_batch(c: Case, mc: ModelConfig, seed: int = 0) -> Seq2SeqBatch:
 # ----------------------------------------------------------------------------- the two sides
 
 
-class _OneBatch:
-    """The `GlobalBatch` interface `train_step` reads, over one fixed batch."""
-
-    def __init__(self, batch: Seq2SeqBatch, m: int) -> None:
-        self.microbatches = batch.split(m)
-        self.num_tokens, self.num_src_tokens = batch.num_tokens(), batch.num_src_tokens()
-
-    def shard(self, dp_rank: int) -> list[list[Seq2SeqBatch]]:
-        return [self.microbatches]
-
-    def slot_ids(self, dp_rank: int) -> list[list[int]]:
-        return [list(range(len(self.microbatches)))]
-
-
 def ours(
     base: M2M100Translation,
     c: Case,
@@ -154,7 +141,7 @@ def ours(
     args = TrainingArguments(output_dir="/tmp/bench_step", learning_rate=1e-4, max_steps=10**6)
     optimizer = build_optimizer(pm.model, args, only=pm.optimizer_params())
     scheduler = build_scheduler(optimizer, args)
-    gb = _OneBatch(batch, c.m)
+    gb = FixedBatch(batch.split(c.m))
     count = [0]
 
     def step() -> torch.Tensor:
@@ -183,10 +170,7 @@ def hf(
     tied = ("embed_positions", "embed_tokens")  # computed positions; tied copies of model.shared
     assert not unexpected and all(any(t in k for t in tied) for k in missing), (missing, unexpected)
     model = model.to(device).train()
-    on_cuda = device.type == "cuda"
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=1e-4, fused=on_cuda or None, foreach=None if on_cuda else True
-    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     fwd = torch.compile(model) if compile_ else model
     chunks = [mb.to(device) for mb in batch.split(c.m)]
     ntok = batch.num_tokens()

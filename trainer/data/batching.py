@@ -182,6 +182,23 @@ def _token_slots(order: np.ndarray, lengths: np.ndarray, layout: BatchLayout) ->
     return batches  # the trailing partial global batch is dropped
 
 
+class FixedBatch:
+    """One fixed list of micro-batches read through the `GlobalBatch` interface that
+    `trainer.run.step.train_step` uses (one replica, one flush): what the planner's measurements
+    and the step benchmarks drive the real step with."""
+
+    def __init__(self, microbatches: Sequence[Seq2SeqBatch]) -> None:
+        self.microbatches = list(microbatches)
+        self.num_tokens = sum(b.num_tokens() for b in self.microbatches)
+        self.num_src_tokens = sum(b.num_src_tokens() for b in self.microbatches)
+
+    def shard(self, dp_rank: int) -> list[list[Seq2SeqBatch]]:
+        return [self.microbatches]
+
+    def slot_ids(self, dp_rank: int) -> list[list[int]]:
+        return [list(range(len(self.microbatches)))]
+
+
 class GlobalBatchSampler:
     """Length-bucketed, seeded, resumable sequence of global batches over epochs.
 

@@ -23,6 +23,7 @@ from models.m2m100 import M2M100Translation
 from parallel.pipeline.profile import BlockPhases
 from trainer.config.pretrained import pretrained_sources
 from trainer.config.schema import JobConfig
+from trainer.data.batching import FixedBatch
 from trainer.errors import DataError
 from trainer.planner.blocks import (
     SPARSE,
@@ -239,21 +240,6 @@ def _ping_pong(rank: int, port: int, repeats: int, queue) -> None:  # type: igno
     dist.destroy_process_group()
 
 
-class _FixedBatch:
-    """The slice of `trainer.data.batching.GlobalBatch` that `trainer.run.step.train_step` reads."""
-
-    def __init__(self, batches: list[Any]) -> None:
-        self.batches = batches
-        self.num_tokens = sum(b.num_tokens() for b in batches)
-        self.num_src_tokens = sum(b.num_src_tokens() for b in batches)
-
-    def shard(self, dp_rank: int) -> list[list[Any]]:
-        return [self.batches]
-
-    def slot_ids(self, dp_rank: int) -> list[list[int]]:
-        return [list(range(len(self.batches)))]
-
-
 def measure_overheads(
     cfg: JobConfig, mc: ModelConfig, shape: Shape, kinds: KindCosts, opt_s_per_param: float, repeats: int = 5
 ) -> tuple[float, float]:
@@ -295,7 +281,7 @@ def _step_overheads(cfg, mc, shape, kinds, opt_s_per_param, repeats, mesh) -> di
         pm = build_parallel_model(model, mesh, [len(model.blocks)], m, "1f1b", 1, "none", 0.0)
         opt = build_optimizer(pm.model, cfg.training, only=pm.optimizer_params())
         sched = build_scheduler(opt, cfg.training)
-        batch = _FixedBatch([synthetic_batch(mc, shape, seed=i) for i in range(m)])
+        batch = FixedBatch([synthetic_batch(mc, shape, seed=i) for i in range(m)])
         n_params = sum(p.numel() for p in pm.model.parameters())
         samples = []
         for i in range(repeats + 1):
