@@ -193,7 +193,8 @@ def _previous_run(out: Path) -> None:
     for name in ("checkpoint-30", "checkpoint-31", "tokenizer"):
         (out / name).mkdir(parents=True)
     (out / "checkpoint-30" / COMMIT_MARKER).write_text("ok\n")
-    for name in ("metrics.jsonl", "run_summary.json", "config.yaml", "model_config.json", "notes.txt"):
+    names = ("metrics.jsonl", "run_summary.json", "config.yaml", "model_config.json", "notes.txt")
+    for name in (*names, "predict_results.json", "predictions_en-de.txt", "generated_predictions.txt"):
         (out / name).write_text("earlier run")
 
 
@@ -219,6 +220,7 @@ def test_overwrite_moves_the_earlier_run_aside_until_the_first_commit(
             ]  # notes: not ours
             assert ckpt.resolve_resume("latest", out) is None
             assert (held / "checkpoint-30" / COMMIT_MARKER).is_file() and (held / "tokenizer").is_dir()
+            assert (held / "predictions_en-de.txt").is_file()  # do_predict's files are the run's too
             with pytest.raises(OutputDirBusyError):  # held for the block's life
                 OutputDirLock(out).acquire()
         assert any("moved the earlier run's outputs" in r.message for r in caplog.records)

@@ -146,6 +146,33 @@ def test_options_that_would_do_nothing_are_refused_in_one_line(
             assert validate_early(load_config_dict({**base, **values, **fix}), world=2)
 
 
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"moe_dropless": True}, r"^moe_dropless=True applies to NLLB-MoE models only, but this model is dense"),
+        ({"encoder_sparse_step": 2}, r"^encoder_sparse_step=2 applies to NLLB-MoE models only"),
+        ({"router_aux_loss_coef": 0.0}, r"^router_aux_loss_coef=0\.0 applies to NLLB-MoE models only"),
+        # experts in no layer: 3 + 3 layers, every 4th sparse would be layer 4 (review of issue 24)
+        ({"num_experts": 4, "encoder_sparse_step": 0, "decoder_sparse_step": 4},
+         r"^num_experts=4 does nothing: encoder_sparse_step=0 and decoder_sparse_step=4 make none of the 3"),
+        ({"num_experts": 4, "encoder_sparse_step": 2, "moe_dropless": True, "moe_capacity_factor": 2.0},
+         r"^moe_capacity_factor=2\.0 does nothing with moe_dropless=True"),
+    ],
+)  # fmt: skip
+def test_moe_fields_that_would_do_nothing_are_refused_in_one_line(
+    values: dict[str, object], message: str
+) -> None:
+    from trainer.config.parse import load_config_dict
+    from trainer.run.preflight import validate_early
+
+    base = {"dataset_name": "builtin", "language_pairs": ["en-de", "de-en"]}
+    with pytest.raises(ConfigError, match=message) as err:
+        validate_early(load_config_dict({**base, **values}), world=1)
+    assert "\n" not in str(err.value)
+    acting = {"num_experts": 4, "encoder_sparse_step": 2, "decoder_sparse_step": 2, "moe_dropless": True}
+    assert validate_early(load_config_dict({**base, **acting}), world=1).dp == 1
+
+
 def test_options_transformers_accepts_are_warned_about_naming_the_field() -> None:
     from trainer.config.parse import load_config_dict
     from trainer.run.preflight import idle_option_warnings

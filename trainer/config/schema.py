@@ -150,8 +150,16 @@ class ModelArguments:
         """The NLLB-MoE run fields fit `arch` (the model this run trains).
 
         Raises:
-            ConfigError: an MoE field set for a dense model, naming the field.
+            ConfigError: an MoE field set for a dense model, naming the field; num_experts with no
+                sparse layer (every FFN dense: the experts would do nothing).
         """
+        if arch.is_moe and not arch.sparse_layers():
+            raise ConfigError(
+                f"num_experts={arch.num_experts} does nothing: encoder_sparse_step={arch.encoder_sparse_step} "
+                f"and decoder_sparse_step={arch.decoder_sparse_step} make none of the {arch.encoder_layers} "
+                f"encoder and {arch.decoder_layers} decoder layers sparse; set a step between 1 and the "
+                "layer count, or num_experts: 0 for a dense model"
+            )
         if arch.is_moe:
             return
         defaults = {f.name: f.default for f in fields(self)}

@@ -71,8 +71,11 @@ RUN_OUTPUTS = (
     "model_config.json",
     "tokenizer",
     "runs",  # TensorBoard: one directory, so an earlier run's event files would mix into the new curves
+    "predict_results.json",  # do_predict (trainer.eval.predict), with the files _PREDICTIONS_RE names
+    "generated_predictions.txt",
 )
 _CKPT_RE = re.compile(r"^checkpoint-\d+$")
+_PREDICTIONS_RE = re.compile(r"^predictions_.+\.txt$")  # predictions_<direction>.txt
 EARLIER_RUN = "overwritten_run"  # where overwrite_output_dir moves the earlier run until this one commits
 logger = logging.getLogger("trainer")
 
@@ -159,7 +162,7 @@ def prepare_fresh_start(out: Path, args: TrainingArguments) -> None:
         )
     from trainer.checkpoint.commit import is_complete
 
-    ours = sorted(p for p in present if p.name in RUN_OUTPUTS or (_CKPT_RE.match(p.name) and p.is_dir()))
+    ours = sorted(p for p in present if _is_run_output(p))
     held = out / EARLIER_RUN
     if held.exists() and not any(is_complete(p) for p in ours):  # the run between committed nothing
         for p in ours:
@@ -178,6 +181,15 @@ def prepare_fresh_start(out: Path, args: TrainingArguments) -> None:
     names = ", ".join(p.name for p in ours)
     logger.info("overwrite_output_dir: moved the earlier run's outputs (%s) to %s; they are removed when "
                 "this run commits its first checkpoint", names, held)  # fmt: skip
+
+
+def _is_run_output(p: Path) -> bool:
+    """What a run writes into output_dir (RUN_OUTPUTS, its checkpoints and predictions)."""
+    return (
+        p.name in RUN_OUTPUTS
+        or bool(_CKPT_RE.match(p.name) and p.is_dir())
+        or bool(_PREDICTIONS_RE.match(p.name))
+    )
 
 
 def discard_earlier_run(out: Path) -> None:

@@ -16,7 +16,7 @@ from models.config import ModelConfig
 from parallel.mesh import ParallelDims
 from trainer.config.dims import parallel_dims
 from trainer.config.pretrained import pretrained_sources
-from trainer.config.schema import LAYERDROP_FIELDS, JobConfig
+from trainer.config.schema import LAYERDROP_FIELDS, MOE_RUN_DEFAULTS, JobConfig
 from trainer.config.training_args import TrainingArguments
 from trainer.data.sources import run_languages
 from trainer.errors import ConfigError
@@ -152,6 +152,12 @@ def refuse_idle_options(cfg: JobConfig, dims: ParallelDims) -> None:
         raise ConfigError(
             f"early_stopping_threshold={tr.early_stopping_threshold} does nothing without "
             "early_stopping_patience; remove it, or set early_stopping_patience"
+        )
+    m = cfg.model
+    if m.moe_dropless and m.moe_capacity_factor != MOE_RUN_DEFAULTS["moe_capacity_factor"]:
+        raise ConfigError(
+            f"moe_capacity_factor={m.moe_capacity_factor} does nothing with moe_dropless=True (dropless "
+            "routing has no capacity); remove it, or set moe_dropless: false"
         )
     if cfg.data.sampling_temperature != 1.0 and len(cfg.data.directions()) == 1:
         raise ConfigError(
