@@ -14,7 +14,9 @@ like a dense one, fc1 column-parallel (F rows), fc2 row-parallel (F columns):
     buffer (E_l, C, H) --f--> act(x W1_r^T + b1_r) W2_r^T --g--> + b2     (E_l, C, H)
 
 with f = identity forward / all-reduce backward and g = all-reduce forward / identity backward
-(`parallel.tp.comm`); b2 is replicated and added once, after the sum. The router stays
+(`parallel.tp.comm`); b2 is replicated and added once, after the sum. The activation dropout
+of the split hidden draws from the rank's tp fork (`parallel.tp.rng`), the output's from the
+shared stream (every tp rank holds the same rows), as for a dense FFN. The router stays
 replicated: every tp rank routes the same tokens and sends them over its own ep group.
 Under sequence parallelism the sparse FFN sees the whole routing group (the micro-batch):
 `parallel.tp.apply.enable_sequence_parallel` all-gathers its input along T and splits its
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from models.attention import DropoutRng, dropout_at
 from models.m2m100 import M2M100Translation
 from models.moe import Experts, batched_linear
 from models.moe.experts import GroupedRows
@@ -45,6 +48,7 @@ from parallel.expert.dispatch import A2AStats, AllToAllDispatcher, ReplicatedDis
 from parallel.expert.params import mark_expert_param
 from parallel.tp.comm import copy_to_tp, reduce_from_tp
 from parallel.tp.layers import _mark
+from parallel.tp.rng import TensorParallelRng
 
 # Stacked expert parameter -> the dim tp splits (F), or None (replicated over tp).
 TP_DIM = {"fc1_weight": 1, "fc1_bias": 1, "fc2_weight": 2, "fc2_bias": None}
@@ -161,6 +165,7 @@ class TensorParallelExperts(Experts):
     """
 
     group: ProcessGroup
+    activation_dropout_rng: DropoutRng
 
     @classmethod
     def from_experts(
@@ -176,6 +181,7 @@ class TensorParallelExperts(Experts):
             experts.dropout,
         )
         out.group = group
+        out.activation_dropout_rng = TensorParallelRng(tp_rank).fork  # the hidden's columns differ
         out.train(experts.training)
         for name, dim in TP_DIM.items():
             param: nn.Parameter = getattr(experts, name)
@@ -196,7 +202,7 @@ class TensorParallelExperts(Experts):
             raise ValueError("TensorParallelExperts takes the (E_l, C, H) buffer, not grouped rows")
         x = copy_to_tp(x, self.group)
         h = self.act(batched_linear(x, self.fc1_weight, self.fc1_bias))  # (E_l, C, F/p)
-        h = F.dropout(h, self.activation_dropout, self.training)
+        h = dropout_at(self.activation_dropout_rng, h, self.activation_dropout, self.training)
         partial = batched_linear(h, self.fc2_weight, torch.zeros_like(self.fc2_bias))  # (E_l, C, H)
         y = reduce_from_tp(partial, self.group) + self.fc2_bias.to(partial.dtype)[:, None, :]
         return F.dropout(y, self.dropout, self.training)
