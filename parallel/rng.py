@@ -27,6 +27,9 @@ What follows, axis by axis:
 * tp: the mesh changes the masks only through the tp size and rank (tp-split sites draw
   shapes and streams of the rank's shard): tp=2 and tp=1 agree in distribution, not bit
   for bit (measured in `tests/dist/test_tensor_parallel.py`);
+* ep: the exception. An expert's dropout (`models.moe.Experts`) masks its buffer of tokens
+  gathered from the ep group with the stream of the micro-batch its rank runs, so these masks
+  change with ep (their distribution does not);
 * restarts: nothing to save: the key holds the step, so a resumed run draws the masks the
   uninterrupted one drew (the RNG files of `trainer.checkpoint` are for everything else);
 * remat: every block re-seeds at its start, and a tp fork takes its seed from the CPU

@@ -71,11 +71,14 @@ def forget_forwards(model: nn.Module) -> None:
     prefetch reads: `FSDPParamGroup._backward_prefetch` gathers the unit recorded just before the
     current one. Only a backward clears it; evaluation runs forwards without one (the decoding
     of each dp replica a different number), so the next training backward would prefetch a
-    different unit on each rank: all-gathers that do not match, a hang."""
+    different unit on each rank: all-gathers that do not match, a hang. Before the root's first
+    forward (FSDP's lazy init) there is no record yet, and nothing to clear."""
     for state in all_states(model):
         for group in param_groups(state):
             group._post_forward_indices.clear()
-    fsdp_state(model)._comm_ctx.post_forward_order.clear()
+    order = getattr(fsdp_state(model)._comm_ctx, "post_forward_order", None)  # set by lazy init
+    if order is not None:
+        order.clear()
 
 
 def local_tensor(t: Tensor) -> Tensor:

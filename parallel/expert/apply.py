@@ -14,7 +14,9 @@ like a dense one, fc1 column-parallel (F rows), fc2 row-parallel (F columns):
     buffer (E_l, C, H) --f--> act(x W1_r^T + b1_r) W2_r^T --g--> + b2     (E_l, C, H)
 
 with f = identity forward / all-reduce backward and g = all-reduce forward / identity backward
-(`parallel.tp.comm`); b2 is replicated and added once, after the sum. The router stays
+(`parallel.tp.comm`); b2 is replicated and added once, after the sum. The activation dropout
+of the split hidden draws from the rank's tp fork (`parallel.tp.rng`), the output's from the
+shared stream (every tp rank holds the same rows), as for a dense FFN. The router stays
 replicated: every tp rank routes the same tokens and sends them over its own ep group.
 Under sequence parallelism the sparse FFN sees the whole routing group (the micro-batch):
 `parallel.tp.apply.enable_sequence_parallel` all-gathers its input along T and splits its

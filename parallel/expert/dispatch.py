@@ -144,11 +144,12 @@ class AllToAllDispatcher:
         n, h = x.shape
         e_global = experts.num_experts
         e_local = e_global // self.ep
-        expert = routing.expert_index.reshape(-1)  # (2N,) assignment a = token a // 2, choice a % 2
-        kept = (routing.slot.reshape(-1) >= 0).nonzero().squeeze(1)  # (A,)
-        order = kept[torch.argsort(expert[kept], stable=True)]  # (A,) sorted by expert, then token
-        sorted_expert = expert[order]
-        counts = torch.bincount(sorted_expert, minlength=e_global)  # (E,) rows to each expert
+        # (2N,) assignment a = token a // 2, choice a % 2: its expert, or E where dropped. No
+        # `nonzero` / `bincount` (each reads the device on CUDA): A is read with the counts.
+        key = torch.where(routing.slot.reshape(-1) >= 0, routing.expert_index.reshape(-1), e_global)
+        order = torch.argsort(key, stable=True)  # (2N,) kept ones by expert, then token; dropped last
+        counts = torch.zeros(e_global + 1, dtype=torch.long, device=x.device)
+        counts = counts.scatter_add_(0, key, torch.ones_like(key))[:e_global]  # (E,) rows to each expert
         from_peers = counts.new_empty(e_global)  # (P * E_l,): [q, j] rows peer q sends my expert j
         with watchdog.waiting(watchdog.collective("ep all-to-all of expert counts", self.group)):
             dist.all_to_all_single(from_peers, counts, group=self.group)
@@ -157,6 +158,7 @@ class AllToAllDispatcher:
         send = [sum(send_e[q * e_local : (q + 1) * e_local]) for q in range(self.ep)]
         recv = [sum(recv_qe[q * e_local : (q + 1) * e_local]) for q in range(self.ep)]
         per_expert = [sum(recv_qe[q * e_local + j] for q in range(self.ep)) for j in range(e_local)]
+        order = order[: sum(send_e)]  # (A,) the kept assignments
         token = order // 2
         rows = all_to_all(x.index_select(0, token), recv, send, self.group, self.stats)  # (R, H)
         gate = routing.gate.reshape(-1)[order]

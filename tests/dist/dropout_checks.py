@@ -6,6 +6,9 @@ T/p slices of the residual stream) dropped the same pattern. Now split sites dra
 and replicated ones agree; the union of the ranks' masks is one mask of the full
 activation, which the single-device model, fed those masks, turns into the same logits.
 
+A sparse (NLLB-MoE) model with tp over its experts' FFN dim (`TensorParallelExperts`) is
+checked alike: the experts' hidden (E, C, F/p) is split, their output (E, C, H) replicated.
+
 Masks are read where CPU dropout draws them (`aten.bernoulli_`, in call order, which is
 the same on every rank and on one device).
 """
@@ -13,6 +16,7 @@ the same on every rank and on one device).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import Any
 
@@ -23,9 +27,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.config import ModelConfig
 from models.m2m100 import M2M100Translation, Seq2SeqBatch
+from models.moe import LocalDispatcher
+from parallel.expert.apply import apply_expert_parallel
 from parallel.tp.apply import apply_tensor_parallel
 
 D_MODEL, FFN, LENGTH = 32, 96, 8  # FFN / p never equals d_model (p = 2, 4): sites tell apart by shape
+EXPERTS = 5  # a sparse model's expert masks (E, C, .) tell apart from (B, T, .) ones (B = 3)
 
 
 def dropout_config(vocab: int) -> ModelConfig:
@@ -65,6 +72,8 @@ class _Masks(TorchDispatchMode):
 
 def _site(mask: Tensor, p: int) -> tuple[str, int | None]:
     """(kind, the dim the ranks split) of a mask from its local shape."""
+    if mask.dim() == 3 and mask.shape[0] == EXPERTS:  # the buffer layout (E, C, .)
+        return ("expert ffn columns", -1) if mask.shape[-1] == FFN // p else ("expert outputs", None)
     if mask.dim() == 4:
         return "attention heads", 1  # (B, h/p, T, S)
     if mask.shape[-1] == FFN // p:
@@ -74,14 +83,25 @@ def _site(mask: Tensor, p: int) -> tuple[str, int | None]:
     return "residual T/p slice", 1  # (B, T/p, H) under sequence parallelism
 
 
-def check_masks_per_rank(group: Any, sequence_parallel: bool, batch: Seq2SeqBatch, vocab: int) -> None:
+def check_masks_per_rank(
+    group: Any, sequence_parallel: bool, batch: Seq2SeqBatch, vocab: int, sparse: bool = False
+) -> None:
     """Split sites differ across ranks, replicated ones agree, and their union is the mask the
-    single-device model needs for the same logits."""
+    single-device model needs for the same logits. `sparse`: every 2nd layer an MoE layer, its
+    experts split over tp (the single-device experts on the buffer layout, as tp's)."""
     p = dist.get_world_size(group)
     torch.manual_seed(0)
-    ref = M2M100Translation(dropout_config(vocab)).train()
+    config = dropout_config(vocab)
+    if sparse:
+        config = dataclasses.replace(
+            config, num_experts=EXPERTS, encoder_sparse_step=2, decoder_sparse_step=2, moe_token_dropout=0.0
+        )
+    ref = M2M100Translation(config).train()
+    for ffn in ref.sparse_ffns().values():
+        ffn.dispatcher = LocalDispatcher(grouped=False)
     model = copy.deepcopy(ref)
     info = apply_tensor_parallel(model, group, sequence_parallel=sequence_parallel)
+    apply_expert_parallel(model, None, group)
     torch.manual_seed(7)  # the same global generator state on every rank, as the trainer seeds
     with _Masks() as rec:
         local_logits = model(batch)
@@ -100,6 +120,7 @@ def check_masks_per_rank(group: Any, sequence_parallel: bool, batch: Seq2SeqBatc
             assert not same, f"mask {i} ({kind}, {tuple(local.shape)}) is the same on every tp rank"
             full.append(torch.cat(ranks, dim=dim))
     expected = {"attention heads", "ffn columns", "replicated"}
+    expected |= {"expert ffn columns", "expert outputs"} if sparse else set()
     assert kinds == expected | ({"residual T/p slice"} if sequence_parallel else set()), kinds
     with _Masks(replay=full):
         ref_logits = ref(batch)

@@ -3,7 +3,8 @@
 `trainer_cases` runs the real trainer on each case. `mesh_cases` builds, on one spawned group, the (pp, dp, tp, ep) model of each case stage- and
 expert-locally (meta device, keyed init), trains 3 AdamW steps and compares the per-step loss
 and grad norm with one process computed on the same rank (a plain model, no collectives) that
-routes the same micro-batches.
+routes the same micro-batches. `dispatch_edges` checks the all-to-all dispatcher alone where
+ranks send or receive nothing.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from models.config import ModelConfig
 from models.m2m100 import M2M100Translation, Seq2SeqBatch, block_specs
+from models.moe import Experts, LocalDispatcher, Routing
+from models.moe.experts import GroupedRows
 from tests.dist.pipeline_workers import TINY, random_batch
 
 MOE = dict(TINY, num_experts=4, encoder_sparse_step=2, decoder_sparse_step=2, moe_token_dropout=0.0)
@@ -200,6 +204,85 @@ def trainer_cases(rank: int, world: int, base: dict[str, Any], cases: list[dict[
     return out
 
 
+def _edge_routing(case: str, rank: int, world: int, experts: int, h: int) -> tuple[Tensor, Routing]:
+    """This rank's tokens and routing for an edge case of `dispatch_edges` (slots in token order)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    n = 0 if case == "no tokens anywhere" else 5 + rank
+    low = experts // world if case == "nothing to rank 0" else 0  # rank 0 holds experts [0, E / world)
+    pairs = [torch.randperm(experts - low, generator=g)[:2] + low for _ in range(n)]
+    index = torch.stack(pairs) if n else torch.zeros(0, 2, dtype=torch.long)
+    kept = torch.rand(n, 2, generator=g) >= 0.3  # some assignments dropped (capacity)
+    if case == "last rank keeps none":
+        kept &= rank != world - 1
+    slot = torch.full((n, 2), -1, dtype=torch.long)
+    seen: dict[int, int] = {}
+    for a, e in enumerate(index.reshape(-1).tolist()):
+        if kept.reshape(-1)[a]:
+            slot.view(-1)[a] = seen.get(e, 0)
+            seen[e] = int(slot.view(-1)[a]) + 1
+    gate = torch.rand(n, 2, generator=g) * kept
+    tokens = torch.bincount(index.reshape(-1), minlength=experts)
+    return torch.randn(n, h, generator=g), Routing(
+        index, gate, slot, torch.zeros(()), tokens, torch.zeros((), dtype=torch.long), None
+    )
+
+
+def _rel(got: Tensor, want: Tensor) -> float:
+    """Largest error relative to the largest reference value (1 for an all-zero reference)."""
+    return float((got - want).abs().max()) / max(1.0, float(want.abs().max())) if want.numel() else 0.0
+
+
+def dispatch_edges(rank: int, world: int) -> dict[str, float]:
+    """`AllToAllDispatcher` over the whole group (ep = world, 2 experts per rank) against the
+    one-process `LocalDispatcher` with every expert, on both layouts: routings where a rank keeps
+    no assignment, no rank sends to rank 0's experts, or no rank has a token. Per case and layout
+    the largest relative error (`_rel`) of the output, the input's gradient and this rank's
+    expert gradients (the reference's summed over the ranks); every rank enters every collective, so a miss hangs."""
+    from unittest import mock
+
+    import torch.nn.functional as F
+
+    from parallel.expert import dispatch
+
+    experts, h, ffn = 2 * world, 8, 8
+    torch.manual_seed(0)
+    full = Experts(h, ffn, experts, F.relu)
+    with torch.no_grad():
+        for p in full.parameters():
+            p.normal_()
+    first = 2 * rank
+    mine = Experts(h, ffn, experts, F.relu, local=(first, first + 2))
+    with torch.no_grad():
+        for name, p in mine.named_parameters():
+            p.copy_(getattr(full, name)[first : first + 2])
+    out = {}
+    for case in ("mixed", "last rank keeps none", "nothing to rank 0", "no tokens anywhere"):
+        for grouped in (True, False):
+            x, routing = _edge_routing(case, rank, world, experts, h)
+            x.requires_grad_(True)
+            full.zero_grad(), mine.zero_grad()
+            with mock.patch.object(dispatch, "grouped_mm_runs", lambda _: grouped):
+                a2a = dispatch.AllToAllDispatcher(dist.group.WORLD)
+                rows, ctx = a2a.dispatch(x, routing, mine)
+                y = a2a.combine(mine(rows, ctx) if isinstance(ctx, GroupedRows) else mine(rows), routing, ctx)
+            y.sum().backward()
+            x_ref = x.detach().clone().requires_grad_(True)
+            local = LocalDispatcher(grouped=False)
+            buffer, ctx_ref = local.dispatch(x_ref, routing, full)
+            y_ref = local.combine(full(buffer), routing, ctx_ref)
+            y_ref.sum().backward()
+            assert x.grad is not None and x_ref.grad is not None
+            errs = [_rel(y, y_ref), _rel(x.grad, x_ref.grad)] if len(x) else []
+            for name, p in full.named_parameters():
+                got = getattr(mine, name).grad
+                assert p.grad is not None and got is not None, f"{case}: {name} has no gradient"
+                summed = p.grad.clone()
+                dist.all_reduce(summed)
+                errs.append(_rel(got, summed[first : first + 2]))
+            out[f"{case}, {'grouped' if grouped else 'buffer'}"] = max(errs)
+    return out
+
+
 def group_run(
     rank: int,
     world: int,
@@ -215,6 +298,7 @@ def group_run(
         "trainer": trainer_cases(rank, world, base, runs),
         "meshes": mesh_cases(rank, world, cases),
         "reshard": reshard_cases(rank, world, tmp, save, loads),
+        "dispatch": dispatch_edges(rank, world),
     }
 
 

@@ -267,6 +267,9 @@ def generate_after_training(rank: int, world: int, pp: int, tp: int) -> tuple[li
     dp = world // (pp * tp)
     pm = build(world, pp, dp, tp, "1f1b", 2)
     opt = _adamw(pm.optimizer_params())
+    assert pm.fsdp is not None
+    with pm.fsdp.gathered():  # before any forward (FSDP not lazily initialised yet): nothing run
+        pass
     _train_one(pm, opt, step=0)
     _, _, ref_params = reference_run(1)
     base = M2M100Translation(pm.model.config)
@@ -281,7 +284,6 @@ def generate_after_training(rank: int, world: int, pp: int, tp: int) -> tuple[li
     # Replicas make different numbers of calls (as the last batches of a split evaluation set
     # do) inside one outer gather, as `trainer.eval.runner.translate_on_mesh` does: the calls'
     # own gathers nest and must not issue dp collectives (they would not match: a hang).
-    assert pm.fsdp is not None
     with pm.fsdp.gathered():
         for beams in (1, 3) if pm.mesh.dp_rank == 0 else (3,):
             got = pipeline_generate(pm, ids, mask, 5, SearchSettings(num_beams=beams, max_length=8))

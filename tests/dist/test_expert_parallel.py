@@ -26,6 +26,7 @@ Below the trainer (`tests/dist/expert_workers.py`; a 4-expert model built stage-
 expert-locally, 3 AdamW steps, one process computed on each rank): ZB-V with full remat and
 keyed routing randomness (`sampling` second expert, expert output masking), interleaved 1F1B
 with stage remat and the aux loss, tp over the experts' FFN dim with sequence parallelism,
+the all-to-all dispatcher alone where ranks send or receive nothing,
 ZeRO-1 with capacity drops and FSDP over edp (with and without a pipeline), within 1e-5; and a DCP checkpoint of a
 (dp 4, ep 2) run (per-expert transformers names, AdamW state) resuming on ep 4, on pp x tp
 with ep 1, on tp x ep with ZeRO-1 and on FSDP.
@@ -228,6 +229,15 @@ def test_below_the_trainer_every_family_equals_one_process(group4) -> None:
         if not case.dropless:
             assert r["dropped"] > 0, f"{name}: capacity dropped nothing; the case tests nothing"
     assert not bad, bad
+
+
+def test_dispatch_where_ranks_send_or_receive_nothing_equals_one_process(group4) -> None:
+    """The all-to-all dispatcher alone (ep 4, both layouts) when a rank keeps no assignment, no rank
+    routes to rank 0's experts, or no rank has a token: output and gradients as one process."""
+    for rank, res in enumerate(group4["results"]):
+        assert len(res["dispatch"]) == 8, res["dispatch"]
+        for case, err in res["dispatch"].items():
+            assert err <= TOL_BELOW, f"rank {rank}, {case}: {err}"
 
 
 def test_checkpoint_reshards_across_expert_parallel_sizes(group4) -> None:

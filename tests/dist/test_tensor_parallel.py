@@ -270,6 +270,7 @@ CHECKS: dict[str, Callable[[Any], Any]] = {
     "pruned_stage": _check_pruned_stage,
     "dropout_masks": lambda group: check_masks_per_rank(group, False, _batch(), VOCAB),
     "dropout_masks_sequence_parallel": lambda group: check_masks_per_rank(group, True, _batch(), VOCAB),
+    "dropout_masks_experts": lambda group: check_masks_per_rank(group, False, _batch(), VOCAB, sparse=True),
     # measured at tp=2 only (the quick tier's time): the mask checks cover tp=4
     "dropout_expected_loss": lambda group: (
         expected_loss_gap(group, _batch(), VOCAB) if dist.get_world_size(group) == 2 else None
