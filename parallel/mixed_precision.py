@@ -93,8 +93,16 @@ def evaluation_precision(
         yield
 
 
+def keeps_fp32(module: nn.Module) -> bool:
+    """Whether mixed precision leaves `module`'s own weights in fp32: layer norms, and modules
+    the model marks `keep_in_fp32` (an fp32 MoE router). Working weights and FSDP's
+    low-precision units (`parallel.dp.fsdp`) both follow it; `cast_weights` (full
+    low-precision evaluation) casts everything, as `transformers` casts a model."""
+    return isinstance(module, nn.LayerNorm) or bool(getattr(module, "keep_in_fp32", False))
+
+
 class WorkingWeights:
-    """The step's low-precision copies of `model`'s parameters (layer norms excepted).
+    """The step's low-precision copies of `model`'s parameters (`keeps_fp32` modules excepted).
 
     Args:
         model: the rank's model (after tensor parallelism: the sharded parameters).
@@ -106,7 +114,7 @@ class WorkingWeights:
         self.slots: list[tuple[nn.Module, str, nn.Parameter]] = [
             (module, name, p)
             for module in model.modules()
-            if not isinstance(module, nn.LayerNorm)
+            if not keeps_fp32(module)
             for name, p in module._parameters.items()
             if p is not None and p.is_floating_point()
         ]

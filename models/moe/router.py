@@ -90,15 +90,22 @@ class Top2Router(nn.Module):
         self.classifier = nn.Linear(d_model, num_experts, bias=bias)
         self.num_experts = num_experts
         self.dtype: torch.dtype = getattr(torch, dtype)
+        # Mixed precision keeps these weights in the router dtype, not in the working one
+        # (as transformers' `_keep_in_fp32_modules`): an fp32 router reads fp32 weights however
+        # the run casts the rest (`parallel.mixed_precision.keeps_fp32`).
+        self.classifier.keep_in_fp32 = self.dtype == torch.float32
         self.policy = second_expert_policy
         self.normalize_before_dropping = normalize_before_dropping
         self.batch_prioritized = batch_prioritized
 
     def logits(self, x: Tensor) -> Tensor:  # (N, H) -> (N, E) in the router dtype
-        w = self.classifier.weight.to(self.dtype)
-        b = None if self.classifier.bias is None else self.classifier.bias.to(self.dtype)
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x.to(self.dtype), w, b)
+            x = x.to(self.dtype)
+            if self.classifier.weight.dtype == self.dtype:
+                return self.classifier(x)  # a module call: what a per-module weight gather hooks on
+            w = self.classifier.weight.to(self.dtype)
+            b = None if self.classifier.bias is None else self.classifier.bias.to(self.dtype)
+            return F.linear(x, w, b)
 
     def forward(
         self,

@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor, Shard
 from parallel.dp.fsdp_internals import forget_forwards, local_tensor, post_backward_all, strided_shard
 from parallel.expert.params import is_expert_param
 from parallel.mesh import Axis, ParallelMesh
+from parallel.mixed_precision import keeps_fp32
 
 # Marks parallel.tp puts on parameters; fully_shard makes new Parameters, which must keep them.
 _MARKS = ("tp_sharded", "tp_shard_dim", "tp_logical_size", "sequence_parallel", "expert_parallel")
@@ -67,13 +68,13 @@ def _units(
     """The FSDP units, inner first, with the axis each shards over: each encoder/decoder layer
     this rank holds, then the root (what the layers leave: embedding, final norms), over dp.
     Experts cut over ep > 1 (`parallel.expert`) are units of their own over edp: the replicas
-    holding the same experts. Under bf16, layer norms are units of their
-    own that keep fp32 weights (as `parallel.mixed_precision` does: the residual stream stays
-    fp32, and CPU layer norm rejects bf16 weights on fp32 input). Inputs are not cast: autocast,
+    holding the same experts. Under bf16, layer norms (and an fp32 MoE router) are units of
+    their own that keep fp32 weights (`parallel.mixed_precision.keeps_fp32`: the residual stream
+    stays fp32, and CPU layer norm rejects bf16 weights on fp32 input). Inputs are not cast: autocast,
     on under bf16, casts activations at each matmul (and FSDP cannot rebuild a batch dataclass)."""
     fp32 = MixedPrecisionPolicy(cast_forward_inputs=False)
     low = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)] if param_dtype is not None else []
+    norms = [m for m in model.modules() if keeps_fp32(m)] if param_dtype is not None else []
     stacks = [getattr(model, name, None) for name in ("encoder", "decoder")]
     layers = [layer for stack in stacks if stack is not None for layer in stack.layers.values()]
     experts = [

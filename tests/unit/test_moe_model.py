@@ -216,3 +216,27 @@ def test_device_reads_of_a_training_forward_and_backward(grouped: bool, dropless
         loss, _ = m.loss(b)
         loss.backward()
     assert counter.host_reads == reads
+
+
+def test_an_fp32_router_keeps_fp32_weights_under_mixed_precision() -> None:
+    """bf16 working weights (several micro-batches per step) and FSDP's bf16 units leave an fp32
+    router's classifier in fp32, so routing does not depend on how a step is cut; a bf16 router
+    (router_dtype bfloat16) is cast with the rest."""
+    from parallel.dp.fsdp import _units
+    from parallel.mixed_precision import WorkingWeights
+
+    m = model()
+    x = torch.randn(10, CFG["d_model"])  # type: ignore[arg-type]
+    routers = [ffn.router for ffn in m.sparse_ffns().values()]
+    reference = [r.logits(x) for r in routers]
+    with WorkingWeights(m, torch.bfloat16).swapped(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert all(r.classifier.weight.dtype == torch.float32 for r in routers)
+        assert all(torch.equal(r.logits(x), ref) for r, ref in zip(routers, reference))
+        assert m.encoder.layers["1"].ffn.experts.fc1_weight.dtype == torch.bfloat16  # type: ignore[index]
+    fp32_units = [unit for unit, policy, _ in _units(m, torch.bfloat16) if policy.param_dtype is None]
+    assert all(any(r.classifier is u for u in fp32_units) for r in routers)
+    bf16_router = model(router_dtype="bfloat16")
+    with WorkingWeights(bf16_router, torch.bfloat16).swapped():
+        assert all(
+            ffn.router.classifier.weight.dtype == torch.bfloat16 for ffn in bf16_router.sparse_ffns().values()
+        )
