@@ -1,5 +1,6 @@
 """Ranks share one tokenization: rank 0 builds the on-disk cache, the others load it after one
-collective; a failure on rank 0 reaches every rank as one error instead of a hang at a barrier."""
+collective; a failure on rank 0 (tokenizing, or measuring blocks for balancing) reaches every rank
+as one error instead of a hang at a barrier."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.dist.harness import run_distributed
 
@@ -52,7 +54,34 @@ def share_tokenization(rank: int, world: int, text_dir: str, out: str) -> dict[s
         res["error"] = None
     except Exception as e:
         res["error"] = f"{type(e).__name__}: {e}"
+    res["balance_error"] = _balancing_fails_on_rank0(cfg)
     return res
+
+
+class _OutOfMemorySampler:
+    """A sampler whose first batch cannot be made: rank 0's block measurement fails."""
+
+    def __next__(self) -> Any:
+        raise MemoryError("cannot allocate the sample micro-batch")
+
+
+def _balancing_fails_on_rank0(cfg: Any) -> str:
+    """`partition_method: time` measures on rank 0 alone; its failure must raise on every rank."""
+    import dataclasses
+
+    from models.config import ModelConfig
+    from parallel.mesh import ParallelDims, build_mesh
+    from trainer.run.balance import choose_partition
+
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, partition_method="time"))
+    mesh = build_mesh(ParallelDims(pp=2, dp=1, tp=1, world_size=2), "cpu")
+    mc = ModelConfig(vocab_size=64, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                     decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32)  # fmt: skip
+    try:
+        choose_partition(cfg, mc, mesh, _OutOfMemorySampler(), torch.device("cpu"))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
 
 
 def test_rank0_tokenizes_the_others_load(tmp_path: Path) -> None:
@@ -73,3 +102,8 @@ def test_rank0_tokenizes_the_others_load(tmp_path: Path) -> None:
     assert r0["error"] == "OSError: No space left on device"
     # not bad input: the others raise it as an internal error (a traceback, exit 1), not as a DataError
     assert r1["error"] == "RuntimeError: rank 0 could not tokenize the data: OSError: No space left on device"
+    # so does a failure measuring the blocks for `partition_method: time` (it left rank 1 waiting)
+    assert r0["balance_error"] == "MemoryError: cannot allocate the sample micro-batch"
+    assert r1["balance_error"] == (
+        "RuntimeError: rank 0 could not measure the blocks for balancing: MemoryError: cannot allocate the sample micro-batch"
+    )

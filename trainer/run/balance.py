@@ -35,6 +35,7 @@ from parallel.pipeline.profile import (
     profile_blocks_by_kind,
 )
 from trainer.config.schema import JobConfig
+from trainer.run.rank0 import on_rank0
 
 
 def choose_partition(
@@ -56,8 +57,8 @@ def choose_partition(
         counts = _param_counts(mc, mesh.size("ep")) if method == "parameters" else None
         balance = resolve_partition(method, names, n_stages, param_counts=counts)
         return balance, format_partition(balance, names)
-    payload: list[object] = [None]
-    if dist.get_rank() == 0:
+
+    def measure() -> tuple[list[int], str]:
         # A sample micro-batch from a copy of the sampler (the real one's position is untouched).
         batch = next(copy.deepcopy(sampler)).shard(0)[0][0].to(device)
         run = run_setting(cfg, mesh.size("tp"), dtype)
@@ -67,7 +68,10 @@ def choose_partition(
         balance = resolve_partition(
             method, names, n_stages, param_counts=counts, time_costs=times, mem_costs=mems
         )
-        payload = [(balance, format_partition(balance, names, times, mems))]
+        return balance, format_partition(balance, names, times, mems)
+
+    # A failure measuring (out of memory, bad input) raises on every rank, not only on rank 0.
+    payload: list[object] = [on_rank0(dist.get_rank(), "measure the blocks for balancing", measure)]
     dist.broadcast_object_list(payload, src=0)
     chosen: tuple[list[int], str] = payload[0]  # type: ignore[assignment]
     return list(chosen[0]), str(chosen[1])

@@ -13,10 +13,10 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,10 +43,10 @@ from trainer.data.sources import (
     training_texts,
 )
 from trainer.data.tokenization import TranslationData, tokenize_datasets
-from trainer.errors import BAD_INPUT
 from trainer.run.balance import choose_partition
 from trainer.run.faults import FaultInjection
 from trainer.run.memory import peak_host_bytes
+from trainer.run.rank0 import on_rank0
 from trainer.run.step import build_optimizer, build_scheduler
 from trainer.run.strategies import BestModel, resolve_max_steps
 from trainer.tokenizer.vocab import Tokenizer, load_or_train_tokenizer
@@ -98,36 +98,6 @@ def run_tokenizer(cfg: JobConfig, texts: Iterable[str]) -> Tokenizer:
     if sources.model is not None:
         check_tokenizer_fits(tok, sources.model, m.tokenizer_name or str(m.model_name_or_path), languages)
     return tok
-
-
-T = TypeVar("T")
-
-
-def on_rank0(rank: int, what: str, work: Callable[[], T]) -> T | None:
-    """Run `work` on rank 0 and tell every rank how it ended (one broadcast), so that a failure
-    raises on every rank instead of leaving the others waiting in the next collective.
-
-    Returns:
-        `work()`'s result on rank 0, None on the others.
-
-    Raises:
-        On rank 0, what `work` raised (with its traceback); on the others the same exception when it
-        is bad input (`trainer.errors.BAD_INPUT`), else a RuntimeError naming it.
-    """
-    result: T | None = None
-    outcome: list[BaseException | None] = [None]
-    if rank == 0:
-        try:
-            result = work()
-        except Exception as e:
-            bad = isinstance(e, BAD_INPUT)
-            outcome = [e if bad else RuntimeError(f"rank 0 could not {what}: {type(e).__name__}: {e}")]
-            dist.broadcast_object_list(outcome, src=0)
-            raise
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
-        raise outcome[0]
-    return result
 
 
 def tokenize_shared(cfg: JobConfig, raw: Any, tok: Tokenizer, out: Path, rank: int) -> TranslationData:
