@@ -158,13 +158,14 @@ class CostSource:
 
 
 def measure_optimizer_s_per_param(mc: ModelConfig, repeats: int = 3) -> float:
-    """Seconds per parameter of clip + AdamW (foreach) on this machine, from the one-layer model."""
+    """Seconds per parameter of clip + AdamW (fused, as `trainer.run.step.build_optimizer`) on this
+    machine, from the one-layer model."""
     torch.manual_seed(0)
     model = M2M100Translation(one_layer_config(mc))
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
     samples = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()

@@ -22,9 +22,8 @@ With P the rank's parameters (its pp stages on its tp shard), dp the data-parall
                          largest parameter), at most 4 P
                      ZeRO-1 broadcast: `ZeroOneSharding.broadcast_updated` sends the updated
                          parameters in buckets, at most 2 in flight: the same bound (s = zero1)
-                     optimizer temporaries: foreach AdamW (host CPU) allocates sqrt(v) for the owned
-                         parameters: 4 P / (dp if sharded), tensor by tensor (it reuses the heap);
-                         fused AdamW (CUDA) none
+                     (AdamW is fused on CPU and CUDA, `trainer.run.step.build_optimizer`: no
+                     temporaries; foreach's sqrt(v) copies, 4 P on CPU, are gone)
     baseline         host runs only: the interpreter, torch, the data and tokenizer (`HOST_BASELINE_BYTES`)
 
 These are live bytes. A host CPU's glibc keeps freed chunks below its mmap threshold (which
@@ -102,7 +101,7 @@ class MemorySettings:
 
     bf16: bool
     host_baseline_bytes: float = 0.0  # the process's own bytes: runs on this host's CPU only
-    host_cpu: bool = False  # costed for this host's CPU: foreach AdamW's temporary, start-up baseline
+    host_cpu: bool = False  # costed for this host's CPU: the start-up baseline
 
 
 def rank_memory(
@@ -134,7 +133,6 @@ def rank_memory(
     transients = {
         "grad_buckets": buckets,
         "zero1_broadcast": broadcast,
-        "optimizer_temporaries": 4.0 * p / moments if settings.host_cpu else 0.0,
     }
     during_backward = activations + gathered_grads
     terms = {

@@ -149,7 +149,7 @@ def cost_context(
     cfg: JobConfig, opts: PlanOptions, source: CostSource, device: DeviceSpec | None
 ) -> CostContext:
     """The cost model's context: links, optimizer speed, and the memory model's host terms
-    (the process baseline and foreach AdamW's temporary when costing this host's CPU)."""
+    (the process baseline when costing this host's CPU)."""
     on_host_cpu = device is None and not torch.cuda.is_available()
     baseline = HOST_BASELINE_BYTES if on_host_cpu else 0.0
     return CostContext(
