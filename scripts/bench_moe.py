@@ -261,7 +261,7 @@ def _one_table(res: dict[str, Any]) -> list[str]:
         f"d_model {c['d_model']}, layers {c['layers']}, FFN {c['ffn']}, vocab {c['vocab']}, "
         f"**{c['num_experts']} experts** in {len(c['sparse_layers'])} sparse layers "
         f"({', '.join(c['sparse_layers'])}), {c['parameters'] / 1e6:.1f}M parameters; batch {c['batch']}; "
-        f"capacity {c['capacity']} on both sides; fp32, AdamW, dropout 0.1, EOM 0.2, aux loss on. "
+        f"capacity {c['capacity']} on both sides; fp32, fused AdamW, dropout 0.1, EOM 0.2, aux loss on. "
         f"Median of {res['steps']} alternating steps, process CPU seconds (load average during the run "
         f"{res['load_average'][0]:.1f}).",
         "",
