@@ -33,6 +33,8 @@ work unchanged with world size 1.
 
 from __future__ import annotations
 
+import math
+
 import logging
 import os
 from collections.abc import Sequence
@@ -125,7 +127,7 @@ class ParallelDims:
             )
         if model_config is not None:
             check_tp_divides_model(model_config, self.tp)
-            check_ep_divides_model(model_config, self.ep)
+            check_ep_divides_model(model_config, self.ep, self.dp)
         return self
 
     def _check_divides_world(self) -> None:
@@ -182,8 +184,9 @@ def check_tp_divides_model(config: ModelConfig, tp: int) -> None:
             )
 
 
-def check_ep_divides_model(config: ModelConfig, ep: int) -> None:
-    """Raise if ep does not divide the experts of each sparse layer, or ep > 1 on a dense model.
+def check_ep_divides_model(config: ModelConfig, ep: int, dp: int | None = None) -> None:
+    """Raise if ep does not divide the experts of each sparse layer, or ep > 1 on a dense model;
+    the valid sizes named also divide `dp` where it is given (ep is a sub-axis of dp).
 
     Raises:
         ParallelConfigError: naming `expert_parallel_size`, its value and the valid ones.
@@ -196,7 +199,8 @@ def check_ep_divides_model(config: ModelConfig, ep: int) -> None:
         )
     if experts and experts % ep:
         raise ParallelConfigError(
-            f"expert_parallel_size={ep} does not divide num_experts({experts}); valid: {_divisors(experts)}"
+            f"expert_parallel_size={ep} does not divide num_experts({experts}); valid: "
+            f"{_divisors(experts if dp is None else math.gcd(experts, dp))}"
         )
 
 
