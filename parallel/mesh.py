@@ -33,9 +33,8 @@ work unchanged with world size 1.
 
 from __future__ import annotations
 
-import math
-
 import logging
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
