@@ -235,7 +235,8 @@ class LogWindow:
         values = [loss_sum, st.grad_norm.float()] + ([self.scaler.scale] if self.scaler is not None else [])
         read = torch.stack(values).double()
         if self.moe is not None:  # the expert load rides in the same read
-            read = torch.cat([read, self.moe.values()])
+            with watchdog.waiting(watchdog.collective("all-reduce of the expert load", None)):
+                read = torch.cat([read, self.moe.values()])
         loss, grad_norm, *rest = read.tolist()  # the one sync
         scale, moe = rest[: len(values) - 2], rest[len(values) - 2 :]
         wall = self.seconds + time.perf_counter() - start
