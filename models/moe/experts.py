@@ -41,6 +41,20 @@ def grouped_mm_runs(x: Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
+def grouped_mm_aligned(x: Tensor, experts: Any) -> bool:
+    """Whether `torch._grouped_mm` takes these shapes: every row stride (H and F elements of
+    `x`'s dtype) a multiple of 16 bytes (H 2048 and F 8192 are; a tiny test model's F 20 in
+    bf16 is not)."""
+    size = x.element_size()
+    return all(d * size % 16 == 0 for d in (x.shape[-1], experts.fc1_weight.shape[1]))
+
+
+def grouped_layout(x: Tensor, experts: Any) -> bool:
+    """The grouped layout for rows like `x` and these experts: where `torch._grouped_mm` runs, on
+    shapes it takes, for experts whose forward takes groups (`takes_groups`)."""
+    return grouped_mm_runs(x) and takes_groups(experts) and grouped_mm_aligned(x, experts)
+
+
 def batched_linear(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     """(E, C, in) x (E, out, in) + (E, out) -> (E, C, out): each expert's `F.linear`, in one call.
 
@@ -179,10 +193,11 @@ class LocalDispatcher:
         self.grouped = grouped
 
     def use_groups(self, x: Tensor, experts: Any) -> bool:
-        """The grouped layout: where `torch._grouped_mm` runs (or as forced), and only for experts
-        that take it (`takes_groups`)."""
-        wanted = self.grouped if self.grouped is not None else grouped_mm_runs(x)
-        return wanted and takes_groups(experts)
+        """The grouped layout: where `torch._grouped_mm` runs (or as forced), on shapes it takes,
+        and only for experts that take it (`grouped_layout`)."""
+        if self.grouped is None:
+            return grouped_layout(x, experts)
+        return self.grouped and takes_groups(experts) and grouped_mm_aligned(x, experts)
 
     def capacity(self, routing: Routing) -> int:
         if routing.capacity is not None:

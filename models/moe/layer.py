@@ -78,6 +78,14 @@ class AuxLossScaler(torch.autograd.Function):
         return grad, g, None
 
 
+def working_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a matmul on `x` runs in: autocast's where it is on for `x`'s device, else `x`'s."""
+    device = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
 @dataclass
 class LayerStats:
     """One layer call's expert load (device tensors), recorded in training for the logs."""
@@ -160,7 +168,11 @@ class SparseFFN(nn.Module):
             gen = keyed_generator(x.device, run.seed, "route", name, run.step, call.slot)
         routing = self.router(flat, pad, self.capacity(flat.shape[0]), generator=gen)
         routing = self._mask_outputs(routing, x.device, call)
-        buffer, ctx = self.dispatcher.dispatch(flat, routing, self.experts)
+        # The experts run in the run's working precision: the rows are cast once here, after the
+        # (fp32) router, so the dispatch and its all-to-all move them in that dtype, the grouped
+        # product sees it (autocast does not cover `_grouped_mm`) and the expert weights are cast
+        # once per call (a no-op on the step's working copies).
+        buffer, ctx = self.dispatcher.dispatch(flat.to(working_dtype(flat)), routing, self.experts)
         # The grouped layout only when the dispatcher chose it; experts modules are called with the
         # buffer alone otherwise (a tensor-parallel shard's forward takes just that).
         y = self.experts(buffer, ctx) if isinstance(ctx, GroupedRows) else self.experts(buffer)

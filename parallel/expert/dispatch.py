@@ -15,7 +15,7 @@ buffer's length (the most tokens any local expert received).
       one host read of both count tables (the splits)              out[token] += gate * row
       rows x[token] (A, H) --all_to_all--> received (R, H)         (index_add: (N, H))
       received rows -> sorted by local expert: grouped rows (R, H) for `torch._grouped_mm`
-      where it runs (`models.moe.experts.grouped_mm_runs`, experts that take it), else the
+      where it runs on shapes it takes (`models.moe.experts.grouped_layout`), else the
       (E_l, C, H) buffer, zero-padded to the busiest local expert
 
 Every kept assignment crosses once each way; capacity (when set) was already applied by
@@ -51,7 +51,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from models.moe import Experts, LocalDispatcher, Routing
-from models.moe.experts import GroupedRows, grouped_mm_runs, takes_groups
+from models.moe.experts import GroupedRows, grouped_layout
 from parallel import watchdog
 from parallel.tp.comm import reduce_from_tp
 
@@ -163,7 +163,7 @@ class AllToAllDispatcher:
         rows = all_to_all(x.index_select(0, token), recv, send, self.group, self.stats)  # (R, H)
         gate = routing.gate.reshape(-1)[order]
         r = sum(recv)
-        if r and grouped_mm_runs(x) and takes_groups(experts):  # rows sorted by local expert, no padding
+        if r and grouped_layout(x, experts):  # rows sorted by local expert, no padding
             starts = [sum(per_expert[:j]) for j in range(e_local)]
             index = _row_index(recv_qe, self.ep, e_local, starts, x.device)  # (R,)
             ctx = _DispatchCtx(token, gate, send, recv, index, n)

@@ -261,7 +261,7 @@ def dispatch_edges(rank: int, world: int) -> dict[str, float]:
             x, routing = _edge_routing(case, rank, world, experts, h)
             x.requires_grad_(True)
             full.zero_grad(), mine.zero_grad()
-            with mock.patch.object(dispatch, "grouped_mm_runs", lambda _: grouped):
+            with mock.patch.object(dispatch, "grouped_layout", lambda *_: grouped):
                 a2a = dispatch.AllToAllDispatcher(dist.group.WORLD)
                 rows, ctx = a2a.dispatch(x, routing, mine)
                 y = a2a.combine(mine(rows, ctx) if isinstance(ctx, GroupedRows) else mine(rows), routing, ctx)

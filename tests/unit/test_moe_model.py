@@ -240,3 +240,24 @@ def test_an_fp32_router_keeps_fp32_weights_under_mixed_precision() -> None:
         assert all(
             ffn.router.classifier.weight.dtype == torch.bfloat16 for ffn in bf16_router.sparse_ffns().values()
         )
+
+
+@pytest.mark.parametrize("ffn, layout", [(32, "grouped"), (20, "buffer")])
+def test_experts_run_in_the_working_dtype_under_autocast(ffn: int, layout: str) -> None:
+    """Under bf16 autocast the routed rows are cast once after the fp32 router, so the experts
+    (and an all-to-all) see bf16 and the grouped product runs in it; an F whose bf16 rows are
+    not 16-byte strided (20) takes the buffer instead of failing in `_grouped_mm`."""
+    m = model(encoder_ffn_dim=ffn, decoder_ffn_dim=ffn)
+    seen: list[tuple[torch.dtype, int]] = []
+    for ffn_module in m.sparse_ffns().values():
+        ffn_module.experts.register_forward_pre_hook(lambda _, args: seen.append((args[0].dtype, len(args))))
+    b = batch()
+    m.moe.begin_step(seed=0, step=1, loss_scale=1.0)
+    reference, n = m.loss(b)
+    seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = m.loss(b)
+    loss.backward()
+    assert set(seen) == {(torch.bfloat16, 2 if layout == "grouped" else 1)}
+    assert abs(loss.item() - reference.item()) / reference.item() < 1e-2
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in m.parameters())

@@ -141,15 +141,13 @@ def block_costs(
 
 def moe_a2a_s(ctx: CostContext, n_tokens: int, ep: int, tp: int) -> float:
     """One pass (forward, or backward) of a sparse layer's two all-to-alls on `n_tokens`: the
-    kept assignments' rows to other ranks (top-2, uniform routing) in the layer input's dtype
-    (fp32: the residual stream's norm), and back in the experts' (bf16 under autocast)."""
+    kept assignments' rows to other ranks (top-2, uniform routing) and back, both in the
+    working dtype (bf16 under autocast: `models.moe.layer` casts the rows after the router)."""
     if ep <= 1:
         return 0.0
     rows = a2a_rows(2 * n_tokens, ep) * ctx.mc.d_model
     inter = ep_inter_node(ep, tp, ctx.gpus_per_node)
-    return ctx.link.all_to_all(rows * 4, ep, inter) + ctx.link.all_to_all(
-        rows * (2 if ctx.bf16 else 4), ep, inter
-    )
+    return 2 * ctx.link.all_to_all(rows * (2 if ctx.bf16 else 4), ep, inter)
 
 
 def balance_from_costs(

@@ -10,8 +10,8 @@ F the FFN dim, A kept assignments (top-2: 2 N, less what capacity drops).
                   E / ep experts take ep groups' tokens)
     all-to-all    per sparse layer and micro-batch, each rank sends the rows of its assignments
                   routed to other ranks' experts, A (ep - 1) / ep with uniform routing, and
-                  gets as many back: dispatch rows (the layer's input dtype) and combine rows
-                  (the experts' output dtype), forward and backward, again when remat
+                  gets as many back, in the working dtype (bf16 under autocast: the rows are
+                  cast after the router), forward and backward, again when remat
                   recomputes the layer (`a2a_bytes`). tp ranks each run their own all-to-all
                   over their ep group (the same tokens), so tp does not divide it. Time: the
                   bytes over the rank's link, intra-node when the ep group (ep x tp consecutive
@@ -45,9 +45,9 @@ def a2a_bytes(
         assignments: kept assignments of the rank's routing group (top-2: 2 N less the drops).
         ep: expert-parallel size.
         d_model: H.
-        in_bytes, out_bytes: element size of the dispatched rows (the layer input: fp32, the
-            residual stream's layer norm) and of the combined rows (the experts' output: fp32, or
-            bf16 under autocast); each gradient goes back in its row's dtype.
+        in_bytes, out_bytes: element size of the dispatched and of the combined rows (the
+            working dtype: 4 in fp32, 2 under bf16 autocast); each gradient goes back in its
+            row's dtype.
         recompute: remat recomputes the layer's forward in the backward (full or stage).
     """
     rows = a2a_rows(assignments, ep) * d_model
