@@ -176,6 +176,20 @@ def test_wide_models_activation_bytes_extrapolate_exactly_from_two_narrow_copies
         blocks.narrow_config(mc, 3)
 
 
+def test_a_wide_moe_models_narrow_copies_keep_their_sparse_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NLLB-MoE-54B's device-table costs come from narrow one-layer copies: a sparse step above 1
+    must not leave them without the sparse kinds (the planner raised KeyError 'enc_layer+moe')."""
+    mc = replace(MC, d_model=128, encoder_ffn_dim=512, decoder_ffn_dim=512, vocab_size=1600,
+                 encoder_layers=4, decoder_layers=4, num_experts=4, encoder_sparse_step=4,
+                 decoder_sparse_step=4, moe_token_dropout=0.0)  # fmt: skip
+    monkeypatch.setattr(blocks, "WIDE_ONE_LAYER_PARAMS", 0)
+    monkeypatch.setattr(blocks, "NARROW_FACTORS", (2, 4))
+    narrow = blocks.activation_kind_costs(mc, Shape(1, 9, 7), "none")
+    assert {"enc_layer+moe", "dec_layer+moe", "enc_layer", "dec_layer"} <= set(narrow)
+    for key in ("enc_layer", "dec_layer"):  # experts keep more than one FFN: two per token
+        assert narrow[key + blocks.SPARSE].activation_bytes > narrow[key].activation_bytes
+
+
 def test_tp_layouts_are_costed_on_the_vocabulary_padded_to_tp() -> None:
     """The trainer pads the vocabulary to a multiple of tp (`parallel.tp.layers.vocab_partition`):
     a tp layout's head and table are costed on V' rows, and a wide model whose vocabulary the
