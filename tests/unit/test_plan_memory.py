@@ -119,6 +119,9 @@ def test_fsdp_start_up_is_the_dp_shard_plus_one_parameter() -> None:
     settings = MemorySettings(False, host_baseline_bytes=50.0)
     assert startup_memory(rank, settings, "fsdp", 8) == 50 + 4 * (1000 + 300)
     assert startup_memory(rank, settings, "zero1", 8) == startup_memory(rank, settings) == 50 + 4 * 8300
+    moe = replace(rank, experts=4000)  # experts are fsdp units over edp = dp / ep, not over dp
+    assert startup_memory(moe, settings, "fsdp", 8, ep=8) == 50 + 4 * (4000 / 8 + 4000 + 300)
+    assert startup_memory(moe, settings, "fsdp", 8, ep=4) == 50 + 4 * (4000 / 8 + 4000 / 2 + 300)
     deep = replace(MC, encoder_layers=12, decoder_layers=12)
     *_, fsdp = _predict("fsdp", 8, mc=deep)
     *_, one = _predict("none", 1, mc=deep)
