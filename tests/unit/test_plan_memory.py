@@ -118,6 +118,9 @@ def test_fsdp_start_up_is_the_dp_shard_plus_one_parameter() -> None:
     settings = MemorySettings(False, host_baseline_bytes=50.0)
     assert startup_memory(rank, settings, "fsdp", 8) == 50 + 4 * (1000 + 300)
     assert startup_memory(rank, settings, "zero1", 8) == startup_memory(rank, settings) == 50 + 4 * 8300
+    moe = replace(rank, experts=4000)  # experts are fsdp units over edp = dp / ep, not over dp
+    assert startup_memory(moe, settings, "fsdp", 8, ep=8) == 50 + 4 * (4000 / 8 + 4000 + 300)
+    assert startup_memory(moe, settings, "fsdp", 8, ep=4) == 50 + 4 * (4000 / 8 + 4000 / 2 + 300)
     deep = replace(MC, encoder_layers=12, decoder_layers=12)
     *_, fsdp = _predict("fsdp", 8, mc=deep)
     *_, one = _predict("none", 1, mc=deep)
@@ -173,6 +176,20 @@ def test_wide_models_activation_bytes_extrapolate_exactly_from_two_narrow_copies
         assert narrow[kind].parts == ph.parts, kind
     with pytest.raises(ValueError, match="d_model=128 is not a multiple of 3"):
         blocks.narrow_config(mc, 3)
+
+
+def test_a_wide_moe_models_narrow_copies_keep_their_sparse_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NLLB-MoE-54B's device-table costs come from narrow one-layer copies: a sparse step above 1
+    must not leave them without the sparse kinds (the planner raised KeyError 'enc_layer+moe')."""
+    mc = replace(MC, d_model=128, encoder_ffn_dim=512, decoder_ffn_dim=512, vocab_size=1600,
+                 encoder_layers=4, decoder_layers=4, num_experts=4, encoder_sparse_step=4,
+                 decoder_sparse_step=4, moe_token_dropout=0.0)  # fmt: skip
+    monkeypatch.setattr(blocks, "WIDE_ONE_LAYER_PARAMS", 0)
+    monkeypatch.setattr(blocks, "NARROW_FACTORS", (2, 4))
+    narrow = blocks.activation_kind_costs(mc, Shape(1, 9, 7), "none")
+    assert {"enc_layer+moe", "dec_layer+moe", "enc_layer", "dec_layer"} <= set(narrow)
+    for key in ("enc_layer", "dec_layer"):  # experts keep more than one FFN: two per token
+        assert narrow[key + blocks.SPARSE].activation_bytes > narrow[key].activation_bytes
 
 
 def test_tp_layouts_are_costed_on_the_vocabulary_padded_to_tp() -> None:

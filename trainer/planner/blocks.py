@@ -103,7 +103,10 @@ def measure_kind_costs(
     dtype = torch.bfloat16 if bf16 else None
     run = RunSetting(tp, sequence_parallel and tp > 1, dtype, working_weights=bf16, remat=remat)
     out: KindCosts = {}
-    for sparse in [False, True] if mc.sparse_layers() else [False]:  # an NLLB-MoE: dense and sparse layers
+    # an NLLB-MoE: dense and sparse layers (asked of its sparse steps, not of its layers: a narrow
+    # copy has one layer of each stack, which a step above 1 leaves dense)
+    has_sparse = mc.is_moe and (mc.encoder_sparse_step > 0 or mc.decoder_sparse_step > 0)
+    for sparse in [False, True] if has_sparse else [False]:
         one = one_layer_config(mc, sparse)
         kinds = profile_kinds(
             one, synthetic_batch(mc, shape), device or torch.device("cpu"), run, repeats, timed

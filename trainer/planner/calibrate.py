@@ -1,6 +1,6 @@
 """Calibrate the planner's cost model with short runs of the real trainer, one per mesh and backward kind.
 
-The block profile (`plan_cost.measure_kind_costs`) times each block alone, one process, warm
+The block profile (`trainer.planner.blocks.measure_kind_costs`) times each block alone, one process, warm
 and repeated. The trainer's step differs in ways the profile cannot see and that depend on
 the mesh: the executor's per-action work (activation meter, p2p bookkeeping, recompute
 wrappers), ranks sharing the host's caches, memory bandwidth and cores, and every collective

@@ -264,7 +264,7 @@ def predict_step(layout: Layout, sc: StageCosts, ctx: CostContext) -> Prediction
     mems = [rank_memory(r, a, layout.sharding, layout.dp, m * layout.g, deferred, settings, layout.ep)
             for r, a in zip(ranks, sim.peak_activation_bytes)]  # fmt: skip
     worst = max(range(p), key=lambda r: sum(mems[r][0].values()))
-    startup = max(startup_memory(r, settings, layout.sharding, layout.dp) for r in ranks)
+    startup = max(startup_memory(r, settings, layout.sharding, layout.dp, layout.ep) for r in ranks)
     stage_time = [f + b + w for f, b, w in zip(sc.forward, sc.backward_input, sc.backward_weight)]
     terms, transients = mems[worst]
     return Prediction(

@@ -3,7 +3,7 @@
 CostSource      the job's architecture and micro-batch shapes (the data's first global
                 batches for each batch cut, or a fixed sentence length when the data is
                 not at hand or --seq_len is given), the per-kind costs of each shape and
-                remat policy (`plan_cost.measure_kind_costs` here, or the device table),
+                remat policy (`trainer.planner.blocks.measure_kind_costs` here, or the device table),
                 cached
 measure_link    latency and bandwidth between two local gloo processes (ping-pong)
 measure_optimizer_s_per_param   clip + AdamW time per parameter
@@ -152,7 +152,7 @@ class CostSource:
     def block_costs(
         self, shape: Shape, remat: str, tp: int, ctx: CostContext, ep: int = 1
     ) -> list[BlockPhases]:
-        """Every block's costs on one (tp, ep) rank (`plan_cost.block_costs`)."""
+        """Every block's costs on one (tp, ep) rank (`trainer.planner.cost.block_costs`)."""
         kinds = self.kind_costs(shape, remat, tp)
         return block_costs(kinds, self.mc, shape, tp, ctx, ep, recompute=remat == "full")
 

@@ -39,8 +39,8 @@ each sparse layer on the rank) are sharded by ZeRO-1 and FSDP over edp = dp / ep
 Start-up (stage-local construction, `parallel.parallelize.build_parallel_model`): a rank builds
 on meta and materialises only its pp / tp shard, one parameter at a time: baseline + 4 P + the
 largest single parameter. Under fsdp the meta model is dp-sharded first, so only the dp shard
-gets memory: baseline + 4 P / dp + the largest parameter (its tp part, read or drawn whole
-before its dp chunk is kept).
+gets memory: baseline + 4 ((P - X) / dp + X / edp) + the largest parameter (its tp part, read or
+drawn whole before its dp chunk is kept).
 """
 
 from __future__ import annotations
@@ -148,11 +148,15 @@ def rank_memory(
     return terms, transients
 
 
-def startup_memory(rank: RankShape, settings: MemorySettings, sharding: str = "none", dp: int = 1) -> float:
+def startup_memory(
+    rank: RankShape, settings: MemorySettings, sharding: str = "none", dp: int = 1, ep: int = 1
+) -> float:
     """Bytes one rank peaks at while its model is built: baseline + its fp32 shard (fsdp: its dp
-    shard) + one parameter."""
+    shard, the experts' over edp = dp / ep) + one parameter."""
     baseline = settings.host_baseline_bytes
     if settings.host_cpu:
         baseline = max(0.0, baseline - FIRST_STEP_LOAD_BYTES)
-    shards = dp if sharding == "fsdp" and dp > 1 else 1
-    return baseline + 4.0 * (rank.params / shards + rank.largest_param)
+    held = float(rank.params)
+    if sharding == "fsdp" and dp > 1:
+        held = (rank.params - rank.experts) / dp + rank.experts / (dp // ep)
+    return baseline + 4.0 * (held + rank.largest_param)

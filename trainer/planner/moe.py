@@ -22,7 +22,7 @@ F the FFN dim, A kept assignments (top-2: 2 N, less what capacity drops).
     start-up      a rank materialises only its experts: the largest tensor is the stacked
                   (E / ep, F / tp, H) expert weight
 
-The bytes formula is what `scripts/bench_moe.py` checks against the dispatcher's own count
+The bytes formula is what `scripts/bench_moe_ep.py` checks against the dispatcher's own count
 (`parallel.expert.dispatch.A2AStats`), with A read from the routing counts.
 """
 

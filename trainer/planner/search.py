@@ -65,7 +65,7 @@ def check_args(args: list[str], world: int) -> JobConfig:
 def plan(cfg: JobConfig, base_args: list[str], opts: PlanOptions) -> dict[str, Any]:
     """Enumerate, predict_step, filter and rank; returns what plan.json holds.
 
-    Candidates are simulated in order of their lower bound (`plan_cost.lower_bound`); once
+    Candidates are simulated in order of their lower bound (`trainer.planner.cost.lower_bound`); once
     `opts.keep` fitting candidates are known, one whose bound exceeds the keep-th best
     prediction cannot enter the table and is counted as pruned instead of simulated.
     """
