@@ -28,9 +28,9 @@ With P the rank's parameters (its pp stages on its tp shard), dp the data-parall
 
 These are live bytes. A host CPU's glibc keeps freed chunks below its mmap threshold (which
 rises to 32 MiB after the first large free) resident in the heap, so a run's peak RSS can exceed
-them where such chunks churn: measured on scripts/bench_memory.py's 50M model, dp=4 zero1 1124 MiB
-(1047 with MALLOC_MMAP_THRESHOLD_=1 MiB, predicted 1010: the dp buckets stay resident under the
-broadcast) and dp=4 fsdp 1287 MiB (780 with the threshold fixed, predicted 789: the per-layer
+them where such chunks churn: measured on scripts/bench_memory.py's 50M model, dp=4 zero1 1088 MiB
+(1049 with MALLOC_MMAP_THRESHOLD_=1 MiB, predicted 1010: the dp buckets stay resident under the
+broadcast) and dp=4 fsdp 1278 MiB (779 with the threshold fixed, predicted 789: the per-layer
 gathers). The bench reports both allocators (benchmarks/memory_cpu_small.md).
 
 Experts (NLLB-MoE under expert parallelism ep): of P, the X expert parameters (E / ep experts of
