@@ -54,7 +54,7 @@ from trainer.planner.blocks import (
 from trainer.planner.hardware import LinkModel
 from trainer.planner.layout import SPLIT_BACKWARD, Layout
 from trainer.planner.memory import MemorySettings, RankShape, rank_memory, rank_shape, startup_memory
-from trainer.planner.moe import a2a_rows, ep_inter_node
+from trainer.planner.moe import a2a_bytes, ep_inter_node
 
 
 @dataclass
@@ -145,9 +145,10 @@ def moe_a2a_s(ctx: CostContext, n_tokens: int, ep: int, tp: int) -> float:
     working dtype (bf16 under autocast: `models.moe.layer` casts the rows after the router)."""
     if ep <= 1:
         return 0.0
-    rows = a2a_rows(2 * n_tokens, ep) * ctx.mc.d_model
+    e = 2 if ctx.bf16 else 4
+    one_way = a2a_bytes(2 * n_tokens, ep, ctx.mc.d_model, e, e) / 4  # of forward + backward, both ways
     inter = ep_inter_node(ep, tp, ctx.gpus_per_node)
-    return 2 * ctx.link.all_to_all(rows * (2 if ctx.bf16 else 4), ep, inter)
+    return 2 * ctx.link.all_to_all(one_way, ep, inter)
 
 
 def balance_from_costs(
