@@ -74,6 +74,7 @@ BELOW = {
     "dp2-tp2-ep2-sequence-parallel-aux": Case(dp=2, tp=2, ep=2, sequence_parallel=True, aux=0.01),
     "dp4-ep2-zero1-capacity": Case(dp=4, ep=2, m=1, sharding="zero1", dropless=False, capacity_factor=0.5),
     "dp4-ep4-fsdp-gpipe": Case(dp=4, ep=4, schedule="gpipe", sharding="fsdp"),
+    "dp4-ep2-fsdp-aux-capacity": Case(dp=4, ep=2, sharding="fsdp", dropless=False, aux=0.01),  # edp 2
     "pp2-dp2-ep2-fsdp-interleaved": Case(pp=2, dp=2, ep=2, schedule="interleaved_1f1b", sharding="fsdp"),
 }
 RESHARD_FROM = Case(dp=4, ep=2, m=1)
