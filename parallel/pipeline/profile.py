@@ -51,6 +51,8 @@ class RunSetting:
         Without them autocast casts a weight at each use and keeps the copy for backward.
     remat: the activation_checkpointing policy ("stage" is profiled as "none": the stage
         keeps only its input, which the caller accounts for).
+    moe_dropless, moe_capacity_factor: a sparse layer's routing (`models.moe.MoERun`): how many
+        token slots its experts compute.
     """
 
     tp: int = 1
@@ -58,6 +60,8 @@ class RunSetting:
     dtype: torch.dtype | None = None
     working_weights: bool = False
     remat: str = "none"
+    moe_dropless: bool = False
+    moe_capacity_factor: float = 1.0
 
 
 def one_layer_model(
@@ -85,6 +89,7 @@ def one_layer_model(
         shard = ShardOnlyGroup(run.tp, run.tp - 1)
         loss_fn = apply_tensor_parallel(model, shard, run.sequence_parallel).loss
     materialize(model, device, keyed_init_fill(model, seed), run.tp, run.tp - 1)
+    model.moe.dropless, model.moe.capacity_factor = run.moe_dropless, run.moe_capacity_factor
     apply_remat(model, "none" if run.remat == "stage" else run.remat)
     return model.train(), loss_fn
 

@@ -199,6 +199,21 @@ def test_profile_by_kind_builds_one_layer_per_kind() -> None:
     assert all(shard[i] < counts[i] and half[i] < mems[i] for i in layers)
 
 
+def test_balancing_profiles_sparse_layers_with_the_runs_routing() -> None:
+    """`partition_method: time | memory` measures a sparse layer with the run's routing options
+    (dropless, or its capacity factor), not the model's defaults."""
+    from parallel.pipeline.profile import one_layer_model
+    from trainer.config.parse import load_config_dict
+    from trainer.run.balance import run_setting
+
+    moe = _config(vocab_size=128, num_experts=4, encoder_sparse_step=1, decoder_sparse_step=1)
+    for options in ({"moe_capacity_factor": 0.5}, {"moe_dropless": True}):
+        run = run_setting(load_config_dict({"output_dir": "/tmp/unused", **options}), 1, None)
+        model, _ = one_layer_model(moe, torch.device("cpu"), run=run)
+        assert model.moe.dropless == options.get("moe_dropless", False)
+        assert model.moe.capacity_factor == options.get("moe_capacity_factor", 1.0)
+
+
 # ----------------------------------------------------------------------------- pretrained slices
 
 

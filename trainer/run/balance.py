@@ -12,8 +12,8 @@ What each method costs at start-up (no rank ever builds the whole model):
 
 The blocks are measured as the run executes them (`run_setting`): on a tp rank's shard
 (without a process group), in the run's precision (autocast, and the step's working weights
-when it has several micro-batches), under its remat policy, on a sample micro-batch of the
-run's size.
+when it has several micro-batches), under its remat policy and MoE routing (dropless or the
+capacity factor), on a sample micro-batch of the run's size.
 """
 
 from __future__ import annotations
@@ -81,7 +81,11 @@ def run_setting(cfg: JobConfig, tp: int, dtype: torch.dtype | None) -> RunSettin
     """How this run executes a block (`RunSetting`): what balancing must measure."""
     p = cfg.parallel
     several = p.num_microbatches * cfg.training.gradient_accumulation_steps > 1  # ParallelModel.train_step
-    return RunSetting(tp, p.sequence_parallel and tp > 1, dtype, several, p.activation_checkpointing)
+    m = cfg.model
+    return RunSetting(
+        tp, p.sequence_parallel and tp > 1, dtype, several, p.activation_checkpointing,
+        moe_dropless=m.moe_dropless, moe_capacity_factor=m.moe_capacity_factor,
+    )  # fmt: skip
 
 
 def _param_counts(mc: ModelConfig, ep: int = 1) -> list[int]:
