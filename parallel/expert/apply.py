@@ -12,6 +12,7 @@ Expert tensor parallelism (Megatron's "expert tensor parallelism"): each expert'
 like a dense one, fc1 column-parallel (F rows), fc2 row-parallel (F columns):
 
     buffer (E_l, C, H) --f--> act(x W1_r^T + b1_r) W2_r^T --g--> + b2     (E_l, C, H)
+    or grouped rows (M, H), the same with `GroupedLinear` per projection  (M, H)
 
 with f = identity forward / all-reduce backward and g = all-reduce forward / identity backward
 (`parallel.tp.comm`); b2 is replicated and added once, after the sum. The activation dropout
@@ -43,7 +44,7 @@ from torch.distributed import ProcessGroup
 from models.attention import dropout_at
 from models.m2m100 import M2M100Translation
 from models.moe import Experts, batched_linear
-from models.moe.experts import GroupedRows
+from models.moe.experts import GroupedLinear, GroupedRows
 from parallel.expert.dispatch import A2AStats, AllToAllDispatcher, ReplicatedDispatcher
 from parallel.expert.params import mark_expert_param
 from parallel.tp.comm import copy_to_tp, reduce_from_tp
@@ -194,13 +195,23 @@ class TensorParallelExperts(Experts):
             setattr(out, name, _mark(shard, True, dim))
         return out
 
-    def forward(self, x: Tensor, groups: GroupedRows | None = None) -> Tensor:  # (E_l, C, H) -> (E_l, C, H)
-        """The buffer layout only (`models.moe.experts.takes_groups` is False for this class)."""
-        if groups is not None:
-            raise ValueError("TensorParallelExperts takes the (E_l, C, H) buffer, not grouped rows")
+    supports_groups = True  # `models.moe.experts.takes_groups`: the grouped layout too
+
+    def forward(self, x: Tensor, groups: GroupedRows | None = None) -> Tensor:
+        """The buffer (E_l, C, H) -> (E_l, C, H), or grouped rows (M, H) -> (M, H): every tp rank
+        holds the same rows (the same tokens, routed alike), so the partial sums add up."""
         x = copy_to_tp(x, self.group)
-        h = self.act(batched_linear(x, self.fc1_weight, self.fc1_bias))  # (E_l, C, F/p)
+        zero = torch.zeros_like(self.fc2_bias)
+        if groups is None:
+            h = self.act(batched_linear(x, self.fc1_weight, self.fc1_bias))  # (E_l, C, F/p)
+        else:
+            h = self.act(GroupedLinear.apply(x, self.fc1_weight, self.fc1_bias, groups))  # (M, F/p)
         h = dropout_at(self.activation_dropout_rng, h, self.activation_dropout, self.training)
-        partial = batched_linear(h, self.fc2_weight, torch.zeros_like(self.fc2_bias))  # (E_l, C, H)
-        y = reduce_from_tp(partial, self.group) + self.fc2_bias.to(partial.dtype)[:, None, :]
+        if groups is None:
+            partial = batched_linear(h, self.fc2_weight, zero)  # (E_l, C, H)
+            bias = self.fc2_bias.to(partial.dtype)[:, None, :]
+        else:
+            partial = GroupedLinear.apply(h, self.fc2_weight, zero, groups)  # (M, H), 0 past the groups
+            bias = torch.where(groups.valid[:, None], self.fc2_bias.to(partial.dtype)[groups.expert], 0.0)
+        y = reduce_from_tp(partial, self.group) + bias
         return F.dropout(y, self.dropout, self.training)

@@ -427,3 +427,29 @@ def test_expert_name_mapping_round_trips() -> None:
     assert is_expert_param(stacked) and not is_expert_param(hf)
     with pytest.raises(ValueError, match="not a stacked expert parameter"):
         expert_param_name("decoder.layers.3.fc1.weight", 0)
+
+
+def test_tensor_parallel_experts_take_the_grouped_layout() -> None:
+    """The tp shard runs the grouped rows as `Experts` does (no padding to the busiest expert):
+    with a one-rank tp group its grouped output and gradients equal the buffer layout's."""
+    from models.moe.experts import GroupedRows, takes_groups
+    from parallel.expert.apply import TensorParallelExperts
+    from parallel.tp.comm import ShardOnlyGroup
+
+    ffn = sparse_ffn()
+    shard = TensorParallelExperts.from_experts(ffn.experts, ShardOnlyGroup(1, 0), 1, 0)
+    assert takes_groups(shard)
+    x = torch.randn(20, H)
+    outs = []
+    for grouped in (True, False):
+        d = LocalDispatcher(grouped=grouped)
+        xi = x.clone().requires_grad_(True)
+        routing = ffn.router(xi, None, 4)
+        rows, ctx = d.dispatch(xi, routing, shard)
+        assert isinstance(ctx, GroupedRows) == grouped
+        y = d.combine(shard(rows, ctx) if grouped else shard(rows), routing, ctx)
+        y.square().sum().backward()
+        outs.append((y.detach(), xi.grad, shard.fc2_bias.grad.clone(), shard.fc1_weight.grad.clone()))
+        shard.zero_grad()
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
