@@ -23,8 +23,29 @@ class DataArguments:
         default=None,
         metadata={
             "help": "JSON lines / JSON / Parquet in HF translation format, or a text path with "
-            "'{lang}' (e.g. data/train.{lang}.gz) for line-aligned files per language."
+            "'{lang}' (e.g. data/train.{lang}.gz) for line-aligned files per language; a glob "
+            "(data/train-*.jsonl.gz) or a list of them (a YAML list, or comma-separated) for shards."
         },
+    )
+    streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "Read train_file (or dataset_name's data files) as a stream of shards: no rank "
+            "holds the corpus, tokenization runs on the fly (dataloader_num_workers), start-up and "
+            "memory do not grow with the corpus. Needs max_steps. false: the corpus is read and "
+            "tokenized before step 1 (exact epochs; for small data)."
+        },
+    )
+    dataloader_num_workers: int = field(
+        default=0,
+        metadata={
+            "help": "streaming: processes per rank that read and tokenize shards ahead of the step "
+            "(0: in the training process). The batches are the same for any number."
+        },
+    )
+    dataloader_prefetch_factor: int = field(
+        default=2,
+        metadata={"help": "streaming: windows of examples each rank's workers prepare ahead."},
     )
     validation_file: str | None = field(default=None, metadata={"help": "Same formats as train_file."})
     source_lang: str | None = field(default=None, metadata={"help": "Source language code (one direction)."})
@@ -33,11 +54,28 @@ class DataArguments:
         default_factory=list, metadata={"help": "Directions for multilingual runs, e.g. en-de de-en en-fr."}
     )
     builtin_size: int = field(default=4000, metadata={"help": "Builtin corpus: source items per language."})
-    max_source_length: int = field(default=128, metadata={"help": "Longer sources are skipped and counted."})
-    max_target_length: int = field(default=128, metadata={"help": "Longer targets are skipped and counted."})
+    max_source_length: int = field(
+        default=128,
+        metadata={"help": "Longer sources (tag and </s> included) are truncated, as in run_translation.py."},
+    )
+    max_target_length: int = field(
+        default=128,
+        metadata={"help": "Longer targets (tag and </s> included) are truncated, as in run_translation.py."},
+    )
+    skip_long_examples: bool = field(
+        default=False,
+        metadata={
+            "help": "Skip (and count) training and validation pairs over max_source_length / "
+            "max_target_length instead of truncating them (fairseq's "
+            "--skip-invalid-size-inputs-valid-test); test lines are never skipped."
+        },
+    )
     max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the training set."})
     max_eval_samples: int | None = field(
         default=256, metadata={"help": "Truncate each evaluation direction."}
+    )
+    max_predict_samples: int | None = field(
+        default=None, metadata={"help": "do_predict: truncate each test direction (default: every line)."}
     )
     max_tokens_per_microbatch: int | None = field(
         default=None, metadata={"help": "Cap a micro-batch by padded tokens instead of sentence count."}
@@ -107,8 +145,13 @@ class DataArguments:
         check_choice("spm_model_type", self.spm_model_type, ("unigram", "bpe"))
         check_range(self, ("builtin_size", "max_source_length", "max_target_length"), 1)
         check_range(self, ("spm_input_sentence_size",), 1)
-        check_range(self, ("max_train_samples", "max_eval_samples", "max_tokens_per_microbatch"), 1,
-                     optional=True)  # fmt: skip
+        check_range(self, ("max_train_samples", "max_eval_samples", "max_predict_samples",
+                           "max_tokens_per_microbatch"), 1, optional=True)  # fmt: skip
+        check_range(self, ("max_source_length", "max_target_length"), 3)
+        check_range(self, ("dataloader_num_workers",), 0)
+        check_range(self, ("dataloader_prefetch_factor",), 1)
+        if isinstance(self.train_file, (list, tuple)):  # a YAML list of shards
+            self.train_file = ",".join(str(x) for x in self.train_file)
         check_range(self, ("spm_character_coverage",), 0, 1, low_open=True)
         check_range(self, ("max_bad_record_fraction",), 0, 1)
         if self.language_pairs is None:  # `--language_pairs null`
@@ -125,6 +168,7 @@ class DataArguments:
                 f"with language tags (source_lang/target_lang or language_pairs), so leave it empty"
             )
         self._check_sources()
+        self._check_streaming()
         self._check_forced_bos()
         check_range(self, ("sampling_temperature",), 0, low_open=True)
         self.sampling_weights = self._check_weights()
@@ -196,6 +240,25 @@ class DataArguments:
                 f"language_pairs={self.language_pairs}; set one of them (`--language_pairs null` or "
                 f"`--source_lang null --target_lang null` unsets a config file's value)"
             )
+
+    def _check_streaming(self) -> None:
+        """What a stream of shards cannot do, refused in one line."""
+        if not self.streaming:
+            return
+        if self.dataset_name == "builtin":
+            raise ConfigError(
+                "streaming: true reads data files; dataset_name='builtin' is generated in memory "
+                "(set streaming: false, or give train_file shards)"
+            )
+        if self.max_train_samples is not None:
+            raise ConfigError(
+                f"max_train_samples={self.max_train_samples} truncates an in-memory dataset; a stream "
+                "has no fixed order to truncate (use max_steps, or streaming: false)"
+            )
+
+    def train_files(self) -> list[str]:
+        """`train_file`'s entries: paths, globs or `{lang}` patterns (comma-separated or one)."""
+        return [e.strip() for e in (self.train_file or "").split(",") if e.strip()]
 
     def directions(self) -> list[tuple[str, str]]:
         """The translation directions of the run."""

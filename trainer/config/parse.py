@@ -41,8 +41,6 @@ HF_NAME_HINTS: dict[str, str] = {
     "local_rank": "nothing: torchrun sets LOCAL_RANK",
     "ddp_timeout": "dist_timeout_s",
     "ddp_backend": "nothing: NCCL on GPUs, gloo on CPUs",
-    "dataloader_num_workers": "preprocessing_num_workers (tokenization); batches are built in process",
-    "max_predict_samples": "max_eval_samples (it caps test directions too)",
     "generation_config": "generation_num_beams and generation_max_length",
     "num_beams": "generation_num_beams",
     "config_name": "the model fields (d_model, encoder_layers, ...) or model_name_or_path",

@@ -10,6 +10,7 @@ The legend and the cut into slots: `trainer.data.sources`' docstring.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,6 +107,15 @@ class GlobalBatch:
     num_src_tokens: int  # source tokens in the whole global batch
     layout: BatchLayout
     fetch: Callable[[np.ndarray], Seq2SeqBatch] = field(repr=False)
+    src_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)  # by example index
+    tgt_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
+    padded_tokens: int = 0  # source + target positions of the padded micro-batches (padding share)
+
+    @property
+    def padding_fraction(self) -> float:
+        """The share of the micro-batches' positions that are padding (source and target together)."""
+        real = self.num_tokens + self.num_src_tokens
+        return 1.0 - real / self.padded_tokens if self.padded_tokens else 0.0
 
     @property
     def num_examples(self) -> int:
@@ -156,6 +166,11 @@ def direction_ids(ds: Any) -> tuple[list[str], np.ndarray]:
     return names, np.asarray(codes.to_numpy(zero_copy_only=False), dtype=np.int64)
 
 
+def padded_positions(slots: Sequence[np.ndarray], src_len: np.ndarray, tgt_len: np.ndarray) -> int:
+    """Source + target positions of the slots' micro-batches, each padded to its own longest."""
+    return int(sum(len(s) * (int(src_len[s].max()) + int(tgt_len[s].max())) for s in slots if len(s)))
+
+
 def _sentence_slots(order: np.ndarray, lengths: np.ndarray, layout: BatchLayout) -> list[list[np.ndarray]]:
     g, b = layout.per_device_batch_size * layout.num_slots, layout.per_device_batch_size
     batches = []
@@ -166,7 +181,12 @@ def _sentence_slots(order: np.ndarray, lengths: np.ndarray, layout: BatchLayout)
     return batches
 
 
-def _token_slots(order: np.ndarray, lengths: np.ndarray, layout: BatchLayout) -> list[list[np.ndarray]]:
+def _token_slots(
+    order: np.ndarray, lengths: np.ndarray, layout: BatchLayout, complete_last: bool = False
+) -> list[list[np.ndarray]]:
+    """Greedy token-capped slots in `order`, K to a global batch. The trailing partial global batch
+    is dropped, or with `complete_last` (a stream's window) made whole by halving its fullest
+    slots while it has at least K examples (a halved slot stays under the cap)."""
     cap, k = layout.max_tokens_per_microbatch or 0, layout.num_slots
     batches: list[list[np.ndarray]] = []
     slots: list[np.ndarray] = []
@@ -179,7 +199,15 @@ def _token_slots(order: np.ndarray, lengths: np.ndarray, layout: BatchLayout) ->
                 batches.append(slots)
                 slots = []
         longest = max(longest, length)
-    return batches  # the trailing partial global batch is dropped
+    if complete_last:
+        rest = [*slots, order[start:]] if start < len(order) else slots
+        while rest and len(rest) < k and max(len(s) for s in rest) > 1:
+            i = max(range(len(rest)), key=lambda j: len(rest[j]))
+            half = len(rest[i]) // 2
+            rest[i : i + 1] = [rest[i][:half], rest[i][half:]]
+        if len(rest) == k:
+            batches.append(rest)
+    return batches
 
 
 class FixedBatch:
@@ -303,7 +331,9 @@ class GlobalBatchSampler:
         slots = self._plan[self.position]
         num_tokens = int(sum(int(self.tgt_len[s].sum()) for s in slots))
         num_src = int(sum(int(self.src_len[s].sum()) for s in slots))
-        batch = GlobalBatch(self.step, self.epoch, slots, num_tokens, num_src, self.layout, self._fetch)
+        padded = padded_positions(slots, self.src_len, self.tgt_len)
+        batch = GlobalBatch(self.step, self.epoch, slots, num_tokens, num_src, self.layout, self._fetch,
+                            self.src_len, self.tgt_len, padded)  # fmt: skip
         self.drawn += np.bincount(self.direction_of[np.concatenate(slots)], minlength=len(self.directions))
         self.position += 1
         self.step += 1
@@ -313,6 +343,13 @@ class GlobalBatchSampler:
         """(source, target) token counts of every example of `batch` (host arrays)."""
         idx = np.concatenate(batch.slots)
         return self.src_len[idx], self.tgt_len[idx]
+
+    def peek(self) -> GlobalBatch:
+        """The next global batch, without moving on (a copy of the sampler draws it)."""
+        return next(copy.deepcopy(self))
+
+    def close(self) -> None:
+        """Nothing to release (the streaming sampler stops its workers)."""
 
     def shares(self) -> dict[str, dict[str, float]]:
         """Per direction: the `expected` share p_d, the `realised` share of the examples served so

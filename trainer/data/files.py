@@ -243,3 +243,26 @@ def read_data_file(path: str, languages: Sequence[str], what: str, max_bad: floa
         )
     table, n_bad = _read_table(path, what, max_bad)
     return flat_translation(table, languages, what), n_bad
+
+
+def read_data_files(
+    entries: Sequence[str], languages: Sequence[str], what: str, max_bad: float
+) -> tuple[Any, int]:
+    """`read_data_file` over several entries (paths, globs, `{lang}` patterns), concatenated in order."""
+    import glob
+
+    import datasets
+
+    parts, n_bad = [], 0
+    for entry in entries:
+        globbed = "{lang}" not in entry and any(c in entry for c in "*?[")
+        paths = sorted(glob.glob(entry)) if globbed else [entry]
+        if not paths:
+            raise DataError(f"{what} {entry!r} matches no file")
+        for path in paths:
+            ds, bad = read_data_file(path, languages, what, max_bad)
+            parts.append(ds)
+            n_bad += bad
+    if len(parts) == 1:
+        return parts[0], n_bad
+    return datasets.concatenate_datasets(parts), n_bad

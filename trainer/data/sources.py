@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from trainer.config.data_args import DataArguments
-from trainer.data.files import UNREADABLE, first_line, flat_translation, read_data_file
+from trainer.data.files import UNREADABLE, first_line, flat_translation, read_data_file, read_data_files
 from trainer.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -120,17 +120,23 @@ def _load_flat(
     data_args: DataArguments, languages: Sequence[str], seed: int
 ) -> tuple[Any, Any, dict[str, int]]:
     """Training and validation records (one column per language; validation may be None), and
-    the unreadable lines skipped in the local files, by split ("train", "validation")."""
+    the unreadable lines skipped in the local files, by split ("train", "validation").
+
+    Under `streaming` the training records are not read here (`trainer.data.streaming`): train is
+    None, and a dataset's validation split is read from its own data files only."""
     unreadable = {"train": 0, "validation": 0}
     max_bad = data_args.max_bad_record_fraction
-    if data_args.dataset_name == "builtin":
+    train = val = None
+    if data_args.streaming:
+        if data_args.dataset_name and not data_args.validation_file:
+            val, unreadable["validation"] = _stream_validation(data_args, languages)
+    elif data_args.dataset_name == "builtin":
         train, val = _builtin(data_args, languages, seed)
     elif data_args.dataset_name:
         train, val = _hub(data_args, languages)
     elif data_args.train_file:
-        (train, unreadable["train"]), val = (
-            read_data_file(data_args.train_file, languages, "train_file", max_bad),
-            None,
+        train, unreadable["train"] = read_data_files(
+            data_args.train_files(), languages, "train_file", max_bad
         )
     else:
         raise DataError("no training data: set train_file, or dataset_name (a `datasets` name or 'builtin')")
@@ -139,6 +145,20 @@ def _load_flat(
             data_args.validation_file, languages, "validation_file", max_bad
         )
     return train, val, unreadable
+
+
+def _stream_validation(data_args: DataArguments, languages: Sequence[str]) -> tuple[Any, int]:
+    """The validation (or dev, or test) data files of a streamed `dataset_name`, read as local files
+    (`load_dataset` would prepare the training split too)."""
+    import datasets
+
+    builder = datasets.load_dataset_builder(data_args.dataset_name, data_args.dataset_config_name)
+    files = dict(builder.config.data_files or {})
+    split = next((s for s in ("validation", "dev", "test") if s in files), None)
+    if split is None:
+        return None, 0
+    what = f"dataset {data_args.dataset_name!r} ({split})"
+    return read_data_files([str(f) for f in files[split]], languages, what, data_args.max_bad_record_fraction)
 
 
 def source_name(data_args: DataArguments) -> str:
@@ -153,11 +173,16 @@ def _bucket(skipped: dict[str, dict[str, int]], split: str) -> dict[str, int]:
     return skipped.setdefault(split, {UNREADABLE: 0, **dict.fromkeys(SKIP_REASONS, 0)})
 
 
-def _pairs_batch(batch: dict[str, list[Any]], directions: Sequence[Direction]) -> dict[str, list[Any]]:
+def _pairs_batch(
+    batch: dict[str, list[Any]], directions: Sequence[Direction], every_line: bool = False
+) -> dict[str, list[Any]]:
     out: dict[str, list[Any]] = {"src_lang": [], "tgt_lang": [], "source": [], "target": [], "skip": []}
     for src, tgt in directions:
         for s, t in zip(batch[src], batch[tgt]):
-            skip = 1 if s is None or t is None else 2 if not s.strip() or not t.strip() else 0
+            if every_line:  # test lines: each one with a source is translated (an empty reference scores 0)
+                skip = 1 if s is None else 0
+            else:
+                skip = 1 if s is None or t is None else 2 if not s.strip() or not t.strip() else 0
             for key, value in zip(out, (src, tgt, s or "", t or "", skip)):
                 out[key].append(value)
     return out
@@ -181,13 +206,14 @@ def count_and_drop(ds: Any, split: str, skipped: dict[str, dict[str, int]]) -> A
 
 
 def _to_pairs(
-    flat: Any, directions: Sequence[Direction], split: str, skipped: dict[str, dict[str, int]]
-) -> Any:
+    flat: Any, directions: Sequence[Direction], split: str, skipped: dict[str, dict[str, int]],
+    every_line: bool = False,
+) -> Any:  # fmt: skip
     pairs = flat.map(
         _pairs_batch,
         batched=True,
         remove_columns=flat.column_names,
-        fn_kwargs={"directions": list(directions)},
+        fn_kwargs={"directions": list(directions), "every_line": every_line},
         desc=f"pairs ({split})",
     )
     return count_and_drop(pairs, split, skipped)
@@ -215,9 +241,14 @@ def load_raw_datasets(data_args: DataArguments, seed: int) -> RawDatasets:
     directions = data_args.directions()
     languages = run_languages(data_args)
     train_flat, val_flat, unreadable = _load_flat(data_args, languages, seed)
+    skipped: dict[str, dict[str, int]] = {}
+    validation = _direction_pairs(
+        val_flat, data_args, "validation", skipped, unreadable["validation"]
+    ) if val_flat is not None else {}  # fmt: skip
+    if train_flat is None:  # streaming: trainer.data.streaming reads the training shards
+        return RawDatasets(None, validation, skipped)
     if data_args.max_train_samples is not None:
         train_flat = train_flat.select(range(min(data_args.max_train_samples, len(train_flat))))
-    skipped: dict[str, dict[str, int]] = {}
     _bucket(skipped, "train")[UNREADABLE] = unreadable["train"]
     train = _to_pairs(train_flat, directions, "train", skipped)
     if len(train) == 0:
@@ -225,9 +256,6 @@ def load_raw_datasets(data_args: DataArguments, seed: int) -> RawDatasets:
             f"the training corpus ({source_name(data_args)}) is empty after filtering: no usable record "
             f"for {[direction_name(d) for d in directions]} (skipped: {skipped['train']})"
         )
-    validation = _direction_pairs(
-        val_flat, data_args, "validation", skipped, unreadable["validation"]
-    ) if val_flat is not None else {}  # fmt: skip
     logger.info("data: %d training pairs over %d directions; validation %s", len(train), len(directions),
                 {k: len(v) for k, v in validation.items()})  # fmt: skip
     return RawDatasets(train, validation, skipped)
@@ -236,15 +264,18 @@ def load_raw_datasets(data_args: DataArguments, seed: int) -> RawDatasets:
 def _direction_pairs(
     flat: Any, data_args: DataArguments, split: str, skipped: dict[str, dict[str, int]], unreadable: int
 ) -> dict[str, Any]:
-    """Evaluation-style pairs of `flat` per direction name, at most `max_eval_samples` each;
+    """Evaluation-style pairs of `flat` per direction name, at most `max_eval_samples` each
+    (`max_predict_samples` for the test split, whose every line with a source is kept, in order);
     skips are counted under `"<split>:<direction>"`."""
     out: dict[str, Any] = {}
+    test = split == "test"
+    cap = data_args.max_predict_samples if test else data_args.max_eval_samples
     for d in data_args.directions():
         name = direction_name(d)
         _bucket(skipped, f"{split}:{name}")[UNREADABLE] = unreadable
-        pairs = _to_pairs(flat, [d], f"{split}:{name}", skipped)
-        if data_args.max_eval_samples is not None:
-            pairs = pairs.select(range(min(data_args.max_eval_samples, len(pairs))))
+        pairs = _to_pairs(flat, [d], f"{split}:{name}", skipped, every_line=test)
+        if cap is not None:
+            pairs = pairs.select(range(min(cap, len(pairs))))
         out[name] = pairs
     return out
 
@@ -255,8 +286,9 @@ def load_test_pairs(data_args: DataArguments, seed: int) -> RawDatasets:
     builtin corpus). Read and filtered as validation data is.
 
     Returns:
-        `RawDatasets(None, test, skipped)`: `test` maps a direction name to its pairs (at most
-        `max_eval_samples`); `skipped["test:<direction>"]` counts what was dropped.
+        `RawDatasets(None, test, skipped)`: `test` maps a direction name to its pairs, one per
+        line with a source (at most `max_predict_samples`); `skipped["test:<direction>"]` counts
+        what was dropped.
 
     Raises:
         DataError: no test data (neither a test_file nor a dataset with a "test" split), or

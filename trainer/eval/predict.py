@@ -8,9 +8,11 @@ name, a local directory of data files or one written by `save_to_disk`, or the b
     output_dir/predict_results.json          predict_loss, predict_bleu, predict_chrf (macro over
                                              directions) and per direction, predict_samples, skipped
 
-The test data is read, filtered and tokenized like validation data (`trainer.data`), so
-test pairs longer than max_source_length / max_target_length are skipped and counted
-(`skipped` in predict_results.json), and max_eval_samples caps each direction. Decoding
+Every test line with a source text is translated, in file order, so the predictions file has
+one line per test line: sources longer than max_source_length are truncated (never skipped,
+whatever `skip_long_examples` says), an empty reference scores against the empty string, and
+only max_predict_samples caps a direction (`skipped` in predict_results.json counts lines
+without a source, and truncations). Decoding
 and loss are the evaluation's (`trainer.eval.runner.Evaluator`: pipeline_generate
 on the mesh, dp replicas sharing the batches); only the logging rank writes.
 """
@@ -42,7 +44,7 @@ def load_test_data(cfg: JobConfig, tok: Tokenizer, raw: RawDatasets | None = Non
     raw = raw or load_test_pairs(cfg.data, cfg.training.seed)
     skipped = {k: dict(v) for k, v in raw.skipped.items()}
     test = {
-        name: tokenize_pairs(ds, tok, cfg.data, f"test:{name}", skipped, keep_text=True)
+        name: tokenize_pairs(ds, tok, cfg.data, f"test:{name}", skipped, keep_text=True, skip_long=False)
         for name, ds in raw.validation.items()
     }
     return TranslationData(None, test, skipped)

@@ -74,9 +74,18 @@ class CostSource:
     def _load_data(self, cfg: JobConfig) -> ModelConfig:
         from trainer.data.sources import load_raw_datasets, training_texts
         from trainer.data.tokenization import tokenize_datasets
-        from trainer.run.setup import model_config_for, run_tokenizer
+        from trainer.run.data import run_tokenizer
+        from trainer.run.setup import model_config_for
 
-        raw = load_raw_datasets(cfg.data, cfg.training.seed)
+        seed = cfg.training.seed
+        if cfg.data.streaming:  # the shards' first global batches, as the trainer's stream reads them
+            from trainer.data.streaming import open_corpus, sample_texts, stream_spec
+
+            spec, expected = stream_spec(open_corpus(cfg.data), cfg.data, seed)
+            tok = run_tokenizer(cfg, sample_texts(spec, expected, cfg.data.spm_input_sentence_size, seed))
+            self.sampler_data = ((spec, expected), tok)
+            return model_config_for(cfg, tok)
+        raw = load_raw_datasets(cfg.data, seed)
         tok = run_tokenizer(cfg, training_texts(raw.train))  # the trainer's: a pretrained model's own
         self.sampler_data = (tokenize_datasets(raw, tok, cfg.data).train, tok)
         return model_config_for(cfg, tok)
@@ -105,19 +114,29 @@ class CostSource:
         mb, m, g, dp, token_mode = key
         train, tok = self.sampler_data
         layout = BatchLayout(1 if token_mode else mb, m, g, dp, mb if token_mode else None)
-        sampler = GlobalBatchSampler(train, layout, self.cfg.training.seed, tok.pad_id,
-                                     tok.special_ids()["decoder_start_token_id"])  # fmt: skip
+        sampler: Any
+        if isinstance(train, tuple):  # streaming: (spec, expected shares)
+            from trainer.data.streaming import build_stream_sampler
+
+            spec, expected = train
+            sampler = build_stream_sampler(
+                spec, expected, self.cfg.data, layout, tok, log_notes=False, workers=0
+            )
+        else:
+            sampler = GlobalBatchSampler(train, layout, self.cfg.training.seed, tok.pad_id,
+                                         tok.special_ids()["decoder_start_token_id"])  # fmt: skip
         rows, src, tgt, fetch = [], [], [], []
         for _ in range(SHAPE_SAMPLE_BATCHES):
             gb = next(sampler)
             for flush in gb.replica_slots(0):
                 for idx in flush:
                     rows.append(len(idx))
-                    src.append(int(sampler.src_len[idx].max()))
-                    tgt.append(int(sampler.tgt_len[idx].max()))
+                    src.append(int(gb.src_len[idx].max()))
+                    tgt.append(int(gb.tgt_len[idx].max()))
             t0 = time.perf_counter()
             gb.shard(0)
             fetch.append((time.perf_counter() - t0) / (m * g))
+        sampler.close()
         self.fetch_s[key] = statistics.median(fetch)
         # the median micro-batch: `--validate` compares with the median step
         med = [round(float(np.median(x))) for x in (rows, src, tgt)]

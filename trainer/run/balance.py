@@ -18,7 +18,6 @@ capacity factor), on a sample micro-batch of the run's size.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -59,8 +58,8 @@ def choose_partition(
         return balance, format_partition(balance, names)
 
     def measure() -> tuple[list[int], str]:
-        # A sample micro-batch from a copy of the sampler (the real one's position is untouched).
-        batch = next(copy.deepcopy(sampler)).shard(0)[0][0].to(device)
+        # A sample micro-batch of the first global batch (the sampler's position is untouched).
+        batch = sampler.peek().shard(0)[0][0].to(device)
         run = run_setting(cfg, mesh.size("tp"), dtype)
         times, mems, counts = profile_blocks_by_kind(
             mc, batch, device, seed=cfg.training.seed, run=run, ep=mesh.size("ep")

@@ -68,27 +68,33 @@ def run(cfg: JobConfig) -> dict[str, Any]:
             logger.warning("config: %s", line)
     with claim_output_dir(cfg.training, dist.get_rank()) as out:
         ctx = setup_run(cfg, dims, out, resume)
-        step = resume_state(ctx)
-        tracker = build_tracker(ctx, step)
-        evaluator = build_evaluator(ctx)
-        before: dict[str, Any] | None = None
-        if cfg.training.do_eval and step == 0 and cfg.training.do_train:
-            before = evaluator.run(step)
-            tracker.log({"step": step, **before})
-        args = cfg.training
-        # SIGTERM/SIGUSR1 from here on: save at the next step boundary (trainer/run/guard.py). A signal
-        # during the final eval and save is not acted on: the run completes and exits 0.
-        with PreemptionSignals() as signals:
-            guard = StepGuard(args.nan_policy, args.nan_max_consecutive_skips, ctx.pm.device, signals)
-            try:
-                totals = (
-                    train_loop(ctx, tracker, evaluator, step, guard) if args.do_train else LoopTotals(step)
-                )
-            except (Preempted, DivergenceError):  # agreed by every rank: the save in flight can finish
-                tracker.close()  # rows are already on disk; this ends the W&B run and the progress bar
-                ctx.saver.wait()
-                raise
-            return finish_run(ctx, tracker, evaluator, totals, before)
+        try:
+            return _run(ctx, cfg)
+        finally:
+            ctx.sampler.close()  # a stream's worker processes
+
+
+def _run(ctx: RunContext, cfg: JobConfig) -> dict[str, Any]:
+    """`run` from the set-up on: resume, the evaluation before, the loop and the end."""
+    step = resume_state(ctx)
+    tracker = build_tracker(ctx, step)
+    evaluator = build_evaluator(ctx)
+    before: dict[str, Any] | None = None
+    if cfg.training.do_eval and step == 0 and cfg.training.do_train:
+        before = evaluator.run(step)
+        tracker.log({"step": step, **before})
+    args = cfg.training
+    # SIGTERM/SIGUSR1 from here on: save at the next step boundary (trainer/run/guard.py). A signal
+    # during the final eval and save is not acted on: the run completes and exits 0.
+    with PreemptionSignals() as signals:
+        guard = StepGuard(args.nan_policy, args.nan_max_consecutive_skips, ctx.pm.device, signals)
+        try:
+            totals = train_loop(ctx, tracker, evaluator, step, guard) if args.do_train else LoopTotals(step)
+        except (Preempted, DivergenceError):  # agreed by every rank: the save in flight can finish
+            tracker.close()  # rows are already on disk; this ends the W&B run and the progress bar
+            ctx.saver.wait()
+            raise
+        return finish_run(ctx, tracker, evaluator, totals, before)
 
 
 def build_tracker(ctx: RunContext, step: int) -> Tracker:
@@ -143,7 +149,8 @@ def train_loop(
         if ctx.fault is not None:
             ctx.fault.maybe_fire(step, dist.get_rank())
         log_now = step % args.logging_steps == 0 or step == args.max_steps
-        gb = next(ctx.sampler)
+        waited = time.perf_counter()
+        gb = next(ctx.sampler)  # streaming: may wait for its chunks to be read and tokenized
         start = time.perf_counter()
         st = train_step(
             pm,
@@ -159,7 +166,7 @@ def train_loop(
             scaler=ctx.loss_scale,
         )
         flops = step_flops(ctx.mc, *ctx.sampler.example_lengths(gb)) if window.peak_flops else 0.0
-        window.add(st, time.perf_counter() - start, flops)
+        window.add(st, time.perf_counter() - start, flops, start - waited, gb.padded_tokens)
         tracker.advance()
         if log_now:
             shares = ctx.sampler.shares_since(drawn_mark)
@@ -179,6 +186,7 @@ def train_loop(
             break
     totals.step, totals.skipped_steps, totals.overflow_steps = step, guard.skipped, guard.overflows
     totals.tokens, totals.time_in_steps = window.total_tokens, window.total_s
+    totals.data_time = window.total_data_s
     return totals
 
 

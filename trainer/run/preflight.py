@@ -66,6 +66,7 @@ def validate_early(cfg: JobConfig, world: int, arch: ModelConfig | None = None) 
         validate_balance(balance, n_blocks, p * v)
     build_schedule(cfg.parallel.pipeline_schedule, p, cfg.parallel.num_microbatches, v)
     refuse_idle_options(cfg, dims)
+    check_streaming(cfg)
     check_predict_args(cfg)
     check_metric_name(cfg.training.metric_for_best_model, [f"{s}-{t}" for s, t in cfg.data.directions()])
     return dims
@@ -94,6 +95,30 @@ def check_predict_args(cfg: JobConfig) -> None:
     missing = [p for p in paths if not Path(p).is_file()]
     if missing:
         raise ConfigError(f"test_file={test!r}: {missing[0]!r} does not exist")
+
+
+def check_streaming(cfg: JobConfig) -> None:
+    """A stream's epoch length is unknown before it is read (counting it would read the corpus), so
+    `streaming: true` needs max_steps and steps-based evaluation and saving, as the HF Trainer
+    needs max_steps for an IterableDataset.
+
+    Raises:
+        ConfigError: streaming with max_steps <= 0 or an "epoch" strategy.
+    """
+    tr = cfg.training
+    if not cfg.data.streaming:
+        return
+    if tr.max_steps <= 0:
+        raise ConfigError(
+            f"streaming: true needs max_steps > 0 (got {tr.max_steps}; num_train_epochs={tr.num_train_epochs} "
+            "cannot be turned into steps without reading the whole corpus); set max_steps"
+        )
+    for kind in ("eval", "save"):
+        if getattr(tr, f"{kind}_strategy") == "epoch":
+            raise ConfigError(
+                f"{kind}_strategy='epoch' needs the epoch's length, unknown for a stream (streaming: true); "
+                f"use {kind}_strategy: steps with {kind}_steps"
+            )
 
 
 def _default(section: type, name: str) -> Any:
@@ -178,6 +203,14 @@ def idle_option_warnings(cfg: JobConfig) -> list[str]:
             out.append(
                 f"{kind}_steps={every} does nothing with {kind}_strategy={strategy!r} (only 'steps' reads it)"
             )
+    d = cfg.data
+    if not d.streaming:
+        for name in ("dataloader_num_workers", "dataloader_prefetch_factor"):
+            if getattr(d, name) != _default(type(d), name):
+                out.append(
+                    f"{name}={getattr(d, name)} does nothing without streaming: true (map-style batches "
+                    "are fetched in the training process; preprocessing_num_workers tokenizes the corpus)"
+                )
     if tr.greater_is_better is not None and tr.metric_for_best_model is None:
         out.append(
             f"greater_is_better={tr.greater_is_better} does nothing without metric_for_best_model, "

@@ -1,6 +1,6 @@
 """Set-up of a training run: everything built once before the first step.
 
-    setup_run        data + tokenizer -> mesh -> sampler ->
+    setup_run        data + tokenizer (trainer.run.data) -> mesh -> sampler ->
                      partition -> model (HF import, parallelize) -> optimizer/scheduler
                      (-> fp16 loss scale)
 
@@ -13,7 +13,6 @@ import json
 import logging
 import random
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,27 +28,19 @@ from parallel.parallelize import ParallelModel, build_parallel_model
 from parallel.pipeline.simulate import bubble_theory
 from parallel.watchdog import RankIdentity, default_warn_after, start_watchdog
 from trainer.checkpoint.async_save import CheckpointSaver
-from trainer.checkpoint.resume import ResumePoint, adopt_tokenizer, log_changes
-from trainer.config.pretrained import check_tokenizer_fits, pretrained_sources
+from trainer.checkpoint.resume import ResumePoint, log_changes
+from trainer.config.pretrained import pretrained_sources
 from trainer.config.schema import JobConfig
 from trainer.config.training_args import TrainingArguments
-from trainer.data.batching import BatchLayout, GlobalBatchSampler
-from trainer.data.sampling import DirectionSampling
-from trainer.data.sources import (
-    RawDatasets,
-    load_raw_datasets,
-    load_test_pairs,
-    run_languages,
-    training_texts,
-)
-from trainer.data.tokenization import TranslationData, tokenize_datasets
+from trainer.data.sources import RawDatasets
+from trainer.data.tokenization import TranslationData
 from trainer.run.balance import choose_partition
+from trainer.run.data import build_sampler, setup_data
 from trainer.run.faults import FaultInjection
 from trainer.run.memory import peak_host_bytes
-from trainer.run.rank0 import on_rank0
 from trainer.run.step import build_optimizer, build_scheduler
 from trainer.run.strategies import BestModel, resolve_max_steps
-from trainer.tokenizer.vocab import Tokenizer, load_or_train_tokenizer
+from trainer.tokenizer.vocab import Tokenizer
 
 logger = logging.getLogger("trainer")
 
@@ -58,57 +49,6 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def setup_tokenizer(cfg: JobConfig, raw: Any, out: Path, rank: int, resume: ResumePoint | None) -> Tokenizer:
-    """Rank 0 builds the tokenizer (`run_tokenizer`) and saves it; the others load what it saved.
-
-    On resume every rank reads the checkpoint's run's tokenizer back: never retrained or rewritten.
-    """
-    tok_dir = out / "tokenizer"
-    languages = run_languages(cfg.data)
-    if resume is not None:
-        return Tokenizer.load(adopt_tokenizer(resume, out, rank), languages)
-
-    def build() -> Tokenizer:
-        tok = run_tokenizer(cfg, training_texts(raw.train))
-        tok.save(tok_dir)
-        return tok
-
-    tok = on_rank0(rank, "build the tokenizer", build)
-    return tok if tok is not None else Tokenizer.load(tok_dir, languages)
-
-
-def run_tokenizer(cfg: JobConfig, texts: Iterable[str]) -> Tokenizer:
-    """A fresh run's tokenizer: the pretrained one (`tokenizer_name`, else the model directory's own,
-    `trainer.config.pretrained`), checked against the pretrained model's embedding, or SentencePiece
-    trained on `texts` for a new model.
-
-    Raises:
-        ConfigError: a model directory without tokenizer files and no tokenizer_name.
-        TokenizerError, CheckpointMismatchError: the tokenizer's ids do not fit the model's embedding.
-    """
-    m, d = cfg.model, cfg.data
-    sources = pretrained_sources(m.model_name_or_path, m.tokenizer_name)
-    languages = run_languages(d)
-    tok = load_or_train_tokenizer(
-        None if sources.tokenizer is None else str(sources.tokenizer), languages, texts, m.vocab_size,
-        d.spm_model_type, d.spm_character_coverage, d.spm_input_sentence_size, cfg.training.seed,
-    )  # fmt: skip
-    if sources.model is not None:
-        check_tokenizer_fits(tok, sources.model, m.tokenizer_name or str(m.model_name_or_path), languages)
-    return tok
-
-
-def tokenize_shared(cfg: JobConfig, raw: Any, tok: Tokenizer, out: Path, rank: int) -> TranslationData:
-    """Rank 0 tokenizes into the on-disk cache (`cache_dir`, default <output_dir>/data_cache); the
-    others wait, then load it (a cache hit; on a node without the shared disk they build their own).
-
-    Rank 0's failure reaches every rank (`on_rank0`).
-    """
-    cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else out / "data_cache"
-    data = on_rank0(rank, "tokenize the data", lambda: tokenize_datasets(raw, tok, cfg.data, cache))
-    return data if data is not None else tokenize_datasets(raw, tok, cfg.data, cache)
 
 
 def model_config_for(cfg: JobConfig, tok: Tokenizer) -> ModelConfig:
@@ -200,7 +140,7 @@ class RunContext:
     tok: Tokenizer
     data: TranslationData
     mc: ModelConfig
-    sampler: GlobalBatchSampler
+    sampler: Any  # GlobalBatchSampler, or StreamSampler under streaming (one interface)
     balance: list[int]
     pm: ParallelModel
     optimizer: torch.optim.Optimizer
@@ -247,20 +187,25 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint
     set_seed(cfg.training.seed)
     t_start = time.perf_counter()
 
-    raw = load_raw_datasets(cfg.data, cfg.training.seed)
-    test_raw = load_test_pairs(cfg.data, cfg.training.seed) if cfg.training.do_predict else None
-    tok = setup_tokenizer(cfg, raw, out, rank, resume)
-    data = tokenize_shared(cfg, raw, tok, out, rank)
+    run_data = setup_data(cfg, out, rank, resume)
+    tok, data, test_raw = run_data.tok, run_data.data, run_data.test_raw
     mc = resume.model_config(cfg) if resume else model_config_for(cfg, tok)
     dims.validate(mc)
     mesh = build_mesh(dims, device.type)
     p = cfg.parallel
     warn_after = p.hang_warning_s or default_warn_after(p.dist_timeout_s)
     start_watchdog(RankIdentity(rank, dims.shape), warn_after, p.dist_timeout_s)
-    sampler = build_sampler(cfg, dims.dp, data, tok)
-    steps_per_epoch = len(sampler.epoch_plan(0))
+    sampler = build_sampler(cfg, dims.dp, run_data, log=rank == 0)
+    # a stream's epoch length is not known before it is read: streaming needs max_steps (preflight)
+    steps_per_epoch = 0 if run_data.stream else len(sampler.epoch_plan(0))
     cfg.training.max_steps = resolve_max_steps(cfg.training, steps_per_epoch)  # -1: from num_train_epochs
-    logger.info("training %d steps; an epoch is %d global batches", cfg.training.max_steps, steps_per_epoch)
+    if steps_per_epoch:
+        logger.info(
+            "training %d steps; an epoch is %d global batches", cfg.training.max_steps, steps_per_epoch
+        )
+    else:
+        logger.info("training %d steps on a stream of %d shard(s)", cfg.training.max_steps,
+                    len(run_data.stream[0].shards))  # type: ignore[index]  # fmt: skip
     balance, partition_text = choose_partition(cfg, mc, mesh, sampler, device, working_dtype(cfg.training))
     pm = build_model(cfg, mc, mesh, balance, device, resume)
     optimizer = build_optimizer(pm.model, cfg.training, only=pm.optimizer_params())
@@ -292,32 +237,6 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint
         loss_scale=build_loss_scale(cfg.training, pm.device),
         startup_peak_host_bytes=startup_host,
     )
-
-
-def build_sampler(cfg: JobConfig, dp: int, data: TranslationData, tok: Tokenizer) -> GlobalBatchSampler:
-    """The seeded, resumable sampler of global batches, cut into m * g * dp slots."""
-    layout = BatchLayout(
-        cfg.training.per_device_train_batch_size,
-        cfg.parallel.num_microbatches,
-        cfg.training.gradient_accumulation_steps,
-        dp,
-        cfg.data.max_tokens_per_microbatch,
-    )
-    weights = cfg.data.direction_weights(cfg.data.sampling_weights)
-    sampling = DirectionSampling(cfg.data.sampling_temperature, weights)
-    sampler = GlobalBatchSampler(
-        data.train,
-        layout,
-        cfg.training.seed,
-        tok.pad_id,
-        tok.special_ids()["decoder_start_token_id"],
-        sampling,
-    )
-    expected = {name: share["expected"] for name, share in sampler.shares().items()}
-    logger.info(
-        "direction sampling T=%g weights %s: expected shares %s", sampling.temperature, weights, expected
-    )
-    return sampler
 
 
 def record_setup(

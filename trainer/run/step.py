@@ -192,16 +192,20 @@ class LogWindow:
         self.moe = (
             ExpertLoad(pm.model, pm.device, counts=pm.mesh.tp_rank == 0) if pm.model.config.is_moe else None
         )
-        self.total_tokens, self.total_s = 0, 0.0
+        self.total_tokens, self.total_s, self.total_data_s = 0, 0.0, 0.0
         self._reset()
 
     def _reset(self) -> None:
         self.steps, self.tokens, self.src_tokens, self.flops, self.seconds = 0, 0, 0, 0.0, 0.0
+        self.data_s, self.padded = 0.0, 0  # the wait for each step's batch; its padded positions
         self.loss_tokens = 0  # target tokens of the applied (not skipped) steps: the loss's denominator
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.pm.device)
 
-    def add(self, st: StepStats, seconds: float, flops: float = 0.0) -> None:
-        """Count step `st`, which took `seconds` of host time and `flops` model FLOPs.
+    def add(
+        self, st: StepStats, seconds: float, flops: float = 0.0, data_s: float = 0.0, padded: int = 0
+    ) -> None:
+        """Count step `st`, which took `seconds` of host time and `flops` model FLOPs, after waiting
+        `data_s` for its global batch, whose micro-batches hold `padded` positions (source + target).
 
         A skipped step counts for throughput (its work was done) but not for the loss, unless
         it was skipped for an fp16 overflow: its loss is finite and was computed as usual.
@@ -211,6 +215,9 @@ class LogWindow:
         self.src_tokens += st.num_src_tokens
         self.flops += flops
         self.seconds += seconds
+        self.data_s += data_s
+        self.total_data_s += data_s
+        self.padded += padded
         if self.moe is not None:
             self.moe.collect()
         if st.skipped and not st.overflow:
@@ -248,7 +255,9 @@ class LogWindow:
             "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
             "tokens_per_sec": tokens / wall,
             "step_time_s": wall / max(self.steps, 1),
+            "data_time_s": self.data_s / max(self.steps, 1),  # waited for the batch, outside step_time_s
             "num_tokens": float(self.tokens),
+            **({"padding_fraction": 1.0 - tokens / self.padded} if self.padded else {}),
             **({"loss_scale": scale[0]} if scale else {}),
             **(self.moe.row(moe) if self.moe is not None else {}),
         }

@@ -34,14 +34,28 @@ def run_summary(
         "best_model_checkpoint": ctx.best.best_model_checkpoint,
         "wall_time_s": time.perf_counter() - ctx.t_start,
         "tokens_per_sec": totals.tokens / totals.time_in_steps if totals.time_in_steps else 0.0,
+        "data_time_s": totals.data_time,  # waited for batches over the run, besides time_in_steps_s
+        "time_in_steps_s": totals.time_in_steps,
+        "data_time_share": totals.data_time / (totals.data_time + totals.time_in_steps)
+        if totals.time_in_steps
+        else 0.0,
         "bubble_fraction": float(np.mean(totals.bubbles)) if totals.bubbles else None,
         "timeline_png": str(out / "timeline.png") if pp > 1 else None,
         "timeline_trace": str(out / "timeline_trace.json") if pp > 1 else None,
-        "data_skipped": ctx.data.skipped,
+        "data_skipped": data_skipped(ctx),
         "direction_shares": ctx.sampler.shares(),
         "output_dir": str(out),
         "last_checkpoint": str(ckpt.checkpoint_dir(out, step)) if ctx.cfg.training.do_train else None,
     }
+
+
+def data_skipped(ctx: RunContext) -> dict[str, dict[str, int]]:
+    """Pairs skipped (and truncated) per split; a stream's training counts come from its sampler."""
+    out = {k: dict(v) for k, v in ctx.data.skipped.items()}
+    stream_counts = getattr(ctx.sampler, "skipped", None)  # StreamSampler: counted as the chunks are read
+    if isinstance(stream_counts, dict):
+        out["train"] = dict(stream_counts)
+    return out
 
 
 def print_summary(s: dict[str, Any]) -> None:
@@ -64,6 +78,10 @@ def print_summary(s: dict[str, Any]) -> None:
                 f"{a if a is None else round(a, 3)!s:>8}"
             )
     lines.append(f"tokens/s             {s['tokens_per_sec']:.0f}")
+    if s.get("time_in_steps_s"):
+        lines.append(
+            f"data wait            {s['data_time_s']:.2f} s ({100 * s['data_time_share']:.1f}% of step time)"
+        )
     if s.get("bubble_fraction") is not None:
         lines.append(
             f"bubble               measured {s['bubble_fraction']:.3f}   theory "
@@ -94,6 +112,7 @@ class LoopTotals:
     step: int
     tokens: int = 0  # source + target tokens over all steps
     time_in_steps: float = 0.0
+    data_time: float = 0.0  # seconds the steps waited for their global batch (next(sampler))
     bubbles: list[float] = field(default_factory=list)  # measured bubble_fraction per logged step (pp > 1)
     skipped_steps: int = 0  # updates the guard dropped (nan_policy=skip)
     overflow_steps: int = 0  # updates the guard dropped for an fp16 gradient overflow
