@@ -13,9 +13,9 @@ import pytest
 from models.m2m100 import IGNORE_INDEX
 from trainer.config.data_args import DataArguments
 from trainer.data.batching import BatchLayout, GlobalBatchSampler, eval_batches
-from trainer.data.sources import load_raw_datasets, load_test_pairs, training_texts
+from trainer.data.sources import column_array, load_raw_datasets, load_test_pairs, training_texts
 from trainer.data.tokenization import TranslationData, tokenize_datasets
-from trainer.errors import DataError
+from trainer.errors import ConfigError, DataError
 from trainer.tokenizer.vocab import SentencePieceTokenizer, train_tokenizer
 
 DATA = Path("/work/shared/data/multi30k")
@@ -124,11 +124,15 @@ def test_dataset_directory_and_builtin(tmp_path: Path, corpus: dict) -> None:
 
 def test_test_split_of_a_dataset_directory(tmp_path: Path, corpus: dict) -> None:
     """do_predict's data without a test_file: the `test` split of dataset_name, whether a
-    `save_to_disk` directory, a directory of data files or the builtin corpus; test_file wins."""
+    `save_to_disk` directory, a directory of data files or the builtin corpus; test_file wins.
+
+    Every test line is kept, an empty side included (before, an empty text was skipped and
+    max_eval_samples capped the test set, so generated_predictions.txt had fewer lines than the
+    test file); only max_predict_samples caps it."""
     import datasets
 
     rows = _records(corpus, 60, ["en", "de"])
-    rows[50]["translation"]["de"] = " "  # an empty target: skipped and counted as in validation
+    rows[50]["translation"]["de"] = " "  # an empty side: still translated (one prediction per line)
     splits = {"train": rows[:40], "validation": rows[40:48], "test": rows[48:60]}
     datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits.items()}).save_to_disk(
         str(tmp_path / "disk")
@@ -141,9 +145,13 @@ def test_test_split_of_a_dataset_directory(tmp_path: Path, corpus: dict) -> None
             dataset_name=str(tmp_path / where), language_pairs=["en-de", "de-en"], max_eval_samples=10
         )
         test = load_test_pairs(args, seed=0)
-        assert {k: len(v) for k, v in test.validation.items()} == {"en-de": 10, "de-en": 10}, where
+        assert {k: len(v) for k, v in test.validation.items()} == {"en-de": 12, "de-en": 12}, where
         assert test.validation["en-de"][0]["source"] == corpus["train"]["en"][48]
-        assert test.skipped["test:de-en"]["empty_text"] == 1
+        assert test.validation["de-en"][2]["source"] == " "
+        assert test.skipped["test:de-en"]["empty_text"] == 0
+        capped = load_test_pairs(_args(dataset_name=str(tmp_path / where), source_lang="en",
+                                       target_lang="de", max_predict_samples=5), seed=0)  # fmt: skip
+        assert len(capped.validation["en-de"]) == 5
     with_file = _args(dataset_name=str(tmp_path / "disk"), source_lang="en", target_lang="de",
                       test_file=str(tmp_path / "files" / "validation.jsonl"))  # fmt: skip
     assert len(load_test_pairs(with_file, seed=0).validation["en-de"]) == 8
@@ -161,20 +169,35 @@ def test_test_split_of_a_dataset_directory(tmp_path: Path, corpus: dict) -> None
 
 
 def test_bad_records_are_counted(tmp_path: Path, corpus: dict, tok: SentencePieceTokenizer) -> None:
+    """Missing sides and empty texts are skipped and counted. Over-long sides are truncated to
+    max_source_length / max_target_length, tag and </s> kept, as run_translation.py does (before,
+    they were skipped: under do_predict the predictions had fewer lines than the test file);
+    skip_long_examples skips them instead."""
     rows = _records(corpus, 20, ["en", "de"])
     rows += [{"translation": {"en": "only english"}}, {"translation": {"en": "  ", "de": "leer"}},
              {"translation": {"en": "long " * 200, "de": "kurz"}}, {"translation": {"en": "short", "de": "lang " * 200}}]  # fmt: skip
-    args = _args(train_file=str(_write_jsonl(tmp_path / "t.jsonl", rows)), source_lang="en", target_lang="de",
-                 max_source_length=64, max_target_length=64)  # fmt: skip
+    path = str(_write_jsonl(tmp_path / "t.jsonl", rows))
+    args = _args(
+        train_file=path, source_lang="en", target_lang="de", max_source_length=64, max_target_length=64
+    )
+    data = tokenize_datasets(load_raw_datasets(args, seed=0), tok, args)
+    assert len(data.train) == 22
+    assert data.skipped["train"] == {
+        "unreadable_line": 0, "missing_side": 1, "empty_text": 1, "source_too_long": 0, "target_too_long": 0,
+        "truncated_source": 1, "truncated_target": 1,
+    }  # fmt: skip
+    lengths = column_array(data.train, "src_len"), column_array(data.train, "tgt_len")
+    assert max(lengths[0]) == 64 and max(lengths[1]) == 64
+    cut = data.train.filter(lambda r: r["src_len"] == 64)[0]["input_ids"]
+    assert cut[0] == tok.lang_id("en") and cut[-1] == tok.eos_id  # tag and </s> kept
+    args = _args(train_file=path, source_lang="en", target_lang="de", max_source_length=64, max_target_length=64,
+                 skip_long_examples=True)  # fmt: skip
     data = tokenize_datasets(load_raw_datasets(args, seed=0), tok, args)
     assert len(data.train) == 20
     assert data.skipped["train"] == {
-        "unreadable_line": 0,
-        "missing_side": 1,
-        "empty_text": 1,
-        "source_too_long": 1,
-        "target_too_long": 1,
-    }
+        "unreadable_line": 0, "missing_side": 1, "empty_text": 1, "source_too_long": 1, "target_too_long": 1,
+        "truncated_source": 0, "truncated_target": 0,
+    }  # fmt: skip
 
 
 def test_unreadable_lines_are_skipped_counted_and_named(
@@ -275,9 +298,13 @@ def test_errors_name_the_bad_value(
     )
     fails(r"dataset_name='/no/such/dir' is a path that does not exist", dataset_name="/no/such/dir")
     fails(r"no training data", train_file=None)
-    args = _args(train_file=str(short / "t.{lang}"), source_lang="en", target_lang="en", max_source_length=1)
-    with pytest.raises(DataError, match=r"empty after filtering .*max_source_length=1"):
+    (short / "long.en").write_text("a long sentence of many words\nanother long sentence here\n")
+    args = _args(train_file=str(short / "long.{lang}"), source_lang="en", target_lang="en", max_source_length=3,
+                 skip_long_examples=True)  # fmt: skip
+    with pytest.raises(DataError, match=r"empty after filtering .*max_source_length=3"):
         tokenize_datasets(load_raw_datasets(args, 0), tok, args)
+    with pytest.raises(ConfigError, match=r"max_source_length=2 must be >= 3"):
+        _args(train_file=str(short / "long.{lang}"), source_lang="en", target_lang="de", max_source_length=2)
 
 
 def test_batch_config_errors(data: TranslationData, tok: SentencePieceTokenizer) -> None:

@@ -25,7 +25,7 @@ clear error on all ranks and leaves output_dir as it was.
         the mesh and the pipeline engine, max_steps (the lr decay then stretches to the new
         end, as in the HF Trainer), logging / eval / save cadence and limits, evaluation and
         generation settings, validation data, file paths of the same training data (its
-        example count is checked by the sampler), tokenization workers and cache_dir,
+        example count is checked by the sampler), tokenization and data-loader workers and cache_dir,
         optimizer betas / eps / weight decay and
         clipping (applied from the resumed step on; DCP restores only the moment tensors),
         regularisation (dropout, label smoothing, NLLB-MoE's moe_token_dropout), NLLB-MoE's
@@ -97,6 +97,8 @@ MUST_MATCH: dict[str, tuple[str, ...]] = {
         "max_train_samples",
         "max_source_length",
         "max_target_length",
+        "skip_long_examples",
+        "streaming",  # a stream's data position is not a map-style sampler's
         "max_tokens_per_microbatch",
         "sampling_temperature",
         "sampling_weights",
@@ -181,6 +183,9 @@ MAY_CHANGE = (
     "forced_bos_token",  # only confirms the directions' target, which must match
     "source_prefix",
     "preprocessing_num_workers",  # how, not what, is tokenized
+    "dataloader_num_workers",  # the stream is the same for any number of workers
+    "dataloader_prefetch_factor",
+    "max_predict_samples",
 )
 
 

@@ -1,7 +1,7 @@
 """The canonical stream of tokenized chunks over a sharded corpus: the same on every rank and for
 any number of worker processes, resumable from a small JSON snapshot.
 
-Legend: D directions, L_d lanes of direction d, R records per chunk (`CHUNK_RECORDS`),
+Legend: D directions, L_d lanes of direction d, R records per chunk (`StreamSpec.chunk_records`),
 p_d direction d's share.
 
     lanes      direction d's pieces (those of shards holding both its languages) are permuted
@@ -47,7 +47,8 @@ from trainer.errors import DataError
 
 LANES = 64  # lanes over all directions (at least one per direction): pieces read side by side
 LANES_PER_DIRECTION = 8  # at most, for a direction with that many pieces
-CHUNK_RECORDS = 128  # records per chunk
+CHUNK_RECORDS = 128  # records per chunk, at most (`StreamSpec.chunk_records`)
+MIN_CHUNK_RECORDS = 16
 MAX_OPEN_READERS = 256  # open pieces per process (least recently used closed first)
 SKIP_KEYS = ("unreadable_line", "missing_side", "empty_text", "source_too_long", "target_too_long",
              "truncated_source", "truncated_target")  # fmt: skip
@@ -68,6 +69,7 @@ class StreamSpec:
     skip_long: bool
     probabilities: tuple[float, ...]  # p_d per direction
     endless: bool = False  # sampled: lanes start their next epoch instead of ending
+    chunk_records: int = CHUNK_RECORDS  # R (`trainer.data.stream_sampler.stream_geometry`)
 
     @cached_property
     def direction_pieces(self) -> tuple[tuple[int, ...], ...]:
@@ -90,6 +92,10 @@ class StreamSpec:
 
     def lanes(self) -> list[int]:
         return list(range(sum(self.lane_counts)))
+
+    def first_direction(self, piece_index: int) -> int:
+        """The lowest direction a piece serves: the one that counts its unreadable lines."""
+        return next(d for d, pieces in enumerate(self.direction_pieces) if piece_index in pieces)
 
     def lane_direction(self, lane: int) -> tuple[int, int]:
         """(direction d, lane j of d) of a lane id."""
@@ -238,7 +244,7 @@ class ChunkReader:
         counts = dict.fromkeys(SKIP_KEYS, 0)
         notes: list[str] = []
         records, done = 0, False
-        while records < CHUNK_RECORDS:
+        while records < spec.chunk_records:
             if k >= len(pieces):
                 if not spec.endless:
                     done = True
@@ -253,12 +259,12 @@ class ChunkReader:
             for record in it:
                 records += 1
                 _add_pair(record, d, spec.directions[d], pairs, counts)
-                if records >= CHUNK_RECORDS:
+                if records >= spec.chunk_records:
                     break
             else:  # the piece ended
                 bad = reader.finish()
-                counts["unreadable_line"] += bad.bad
-                if bad.bad:
+                if bad.bad and d == spec.first_direction(pieces[k]):  # counted once, not per direction
+                    counts["unreadable_line"] += bad.bad
                     notes.append(f"shard {bad.path!r}: skipped {bad.bad} unreadable line(s) of {bad.lines} "
                                  f"({'; '.join(bad.examples)})")  # fmt: skip
                 self._readers.pop(lane, None)

@@ -5,7 +5,7 @@
     sort by length -> cut into global batches (B pairs x K slots, or token-capped slots) ->
     shuffle their order -> served one per step; a dp replica fetches only its own slots
 
-W is a whole number of global batches of pairs (`window_examples`), so a window never leaves
+W is a whole number of global batches of pairs (`stream_geometry`), so a window never leaves
 examples behind: it ends inside a chunk and the next window starts there. Only the end of a
 proportional epoch leaves fewer than one global batch (dropped and counted, `dropped_tail`, as
 the map-style sampler drops its last partial batch). Token-capped windows complete their last
@@ -36,7 +36,15 @@ from trainer.data.batching import (
 )
 from trainer.data.shards import fingerprint
 from trainer.data.sources import direction_name
-from trainer.data.stream import CHUNK_RECORDS, SKIP_KEYS, Chunk, Snapshot, StreamSpec, merge_counts
+from trainer.data.stream import (
+    CHUNK_RECORDS,
+    MIN_CHUNK_RECORDS,
+    SKIP_KEYS,
+    Chunk,
+    Snapshot,
+    StreamSpec,
+    merge_counts,
+)
 from trainer.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -44,16 +52,22 @@ WINDOW_EXAMPLES_CAP = 1 << 17  # a window holds at most this many examples
 WINDOW_CHUNKS = 32  # and at least this many chunks' worth (mixing lanes and directions)
 
 
-def window_examples(layout: BatchLayout, max_length: int) -> int:
-    """W: whole global batches, at least `CHUNK_GLOBAL_BATCHES` of them and `WINDOW_CHUNKS` chunks'
-    worth of examples, at most `WINDOW_EXAMPLES_CAP` examples (one global batch at least). A token-
-    capped global batch counts as many examples as fill it at the longest length."""
+def stream_geometry(layout: BatchLayout, max_length: int, lanes: int) -> tuple[int, int]:
+    """(R, W): records per chunk and examples per window, from the global batch and the lanes.
+
+    W0 is `CHUNK_GLOBAL_BATCHES` global batches (at most `WINDOW_EXAMPLES_CAP` examples, at least
+    one global batch); R is small enough that a window of W0 takes two chunks from every lane,
+    within [`MIN_CHUNK_RECORDS`, `CHUNK_RECORDS`]; W is W0, raised to `WINDOW_CHUNKS` chunks' worth
+    in whole global batches. A token-capped global batch counts as the examples that fill it at
+    the longest length."""
     g = layout.global_batch_size
     if g is None:
         per_slot = max(1, (layout.max_tokens_per_microbatch or 1) // max(1, max_length))
         g = per_slot * layout.num_slots
-    batches = max(CHUNK_GLOBAL_BATCHES, -(-WINDOW_CHUNKS * CHUNK_RECORDS // g))
-    return g * max(1, min(batches, WINDOW_EXAMPLES_CAP // g))
+    cap = max(1, WINDOW_EXAMPLES_CAP // g)
+    w0 = g * min(CHUNK_GLOBAL_BATCHES, cap)
+    r = max(MIN_CHUNK_RECORDS, min(CHUNK_RECORDS, w0 // (2 * max(1, lanes))))
+    return r, g * min(max(CHUNK_GLOBAL_BATCHES, -(-WINDOW_CHUNKS * r // g)), cap)
 
 
 class Window:
@@ -108,7 +122,10 @@ class StreamSampler:
         self.directions = [direction_name(d) for d in spec.directions]
         self.probabilities = dict(expected)
         self.log_notes = log_notes
-        self.window_size = window_examples(layout, max(spec.max_source_length, spec.max_target_length))
+        longest = max(spec.max_source_length, spec.max_target_length)
+        r, self.window_size = stream_geometry(layout, longest, len(spec.lanes()))
+        if r != spec.chunk_records:
+            raise ValueError(f"spec.chunk_records={spec.chunk_records} but this layout's stream takes {r}")
         self.drawn = np.zeros(len(self.directions), np.int64)
         self.skipped: dict[str, int] = dict.fromkeys((*SKIP_KEYS, "dropped_tail"), 0)
         self.step = 0
@@ -255,7 +272,7 @@ class StreamSampler:
         spec = self.spec
         return {"seed": self.seed, "corpus": fingerprint(spec.shards), **self.layout.signature(),
                 "streaming": {"lanes": len(spec.lanes()), "pieces": len(spec.pieces),
-                              "window_examples": self.window_size,
+                              "chunk_records": spec.chunk_records, "window_examples": self.window_size,
                               "probabilities": [round(p, 9) for p in spec.probabilities or []],
                               "lengths": [spec.max_source_length, spec.max_target_length, spec.skip_long]}}  # fmt: skip
 

@@ -139,18 +139,17 @@ def build_stream_sampler(spec: StreamSpec, expected: dict[str, float], data_args
                          workers: int | None = None) -> StreamSampler:  # fmt: skip
     """The sampler over `spec`, its chunks read in process or by `dataloader_num_workers` processes
     (`workers` overrides it)."""
-    from trainer.data.stream import CHUNK_RECORDS
-    from trainer.data.stream_sampler import window_examples
+    import dataclasses
 
+    from trainer.data.stream_sampler import stream_geometry
+
+    longest = max(spec.max_source_length, spec.max_target_length)
+    r, window = stream_geometry(layout, longest, len(spec.lanes()))
+    spec = dataclasses.replace(spec, chunk_records=r)
     workers = data_args.dataloader_num_workers if workers is None else workers
     if workers > 0:
-        longest = max(spec.max_source_length, spec.max_target_length)
-        per_worker = math.ceil(
-            window_examples(layout, longest) / CHUNK_RECORDS / min(workers, len(spec.lanes()))
-        )
-        source: Any = WorkerChunks(
-            spec, tokenizer, workers, data_args.dataloader_prefetch_factor * per_worker
-        )
+        per_worker = math.ceil(window / r / min(workers, len(spec.lanes())))
+        source: Any = WorkerChunks(spec, tokenizer, workers, data_args.dataloader_prefetch_factor * per_worker)
     else:
         source = InlineChunks(spec, tokenizer)
     special = tokenizer.special_ids()
