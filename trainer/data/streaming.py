@@ -149,7 +149,9 @@ def build_stream_sampler(spec: StreamSpec, expected: dict[str, float], data_args
     workers = data_args.dataloader_num_workers if workers is None else workers
     if workers > 0:
         per_worker = math.ceil(window / r / min(workers, len(spec.lanes())))
-        source: Any = WorkerChunks(spec, tokenizer, workers, data_args.dataloader_prefetch_factor * per_worker)
+        source: Any = WorkerChunks(
+            spec, tokenizer, workers, data_args.dataloader_prefetch_factor * per_worker
+        )
     else:
         source = InlineChunks(spec, tokenizer)
     special = tokenizer.special_ids()
