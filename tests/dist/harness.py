@@ -102,7 +102,7 @@ def run_distributed(
         ctx.Process(
             target=_entry,
             args=(fn, r, world_size, port, args, env or {}, queue, collective_timeout),
-            daemon=True,
+            daemon=False,  # a rank may start processes of its own (data-loader workers); `finally` kills it
         )
         for r in range(world_size)
     ]

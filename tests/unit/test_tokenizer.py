@@ -68,6 +68,23 @@ def test_deterministic(texts: list[str], tok: SentencePieceTokenizer) -> None:
     assert again.model_proto == tok.model_proto
 
 
+def test_deterministic_across_processes_when_sampling() -> None:
+    """More texts than input_sentence_size: the sample is drawn by the seed, not by SentencePiece,
+    whose own draw differed between processes (two runs of one config trained different pieces,
+    so a streaming run and its restarted twin disagreed from step 1)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import gzip, hashlib; from trainer.tokenizer.vocab import train_tokenizer; "
+        f"t = [l for x in {LANGS!r} for l in gzip.open('{DATA}/train.' + x + '.gz', 'rt').read().splitlines()[:600]]; "
+        f"print(hashlib.md5(train_tokenizer(t, {LANGS!r}, 500, 'bpe', 1.0, 1000, 3).model_proto).hexdigest())"
+    )
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+            for _ in range(2)}  # fmt: skip
+    assert len(runs) == 1, runs
+
+
 def _model_type(tok: SentencePieceTokenizer) -> str:
     from sentencepiece import sentencepiece_model_pb2 as pb
 

@@ -189,7 +189,7 @@ def sample_texts(spec: StreamSpec, expected: dict[str, float], sentences: int, s
                         break
     if not texts:
         raise DataError("the tokenizer sample found no usable pair in the training shards")
-    return texts
+    return texts[:sentences]
 
 
 def _records_at_random(shard: Shard, piece: Piece, rng: np.random.Generator) -> Sequence[dict]:

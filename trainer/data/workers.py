@@ -19,7 +19,7 @@ import traceback
 from typing import Any
 
 from trainer.data.stream import Chunk, ChunkReader, Snapshot, StreamSpec, owned_lanes
-from trainer.errors import BadInputError
+from trainer.errors import BadInputError, ConfigError
 
 _POLL_S = 0.2
 
@@ -51,6 +51,11 @@ class WorkerChunks:
     """The stream read by `num_workers` forked processes, each `prefetch` chunks ahead at most."""
 
     def __init__(self, spec: StreamSpec, tokenizer: Any, num_workers: int, prefetch: int) -> None:
+        if mp.current_process().daemon:
+            raise ConfigError(
+                f"dataloader_num_workers={num_workers}: this training process is a daemonic process, which "
+                "cannot start worker processes; set dataloader_num_workers: 0"
+            )
         self.spec = spec
         self.num_workers = max(1, min(num_workers, len(spec.lanes())))  # a worker without lanes idles
         ctx = mp.get_context("fork")  # the tokenizer is inherited, not pickled; workers never touch torch

@@ -355,6 +355,10 @@ def train_tokenizer(
     sample = [t for t in texts if t and t.strip()]
     if not sample:
         raise TokenizerError("cannot train SentencePiece: the training text is empty")
+    if len(sample) > input_sentence_size:  # drawn here, by the seed: SentencePiece's own draw is not
+        import random  # repeatable across processes (two runs of one config got different pieces)
+
+        sample = random.Random(seed).sample(sample, input_sentence_size)
     spm.set_random_generator_seed(seed)
     kwargs = _spm_kwargs(vocab_size, languages, model_type, character_coverage, input_sentence_size)
     proto = _train_with_shrink(sample, kwargs)
