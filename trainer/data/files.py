@@ -202,7 +202,13 @@ def _text_rows(paths: dict[str, str], skip: list[int]) -> Iterator[dict[str, str
             yield {lang: text for lang, (_, text, _) in zip(paths, lines)}
 
 
-def _json_translation(ds: Any, languages: Sequence[str], what: str) -> Any:
+def _string_feature() -> Any:
+    import datasets
+
+    return datasets.Value("string")
+
+
+def _json_translation(ds: Any, languages: Sequence[str], what: str, partial: bool = False) -> Any:
     """Heterogeneous `translation` dicts (datasets infers a `Json` feature): pick the languages."""
 
     def pick(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
@@ -211,20 +217,25 @@ def _json_translation(ds: Any, languages: Sequence[str], what: str) -> Any:
 
     have = sorted({k for r in ds[: min(len(ds), 1000)]["translation"] if isinstance(r, dict) for k in r})
     missing = [lang for lang in languages if lang not in have]
-    if missing:
+    if missing and not partial:
         raise DataError(f"{what} has no {missing[0]!r} text; languages in the data: {have}")
     return ds.map(pick, batched=True, remove_columns=ds.column_names, desc="languages")
 
 
-def flat_translation(ds: Any, languages: Sequence[str], what: str) -> Any:
-    """One string column per language: `translation` structs are flattened."""
+def flat_translation(ds: Any, languages: Sequence[str], what: str, partial: bool = False) -> Any:
+    """One string column per language: `translation` structs are flattened. A language the data
+    lacks is an error, or with `partial` an all-None column."""
     if "translation" in ds.column_names:
         flat = ds.flatten()
         inner = [c for c in flat.column_names if c.startswith("translation.")]
         if not inner:
-            return _json_translation(ds, languages, what)
+            return _json_translation(ds, languages, what, partial)
         ds = flat.select_columns(inner).rename_columns({c: c[len("translation.") :] for c in inner})
     missing = [lang for lang in languages if lang not in ds.column_names]
+    if missing and partial:
+        for lang in missing:
+            ds = ds.add_column(lang, [None] * len(ds), feature=_string_feature())
+        missing = []
     if missing:
         raise DataError(
             f"{what} has no {missing[0]!r} text; languages in the data: {sorted(ds.column_names)}"
@@ -232,8 +243,11 @@ def flat_translation(ds: Any, languages: Sequence[str], what: str) -> Any:
     return ds.select_columns(list(languages))
 
 
-def read_data_file(path: str, languages: Sequence[str], what: str, max_bad: float) -> tuple[Any, int]:
-    """One column per language from a local file, and the number of unreadable lines skipped."""
+def read_data_file(
+    path: str, languages: Sequence[str], what: str, max_bad: float, partial: bool = False
+) -> tuple[Any, int]:
+    """One column per language from a local file, and the number of unreadable lines skipped
+    (`partial`: a language the file lacks is an all-None column, not an error)."""
     if "{lang}" in path:
         return _read_text_files(path, languages, what, max_bad)
     if not path.endswith(TABLE_SUFFIXES):
@@ -242,27 +256,43 @@ def read_data_file(path: str, languages: Sequence[str], what: str, max_bad: floa
             "or a text path containing '{lang}' (e.g. data/train.{lang}.gz)"
         )
     table, n_bad = _read_table(path, what, max_bad)
-    return flat_translation(table, languages, what), n_bad
+    return flat_translation(table, languages, what, partial), n_bad
 
 
-def read_data_files(
-    entries: Sequence[str], languages: Sequence[str], what: str, max_bad: float
-) -> tuple[Any, int]:
-    """`read_data_file` over several entries (paths, globs, `{lang}` patterns), concatenated in order."""
+def read_data_files(entries: Sequence[str], languages: Sequence[str], what: str, max_bad: float) -> tuple[Any, int]:
+    """`read_data_file` over several entries (paths, globs, `{lang}` patterns), concatenated in order.
+
+    With more than one file a file may hold only some of the run's languages (per-direction shards):
+    its other languages are empty (None: their pairs count as `missing_side`); a language no file
+    holds is an error."""
     import glob
 
     import datasets
 
-    parts, n_bad = [], 0
+    paths = []
     for entry in entries:
         globbed = "{lang}" not in entry and any(c in entry for c in "*?[")
-        paths = sorted(glob.glob(entry)) if globbed else [entry]
-        if not paths:
+        found = sorted(glob.glob(entry)) if globbed else [entry]
+        if not found:
             raise DataError(f"{what} {entry!r} matches no file")
-        for path in paths:
-            ds, bad = read_data_file(path, languages, what, max_bad)
-            parts.append(ds)
-            n_bad += bad
-    if len(parts) == 1:
-        return parts[0], n_bad
+        paths.extend(found)
+    if len(paths) == 1:
+        return read_data_file(paths[0], languages, what, max_bad)
+    parts, n_bad = [], 0
+    for path in paths:
+        ds, bad = read_data_file(path, languages, what, max_bad, partial=True)
+        parts.append(ds.select_columns(list(languages)))
+        n_bad += bad
+    absent = [lang for lang in languages if lang not in _languages_present(parts)]
+    if absent:
+        raise DataError(f"{what} has no {absent[0]!r} text in any of its {len(paths)} files")
     return datasets.concatenate_datasets(parts), n_bad
+
+
+def _languages_present(parts: Sequence[Any]) -> set[str]:
+    """Languages with at least one text in the first rows of some part."""
+    out: set[str] = set()
+    for ds in parts:
+        head = ds[: min(len(ds), 100)]
+        out |= {lang for lang, texts in head.items() if any(t is not None for t in texts)}
+    return out
