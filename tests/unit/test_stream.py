@@ -349,3 +349,25 @@ def test_streaming_config_errors() -> None:
         check_streaming(load_config_dict({**base, "max_steps": 5, "eval_strategy": "epoch"}))
     cfg = load_config_dict({**base, "train_file": ["a-*.jsonl", "b.parquet"], "max_steps": 5})
     assert cfg.data.train_files() == ["a-*.jsonl", "b.parquet"]
+
+
+def test_dataset_directory_streams_its_train_files(tmp_path: Path, tok: SentencePieceTokenizer) -> None:
+    """`dataset_name` naming a local directory of data files, with `streaming: true`: its `train`
+    files are the shards (never loaded into Arrow), its validation file is read as evaluation data."""
+    from trainer.data.sources import load_raw_datasets
+
+    root = tmp_path / "ds"
+    root.mkdir()
+    for k in range(3):
+        _write(
+            root / f"train-0000{k}-of-00003.jsonl",
+            [{"en": _text("en", k, i), "de": _text("de", k, i)} for i in range(60)],
+        )
+    _write(root / "validation.jsonl", [{"en": f"v {i}", "de": f"w {i}"} for i in range(7)])
+    args = DataArguments(dataset_name=str(root), streaming=True, source_lang="en", target_lang="de")
+    corpus = open_corpus(args)
+    assert [Path(s.path).name for s in corpus.shards] == [f"train-0000{k}-of-00003.jsonl" for k in range(3)]
+    raw = load_raw_datasets(args, seed=0)
+    assert raw.train is None and len(raw.validation["en-de"]) == 7
+    sampler = _sampler(args, tok, BatchLayout(6, 1, 1, 1))
+    assert sum(len(s) for s in next(sampler).slots) == 6
