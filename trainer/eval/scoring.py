@@ -358,6 +358,11 @@ def score_all(
             hyps = decode(plan.texts[src], src, tgt, progress.batch)
             progress.finish_direction()
             if hyps is not None:
+                # Edge whitespace depends on the tokenizer class, not the tokens (a hypothesis cut
+                # at max_length after a lone "▁" piece: our SentencePiece decode keeps the space,
+                # the stock M2M100Tokenizer of an export strips it). sacreBLEU ignores it; the
+                # predictions files drop it, so they compare across model forms too.
+                hyps = [h.strip() for h in hyps]
                 scores = compute_metrics(hyps, plan.texts[tgt], tgt, plan.spbleu)
                 rows[name] = {"sentences": n, **scores}
                 hypotheses[name] = hyps
