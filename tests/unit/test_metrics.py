@@ -94,6 +94,30 @@ def test_chrf_plus_plus_is_a_metric_for_best_model_and_on_the_dashboard() -> Non
     assert dashboard_key("eval_spbleu") == "eval/spbleu"
 
 
+def test_chrf_plus_plus_reaches_tensorboard_and_wandb_under_its_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`+` is a valid character in W&B keys and TensorBoard tags: `eval/chrf++_en-de` arrives as is."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trainer.run.tracking import Tracker
+
+    logged: list[dict[str, float]] = []
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    t = Tracker(str(tmp_path), enabled=True, report_to=["tensorboard"], disable_tqdm=True)
+    t.wandb = type(
+        "FakeRun", (), {"log": lambda self, row, step: logged.append(row), "finish": lambda self: None}
+    )()
+    t.log({"step": 2, "eval_chrf++": 41.5, "eval_chrf++_en-de": 40.0})
+    t.close()
+    acc = EventAccumulator(str(tmp_path / "runs"))
+    acc.Reload()
+    assert {"eval/chrf++", "eval/chrf++_en-de"} <= set(acc.Tags()["scalars"])
+    assert [(e.step, e.value) for e in acc.Scalars("eval/chrf++_en-de")] == [(2, 40.0)]
+    assert logged == [{"eval/chrf++": 41.5, "eval/chrf++_en-de": 40.0}]
+
+
 def test_summary_prints_chrf_plus_plus_before_and_after(capsys: pytest.CaptureFixture[str]) -> None:
     from trainer.run.summary import print_summary
 
@@ -165,3 +189,29 @@ def test_spbleu_with_its_model_equals_sacrebleus_flores200_bleu(sacrebleu_cache:
     sets = [DirectionTexts(("de", "en"), ["x"] * 4, REFS)]
     keys = score_directions(lambda sources, src, tgt: HYPS, sets, spbleu=True)
     assert keys["eval_spbleu_de-en"] == keys["eval_spbleu"] == want
+
+
+@pytest.mark.slow
+def test_trainer_train_refuses_eval_spbleu_with_an_empty_sacrebleu_cache(tmp_path: Path) -> None:
+    """The user's view: `$SACREBLEU` names an empty cache; `trainer.train --eval_spbleu true` stops in
+    one line (exit 2) before it writes anything, naming where the file goes and where it comes from."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    cache.mkdir()
+    env = {**os.environ, "SACREBLEU": str(cache), "PYTHONPATH": str(root)}
+    cmd = [sys.executable, "-m", "trainer.train", "--config", "configs/tiny.yaml", "--eval_spbleu", "true",
+           "--output_dir", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr.strip()
+    assert "\n" not in err, err
+    assert (
+        f"eval_spbleu needs sacreBLEU's flores200 SentencePiece model at {cache}/models/flores200sacrebleuspm"
+        in err
+    )
+    assert "https://tinyurl.com/flores200sacrebleuspm" in err
+    assert not out.exists() and not any(cache.iterdir())  # nothing written, nothing downloaded
