@@ -92,6 +92,13 @@ def spbleu_available() -> bool:
     return spbleu_model_path().is_file()
 
 
+@cache
+def _spbleu_scorer(path: Path) -> sacrebleu.BLEU:
+    """One scorer per model file: loading FLORES-200's SentencePiece model (256k pieces) takes a
+    while, and an evaluation scores hundreds of directions."""
+    return sacrebleu.BLEU(tokenize=SPBLEU_TOKENIZER)
+
+
 def check_spbleu_model(flag: str = "eval_spbleu") -> None:
     """Refuse spBLEU, in one line, where its SentencePiece model is not in sacreBLEU's cache.
 
@@ -143,5 +150,5 @@ def compute_metrics(
     }
     if spbleu:
         check_spbleu_model()  # sacreBLEU would download a missing model here
-        out[SPBLEU] = sacrebleu.BLEU(tokenize=SPBLEU_TOKENIZER).corpus_score(hyps, refs).score
+        out[SPBLEU] = _spbleu_scorer(spbleu_model_path()).corpus_score(hyps, refs).score
     return {k: float(v) for k, v in out.items()}
