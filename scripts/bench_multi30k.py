@@ -21,7 +21,7 @@ Both sides do the same thing:
 * evaluation: the first `--eval_sentences` validation pairs, greedy (num_beams 1, max_length 64),
   ours with `trainer.eval.decode.translate`, HF with `generate(forced_bos_token_id=...)`; our trained
   weights are also exported and decoded with HF `generate` as a cross-check; sacreBLEU via
-  `trainer.eval.decode.compute_metrics` (13a BLEU, chrF).
+  `trainer.eval.metrics.compute_metrics` (13a BLEU, chrF, chrF++).
 
 Not the same (by design): the data order (different samplers) and the dropout masks. Loss: ours
 is the token mean over the global batch; HF's `LabelSmoother` is the token mean over the batch
@@ -55,7 +55,8 @@ from trainer.config.schema import JobConfig  # noqa: E402
 from trainer.data.batching import BatchLayout, GlobalBatchSampler, collate  # noqa: E402
 from trainer.data.sources import load_raw_datasets, run_languages, training_texts  # noqa: E402
 from trainer.data.tokenization import tokenize_datasets  # noqa: E402
-from trainer.eval.decode import compute_metrics, translate  # noqa: E402
+from trainer.eval.decode import translate  # noqa: E402
+from trainer.eval.metrics import compute_metrics  # noqa: E402
 from trainer.tokenizer.vocab import Tokenizer, load_or_train_tokenizer  # noqa: E402
 
 DATA = Path("/work/shared/data/multi30k")

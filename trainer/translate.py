@@ -29,7 +29,6 @@ This module parses the flags and calls the library: `trainer.eval.hf_translate`.
 
 from __future__ import annotations
 
-import io
 import os
 import sys
 from collections.abc import Sequence
@@ -39,20 +38,13 @@ from transformers import HfArgumentParser
 
 from models.hf import CheckpointMismatchError
 from trainer.errors import TokenizerError
-from trainer.eval.hf_translate import RankError, TranslateArguments, TranslateError, run
+from trainer.eval.hf_translate import RankError, TranslateArguments, TranslateError, run, utf8
 
 
 def parse_args(argv: Sequence[str] | None) -> TranslateArguments:
     parser = HfArgumentParser(TranslateArguments)  # type: ignore[arg-type]
     (args,) = parser.parse_args_into_dataclasses(args=None if argv is None else list(argv))
     return args
-
-
-def utf8(stream: TextIO) -> TextIO:
-    """The real stdin/stdout as UTF-8 whatever the locale says (translations are multilingual)."""
-    if isinstance(stream, io.TextIOWrapper):
-        stream.reconfigure(encoding="utf-8")
-    return stream
 
 
 def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:

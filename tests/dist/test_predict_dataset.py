@@ -71,9 +71,9 @@ def test_do_predict_translates_the_test_split_of_a_saved_dataset(tmp_path: Path)
     results = json.loads((out / "predict_results.json").read_text())
     assert results["predict_samples"] == {"en-de": 12, "de-en": 12}  # the test split (validation has 16)
     for d in ("en-de", "de-en"):
-        assert {f"predict_bleu_{d}", f"predict_chrf_{d}"} <= set(results)
+        assert {f"predict_bleu_{d}", f"predict_chrf_{d}", f"predict_chrf++_{d}"} <= set(results)
         assert len((out / f"predictions_{d}.txt").read_text().splitlines()) == 12
-    assert {"predict_loss", "predict_bleu", "predict_chrf"} <= set(results)
+    assert {"predict_loss", "predict_bleu", "predict_chrf", "predict_chrf++"} <= set(results)
     assert not (out / "generated_predictions.txt").exists()  # run_translation's name: one direction only
     assert got["predict"]["predict_loss"] == results["predict_loss"]  # the run summary's copy
     assert "has no 'test' split for do_predict; it has ['train', 'validation']" in got["error"]

@@ -28,14 +28,13 @@ from trainer.eval.decode import (
     SAMPLES_KEY,
     DirectionTexts,
     Sample,
-    bleu_tokenizer,
     build_batches,
-    compute_metrics,
     evaluate_directions,
     score_directions,
     strip_output,
     translate,
 )
+from trainer.eval.metrics import bleu_tokenizer, compute_metrics
 from trainer.translate import main
 
 VOCAB = 40
@@ -76,7 +75,8 @@ def model() -> M2M100Translation:
 
 def test_identical_strings_score_100() -> None:
     refs = ["the cat sat on the mat", "a quick brown fox jumps"]
-    assert compute_metrics(refs, refs) == {"bleu": pytest.approx(100.0), "chrf": pytest.approx(100.0)}
+    assert compute_metrics(refs, refs) == {"bleu": pytest.approx(100.0), "chrf": pytest.approx(100.0),
+                                           "chrf++": pytest.approx(100.0)}  # fmt: skip
     worse = compute_metrics(["the cat sat on a hat", "a slow brown fox jumps"], refs)
     assert 0.0 < worse["bleu"] < 100.0 and 0.0 < worse["chrf"] < 100.0
     assert compute_metrics(["zzz qqq", "xxx"], refs)["bleu"] == pytest.approx(0.0)
@@ -143,10 +143,12 @@ def test_evaluate_directions_keys_samples_and_mode(model) -> None:
     assert model.training, "train/eval mode must be restored"
     model.eval()
     numeric = {k for k in result if k != SAMPLES_KEY}
-    assert numeric == {"eval_bleu", "eval_chrf", "eval_bleu_en-de", "eval_chrf_en-de", "eval_bleu_de-fr",
-                       "eval_chrf_de-fr"}  # fmt: skip
+    assert numeric == {f"eval_{m}{d}" for m in ("bleu", "chrf", "chrf++") for d in ("", "_en-de", "_de-fr")}
     assert result["eval_bleu"] == pytest.approx((result["eval_bleu_en-de"] + result["eval_bleu_de-fr"]) / 2)
     assert result["eval_chrf"] == pytest.approx((result["eval_chrf_en-de"] + result["eval_chrf_de-fr"]) / 2)
+    assert result["eval_chrf++"] == pytest.approx(
+        (result["eval_chrf++_en-de"] + result["eval_chrf++_de-fr"]) / 2
+    )
     samples = result[SAMPLES_KEY]
     assert [s.direction for s in samples] == ["en-de"] * 3 + ["de-fr"] * 2
     assert all(isinstance(s, Sample) for s in samples)

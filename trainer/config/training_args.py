@@ -90,7 +90,7 @@ class TrainingArguments:
         metadata={
             "help": "After training, translate test_file (else dataset_name's 'test' split) per direction: "
             "predictions_<src>-<tgt>.txt and "
-            "predict_results.json (predict_bleu, predict_chrf per direction) in output_dir."
+            "predict_results.json (predict_bleu, predict_chrf, predict_chrf++ per direction) in output_dir."
         },
     )
     predict_with_generate: bool = field(
@@ -129,7 +129,8 @@ class TrainingArguments:
     metric_for_best_model: str | None = field(
         default=None,
         metadata={
-            "help": "An evaluation key (eval_loss, eval_bleu, eval_chrf, eval_bleu_en-de, ...; the eval_ "
+            "help": "An evaluation key (eval_loss, eval_bleu, eval_chrf, eval_chrf++, eval_spbleu, "
+            "eval_bleu_en-de, ...; the eval_ "
             "prefix may be left out); default eval_loss when a best model or early stopping is asked for."
         },
     )
@@ -196,6 +197,15 @@ class TrainingArguments:
     )
     generation_num_beams: int = field(default=1, metadata={"help": "Beams for evaluation decoding."})
     generation_max_length: int = field(default=64, metadata={"help": "Longest generated translation."})
+    eval_spbleu: bool = field(
+        default=False,
+        metadata={
+            "help": "Also score spBLEU (eval_spbleu, per direction too: BLEU on sacreBLEU's flores200 "
+            "SentencePiece pieces, as NLLB reports). Needs that model in sacreBLEU's cache "
+            "($SACREBLEU/models/flores200sacrebleuspm, default ~/.sacrebleu/...); refused before the run "
+            "where it is absent (never downloaded)."
+        },
+    )
     report_to: list[str] = field(
         default_factory=lambda: ["none"],
         metadata={

@@ -3,35 +3,30 @@
     build_batches       source strings -> length-sorted, right-padded `SourceBatch`es
     translate_batches   batches -> hypotheses in the caller's original order (one device)
     hypotheses_in_order generated rows of batches -> hypotheses (any decoder, e.g. the 3D one)
-    compute_metrics     corpus BLEU and chrF of one direction (target-aware BLEU tokenizer)
     score_directions    a `Translator` over every direction -> `eval_bleu`, `eval_chrf`,
-                        per-direction keys, samples (`evaluate_directions`: one device's)
+                        `eval_chrf++` (`eval_spbleu`), per-direction keys, samples
+                        (`evaluate_directions`: one device's)
 
 Only what is needed of a tokenizer and an eval set is assumed (the Protocols below),
 so `trainer.tokenizer.vocab.Tokenizer` and any object with the same members fit.
 
-BLEU tokenization follows sacreBLEU's own per-language defaults: "13a" for
-space-delimited scripts, "zh" for Chinese, and "ja-mecab" / "ko-mecab" for Japanese
-and Korean when sacreBLEU's optional MeCab extras are installed, else "char"
-(character n-grams: still meaningful for unsegmented scripts, but not comparable with
-published MeCab numbers). chrF is character-based and needs no tokenizer.
+The metrics of one direction (BLEU, chrF, chrF++, spBLEU) are `trainer.eval.metrics`'.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cache
 from typing import Any, NamedTuple, Protocol
 
-import sacrebleu
 import torch
 from torch import Tensor, nn
 
 from models.generate import generate
 from models.m2m100 import M2M100Translation
+from trainer.eval.metrics import compute_metrics, metric_names
 
 logger = logging.getLogger(__name__)
 
@@ -223,6 +218,7 @@ def translate_batches(
     tokenizer: TextTokenizer,
     num_beams: int,
     max_length: int,
+    on_batch: Callable[[int], None] | None = None,
 ) -> list[str]:
     """Decode every batch on one device (greedy if num_beams == 1, else beam search).
 
@@ -232,6 +228,7 @@ def translate_batches(
         tokenizer: see `TextTokenizer`.
         num_beams: beam width.
         max_length: most generated tokens, start token and tag included (HF's `max_length`).
+        on_batch: called with a batch's sentence count once it is decoded (a progress bar).
 
     Returns:
         n hypotheses, hypothesis i translating the caller's sentence i.
@@ -252,6 +249,8 @@ def translate_batches(
                 max_length=max_length,
             )
             outputs.append((batch.index, out.tolist()))
+            if on_batch is not None:
+                on_batch(len(batch.index))
     return hypotheses_in_order(outputs, tokenizer)
 
 
@@ -277,59 +276,6 @@ def translate(
     return translate_batches(model, batches, tokenizer, num_beams, max_length)
 
 
-# ----------------------------------------------------------------------------- metrics
-
-
-@cache
-def _mecab_available(tokenize: str) -> bool:
-    try:
-        sacrebleu.BLEU(tokenize=tokenize)
-    except (RuntimeError, ImportError):  # sacrebleu raises RuntimeError naming `pip install sacrebleu[ja]`
-        return False
-    return True
-
-
-# M2M100 codes and NLLB's ISO 639-3 prefixes (`zho_Hans`, `jpn_Jpan`, `kor_Hang`).
-_ZH, _JA, _KO = {"zh", "zho", "yue"}, {"ja", "jpn"}, {"ko", "kor"}
-
-
-def bleu_tokenizer(target_lang: str | None) -> str:
-    """sacreBLEU tokenizer for references in `target_lang` (see the module docstring)."""
-    lang = (target_lang or "").split("_")[0].split("-")[0].lower()
-    if lang in _ZH:
-        return "zh"
-    for codes, mecab in ((_JA, "ja-mecab"), (_KO, "ko-mecab")):
-        if lang in codes:
-            return mecab if _mecab_available(mecab) else "char"
-    return "13a"
-
-
-def compute_metrics(
-    hypotheses: Sequence[str], references: Sequence[str], target_lang: str | None = None
-) -> dict[str, float]:
-    """Corpus BLEU and chrF (sacreBLEU, one reference per sentence).
-
-    Args:
-        hypotheses: system outputs.
-        references: one reference per hypothesis.
-        target_lang: picks the BLEU tokenizer (`bleu_tokenizer`); None: "13a".
-
-    Returns:
-        `{"bleu": 0..100, "chrf": 0..100}`.
-
-    Raises:
-        ValueError: the lists differ in length or are empty.
-    """
-    if len(hypotheses) != len(references):
-        raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
-    if not hypotheses:
-        raise ValueError("no sentences to score")
-    hyps, refs = list(hypotheses), [list(references)]
-    bleu = sacrebleu.corpus_bleu(hyps, refs, tokenize=bleu_tokenizer(target_lang))
-    chrf = sacrebleu.corpus_chrf(hyps, refs)
-    return {"bleu": float(bleu.score), "chrf": float(chrf.score)}
-
-
 class Translator(Protocol):
     """Translates one direction's sources; None on ranks that do not hold the hypotheses.
 
@@ -349,6 +295,7 @@ def evaluate_directions(
     batch_size: int = 32,
     max_source_length: int | None = None,
     num_samples: int = 3,
+    spbleu: bool = False,
 ) -> dict[str, Any]:
     """Translate every direction with the full model on one device and score it (`score_directions`).
 
@@ -359,6 +306,7 @@ def evaluate_directions(
         num_beams, max_length: decoding (see `translate_batches`).
         batch_size, max_source_length: batching (see `build_batches`).
         num_samples: first sentences of each direction to return as samples.
+        spbleu: also spBLEU (see `score_directions`).
 
     Returns:
         See `score_directions`.
@@ -377,15 +325,15 @@ def evaluate_directions(
             max_source_length,
         )
 
-    return score_directions(translator, eval_sets, num_samples)
+    return score_directions(translator, eval_sets, num_samples, spbleu)
 
 
 def score_directions(
-    translator: Translator, eval_sets: Iterable[EvalSet], num_samples: int = 3
+    translator: Translator, eval_sets: Iterable[EvalSet], num_samples: int = 3, spbleu: bool = False
 ) -> dict[str, Any]:
     """Translate and score every direction.
 
-    The overall `eval_bleu` / `eval_chrf` are the mean over directions (macro average):
+    The overall `eval_bleu`, `eval_chrf`, ... are the mean over directions (macro average):
     a corpus score over all directions pooled would mix BLEU tokenizers (zh vs 13a) and
     let the largest direction dominate.
 
@@ -394,11 +342,16 @@ def score_directions(
             (`trainer.eval.runner`); directions it returns None for are not scored.
         eval_sets: one per direction; directions with no sentences are skipped.
         num_samples: first sentences of each direction to return as samples.
+        spbleu: also spBLEU (`trainer.eval.metrics`; the caller has checked its model is here).
 
     Returns:
-        `eval_bleu`, `eval_chrf`, `eval_bleu_<src>-<tgt>`, `eval_chrf_<src>-<tgt>` (floats),
-        and under `SAMPLES_KEY` a list of `Sample`s; with no sentences (or no hypotheses
-        on this rank), only `[]` samples.
+        `eval_<metric>` and `eval_<metric>_<src>-<tgt>` (floats) for each metric of
+        `trainer.eval.metrics.metric_names(spbleu)` (`eval_bleu`, `eval_chrf`, `eval_chrf++`,
+        `eval_spbleu`), and under `SAMPLES_KEY` a list of `Sample`s; with no sentences (or no
+        hypotheses on this rank), only `[]` samples.
+
+    Raises:
+        trainer.eval.metrics.SpBleuModelMissingError: spbleu without its model.
     """
     result: dict[str, Any] = {}
     samples: list[Sample] = []
@@ -412,13 +365,13 @@ def score_directions(
         hyps = translator(es.sources, src, tgt)
         if hyps is None:
             continue
-        scores = compute_metrics(hyps, es.references, tgt)
+        scores = compute_metrics(hyps, es.references, tgt, spbleu)
         per_direction.append(scores)
-        result[f"eval_bleu_{name}"], result[f"eval_chrf_{name}"] = scores["bleu"], scores["chrf"]
+        result.update((f"eval_{metric}_{name}", value) for metric, value in scores.items())
         rows = zip(es.sources[:num_samples], es.references[:num_samples], hyps[:num_samples])
         samples.extend(Sample(name, s, r, h) for s, r, h in rows)
     if per_direction:
-        result["eval_bleu"] = sum(d["bleu"] for d in per_direction) / len(per_direction)
-        result["eval_chrf"] = sum(d["chrf"] for d in per_direction) / len(per_direction)
+        for metric in metric_names(spbleu):
+            result[f"eval_{metric}"] = sum(d[metric] for d in per_direction) / len(per_direction)
     result[SAMPLES_KEY] = samples
     return result

@@ -6,6 +6,7 @@ Loading and checking the model directory, one-process decoding, and decoding on 
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 from collections.abc import Sequence
@@ -163,6 +164,13 @@ def load_model(
         model = M2M100Translation(read_hf_config(path))
     materialize(model, device, pretrained_fill(path, model))
     return model.to(dtype=dtype).eval()
+
+
+def utf8(stream: TextIO) -> TextIO:
+    """The real stdin/stdout as UTF-8 whatever the locale says (translations are multilingual)."""
+    if isinstance(stream, io.TextIOWrapper):
+        stream.reconfigure(encoding="utf-8")
+    return stream
 
 
 def write_lines(stdout: TextIO, hyps: Sequence[str]) -> None:

@@ -5,8 +5,9 @@ name, a local directory of data files or one written by `save_to_disk`, or the b
 
     output_dir/predictions_<src>-<tgt>.txt   one hypothesis per kept test pair, in file order
     output_dir/generated_predictions.txt     the same, for a one-direction run (run_translation's name)
-    output_dir/predict_results.json          predict_loss, predict_bleu, predict_chrf (macro over
-                                             directions) and per direction, predict_samples, skipped
+    output_dir/predict_results.json          predict_loss, predict_bleu, predict_chrf, predict_chrf++
+                                             (predict_spbleu with eval_spbleu; macro over directions)
+                                             and per direction, predict_samples, skipped
 
 Every test line with a source text is translated, in file order, so the predictions file has
 one line per test line: sources longer than max_source_length are truncated (never skipped,
@@ -78,7 +79,7 @@ def predict_test_set(ctx: RunContext) -> dict[str, Any]:
     ]
     with ctx.pm.evaluating():  # the run's precision; one fsdp gather for loss and decoding
         metrics: dict[str, Any] = runner.losses()
-        metrics.update(score_directions(translate, texts))
+        metrics.update(score_directions(translate, texts, spbleu=cfg.training.eval_spbleu))
     samples = metrics.pop(SAMPLES_KEY, [])
     runner.pm.model.train()
     result: dict[str, Any] = {}

@@ -24,7 +24,7 @@ alone, which fails for models that do not fit one device.)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -86,13 +86,13 @@ class Evaluator:
         return out
 
     def run(self, step: int, tracker: Any = None) -> dict[str, Any]:
-        """Loss and BLEU/chrF in the run's precision (`ParallelModel.evaluating`: one gather
+        """Loss and BLEU/chrF/chrF++ (spBLEU) in the run's precision (`ParallelModel.evaluating`: one gather
         under fsdp, one cast with bf16_full_eval, for the whole evaluation). Collective."""
         self.pm.model.eval()
         with self.pm.evaluating():
             metrics: dict[str, Any] = self.losses()
             if self.texts:
-                result = score_directions(self.translate_3d, self.texts)
+                result = score_directions(self.translate_3d, self.texts, spbleu=self.args.eval_spbleu)
                 samples = result.pop(SAMPLES_KEY, [])
                 if dist.get_rank() == self.log_rank:
                     metrics.update(result)
@@ -129,6 +129,7 @@ def translate_on_mesh(
     batch_size: int,
     dst: int,
     max_source_length: int | None = None,
+    on_batch: Callable[[int], None] | None = None,
 ) -> list[str] | None:
     """Translate on the 3D model, dp replicas sharing the batches (see the module docstring).
 
@@ -143,6 +144,8 @@ def translate_on_mesh(
         settings: num_beams, max_length, ...
         batch_size, max_source_length: batching (see `build_batches`).
         dst: the global rank that gets the hypotheses.
+        on_batch: called with the sentences this rank's replica has decoded, after each of its
+            batches (a progress bar; the other replicas decode as many, give or take a batch).
 
     Returns:
         One hypothesis per source, in order, on rank `dst`; None on the other ranks.
@@ -160,6 +163,8 @@ def translate_on_mesh(
             )
             if ids is not None and mesh.tp_rank == 0 and mesh.ep_rank == 0:
                 outputs.append((batch.index, ids.tolist()))
+            if on_batch is not None:
+                on_batch(len(batch.index))
     if dist.get_world_size() == 1:
         return hypotheses_in_order(outputs, tokenizer)
     got: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None

@@ -20,6 +20,7 @@ from trainer.config.schema import LAYERDROP_FIELDS, MOE_RUN_DEFAULTS, JobConfig
 from trainer.config.training_args import TrainingArguments
 from trainer.data.sources import run_languages
 from trainer.errors import ConfigError
+from trainer.eval.metrics import check_spbleu_model
 from trainer.run.strategies import check_metric_name
 
 
@@ -68,7 +69,10 @@ def validate_early(cfg: JobConfig, world: int, arch: ModelConfig | None = None) 
     refuse_idle_options(cfg, dims)
     check_streaming(cfg)
     check_predict_args(cfg)
-    check_metric_name(cfg.training.metric_for_best_model, [f"{s}-{t}" for s, t in cfg.data.directions()])
+    directions = [f"{s}-{t}" for s, t in cfg.data.directions()]
+    check_metric_name(cfg.training.metric_for_best_model, directions, cfg.training.eval_spbleu)
+    if cfg.training.eval_spbleu:
+        check_spbleu_model("eval_spbleu")  # its SentencePiece model is never downloaded during a run
     return dims
 
 
@@ -217,7 +221,8 @@ def idle_option_warnings(cfg: JobConfig) -> list[str]:
             "load_best_model_at_end or early_stopping_patience"
         )
     if not (tr.do_eval or tr.do_predict or tr.eval_strategy != "no"):
-        for name in ("bf16_full_eval", "fp16_full_eval", "generation_num_beams", "generation_max_length"):
+        for name in ("bf16_full_eval", "fp16_full_eval", "generation_num_beams", "generation_max_length",
+                     "eval_spbleu"):  # fmt: skip
             if getattr(tr, name) != _default(TrainingArguments, name):
                 out.append(
                     f"{name}={getattr(tr, name)} does nothing: no evaluation runs (do_eval, do_predict "

@@ -30,8 +30,12 @@ if TYPE_CHECKING:
     from trainer.config.training_args import TrainingArguments
 
 
-def check_metric_name(metric: str | None, directions: list[str]) -> None:
-    """`metric_for_best_model` must be a key evaluation produces for this run's directions.
+EVAL_METRICS = ("loss", "bleu", "chrf", "chrf++")  # every evaluation's, overall and per direction
+
+
+def check_metric_name(metric: str | None, directions: list[str], spbleu: bool = False) -> None:
+    """`metric_for_best_model` must be a key evaluation produces for this run's directions
+    (`eval_spbleu` only where the run asks for spBLEU: `TrainingArguments.eval_spbleu`).
 
     Raises:
         ConfigError: naming the metric and the valid keys.
@@ -41,7 +45,7 @@ def check_metric_name(metric: str | None, directions: list[str]) -> None:
     valid = [
         f"eval_{m}{suffix}"
         for suffix in ["", *(f"_{d}" for d in directions)]
-        for m in ("loss", "bleu", "chrf")
+        for m in (*EVAL_METRICS, *(("spbleu",) if spbleu else ()))
     ]
     if metric not in valid:
         raise ConfigError(

@@ -70,7 +70,7 @@ def print_summary(s: dict[str, Any]) -> None:
         + "  "
         f"partition {s['partition']}",
     ]
-    for key in ("eval_loss", "eval_bleu", "eval_chrf"):
+    for key in ("eval_loss", "eval_bleu", "eval_chrf", "eval_chrf++", "eval_spbleu"):
         if key in before or key in after:
             b, a = before.get(key), after.get(key)
             lines.append(
