@@ -186,6 +186,7 @@ MAY_CHANGE = (
     "dataloader_num_workers",  # the stream is the same for any number of workers
     "dataloader_prefetch_factor",
     "max_predict_samples",
+    "eval_spbleu",  # an evaluation metric
 )
 
 

@@ -259,7 +259,9 @@ def read_data_file(
     return flat_translation(table, languages, what, partial), n_bad
 
 
-def read_data_files(entries: Sequence[str], languages: Sequence[str], what: str, max_bad: float) -> tuple[Any, int]:
+def read_data_files(
+    entries: Sequence[str], languages: Sequence[str], what: str, max_bad: float
+) -> tuple[Any, int]:
     """`read_data_file` over several entries (paths, globs, `{lang}` patterns), concatenated in order.
 
     With more than one file a file may hold only some of the run's languages (per-direction shards):
