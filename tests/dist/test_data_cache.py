@@ -22,7 +22,7 @@ def share_tokenization(rank: int, world: int, text_dir: str, out: str) -> dict[s
     import datasets
 
     import trainer.data.tokenization as data_module
-    import trainer.run.setup as train_module
+    import trainer.run.data as train_module
     from trainer.config.parse import load_config_dict
     from trainer.data.sources import load_raw_datasets
     from trainer.tokenizer.vocab import Tokenizer
@@ -61,7 +61,7 @@ def share_tokenization(rank: int, world: int, text_dir: str, out: str) -> dict[s
 class _OutOfMemorySampler:
     """A sampler whose first batch cannot be made: rank 0's block measurement fails."""
 
-    def __next__(self) -> Any:
+    def peek(self) -> Any:
         raise MemoryError("cannot allocate the sample micro-batch")
 
 
@@ -107,3 +107,23 @@ def test_rank0_tokenizes_the_others_load(tmp_path: Path) -> None:
     assert r1["balance_error"] == (
         "RuntimeError: rank 0 could not measure the blocks for balancing: MemoryError: cannot allocate the sample micro-batch"
     )
+
+
+def _slow_rank0(rank: int, world: int) -> str:
+    """Rank 0's work outlasts the collective timeout (3 s): the waiting rank names what it waited for."""
+    import time
+
+    from trainer.run.rank0 import on_rank0
+
+    try:
+        on_rank0(rank, "tokenize the data", lambda: time.sleep(8) if rank == 0 else None, hint="; HINT")
+    except RuntimeError as e:
+        return str(e).splitlines()[0]
+    return "no error"
+
+
+def test_a_rank_timed_out_waiting_for_rank0_says_what_for() -> None:
+    """The story: a map-style corpus large enough that rank 0's tokenization outlasted dist_timeout_s
+    killed the other ranks with gloo's bare "Timed out waiting 30000ms for recv operation to complete"."""
+    r0, r1 = run_distributed(_slow_rank0, 2, timeout=120, collective_timeout=3, preload=())
+    assert r1.startswith("rank 1 timed out waiting for rank 0 to tokenize the data; HINT (")

@@ -120,7 +120,11 @@ def tokenize_shared(cfg: JobConfig, raw: Any, tok: Tokenizer, out: Path, rank: i
     Rank 0's failure reaches every rank (`on_rank0`).
     """
     cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else out / "data_cache"
-    data = on_rank0(rank, "tokenize the data", lambda: tokenize_datasets(raw, tok, cfg.data, cache))
+    hint = (
+        f"; its time grows with the corpus ({len(raw.train):,} pairs): raise dist_timeout_s="
+        f"{cfg.parallel.dist_timeout_s}, or set streaming: true (no rank waits on the corpus)"
+    )
+    data = on_rank0(rank, "tokenize the data", lambda: tokenize_datasets(raw, tok, cfg.data, cache), hint)
     return data if data is not None else tokenize_datasets(raw, tok, cfg.data, cache)
 
 
