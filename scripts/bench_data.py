@@ -176,6 +176,46 @@ def throughput(corpus_dir: Path, seconds: float = 20.0) -> dict[str, float]:
             "datasets_map_only_pairs_per_s": len(ds) / map_s, "datasets_pairs": len(ds)}  # fmt: skip
 
 
+def demo_data_wait(root: Path, steps: int) -> list[dict[str, Any]]:
+    """configs/demo.yaml (pp2 x dp2 x tp2, 8 ranks) as shipped (the built-in corpus, map-style) and on
+    the same corpus written as JSON-lines shards with `streaming: true` and one worker per rank."""
+    from trainer.data.corpus import build_builtin_corpus
+
+    shards = root / "demo-shards"
+    shards.mkdir(parents=True, exist_ok=True)
+    records = build_builtin_corpus(["de", "en", "fr"], 3000, 1)["train"]
+    for k in range(4):
+        lines = "".join(json.dumps({"translation": r}, ensure_ascii=False) + "\n" for r in records[k::4])
+        (shards / f"train-{k}.jsonl").write_text(lines)
+    out = []
+    for name, extra in (
+        ("demo.yaml as shipped (builtin, map-style)", []),
+        ("demo.yaml on shards, streaming, 1 worker per rank",
+         ["--dataset_name", "null", "--train_file", f"{shards}/train-*.jsonl", "--streaming", "true",
+          "--dataloader_num_workers", "1"]),
+    ):  # fmt: skip
+        args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "-m", "trainer.train",
+                "--config", "configs/demo.yaml", "--max_steps", str(steps), "--logging_steps", "10",
+                "--do_eval", "false", "--save_steps", "0", "--output_dir", str(root / "demo-run"), *extra]  # fmt: skip
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "WANDB_MODE": "disabled",
+        }
+        subprocess.run(args, cwd=ROOT, env=env, check=True, capture_output=True)
+        summary = json.loads((root / "demo-run" / "run_summary.json").read_text())
+        rows = [json.loads(x) for x in (root / "demo-run" / "metrics.jsonl").read_text().splitlines()]
+        steady = [r for r in rows if "loss" in r][1:]
+        out.append({
+            "run": name,
+            "data_time_share": summary["data_time_share"],
+            "steady_share": sum(r["data_time_s"] for r in steady) / max(1e-9, sum(r["step_time_s"] for r in steady)),
+            "step_time_s": sum(r["step_time_s"] for r in steady) / max(1, len(steady)),
+        })  # fmt: skip
+    return out
+
+
 def table(results: dict[str, Any]) -> str:
     lines = [
         "# Data side at scale (CPU, 2 ranks)", "",
@@ -199,6 +239,13 @@ def table(results: dict[str, Any]) -> str:
             f"{workers} MiB | {1000 * r['data_time_s_per_step']:.1f} ms | {100 * (r['data_time_share'] or 0):.1f}% | "
             f"{1000 * r['step_time_s']:.0f} ms |"
         )
+    demo = results.get("demo")
+    if demo:
+        lines += ["", "configs/demo.yaml (pp2 x dp2 x tp2, 8 ranks on the 2 cores), data wait over step time:", "",
+                  "| run | data wait share, whole run | after step 10 | step time |", "|---|---:|---:|---:|"]  # fmt: skip
+        for d in demo:
+            lines.append(f"| {d['run']} | {100 * d['data_time_share']:.2f}% | {100 * d['steady_share']:.2f}% | "
+                         f"{1000 * d['step_time_s']:.0f} ms |")  # fmt: skip
     tp = results.get("throughput")
     if tp:
         lines += ["", "Input pipeline, one process on the same shards (read, parse, tokenize):", "",
@@ -241,6 +288,7 @@ def main() -> None:
         results["runs"].append({"pairs": pairs, "mib": mib, "path": path, "result": result})
     if not args.quick:
         results["throughput"] = throughput(corpus(min(args.sizes + [1_000_000]), root))
+        results["demo"] = demo_data_wait(root, 60)
     Path(args.out + ".json").write_text(json.dumps(results, indent=1))
     Path(args.out + ".md").write_text(table(results))
     print(table(results))
