@@ -371,3 +371,45 @@ def test_dataset_directory_streams_its_train_files(tmp_path: Path, tok: Sentence
     assert raw.train is None and len(raw.validation["en-de"]) == 7
     sampler = _sampler(args, tok, BatchLayout(6, 1, 1, 1))
     assert sum(len(s) for s in next(sampler).slots) == 6
+
+
+def test_workers_die_with_their_training_process(tmp_path: Path) -> None:
+    """A rank killed with SIGKILL (torchrun's restart, the OOM killer) leaves no data worker behind."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = _corpus(tmp_path / "c", {"en-de": 3000, "fr-en": 3000})
+    code = f"""
+import os, signal, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from pathlib import Path
+from test_stream import _args, _sampler, _text, LANGS
+from trainer.data.batching import BatchLayout
+from trainer.tokenizer.vocab import train_tokenizer
+tok = train_tokenizer([_text(x, s, i) for x in LANGS for s in range(3) for i in range(50)], LANGS, 200, "bpe")
+sampler = _sampler(_args(Path({str(root)!r}), ["en-de", "fr-en"]), tok, BatchLayout(4, 1, 1, 1), workers=2)
+next(sampler)
+print(" ".join(str(p.pid) for p in sampler.source.procs), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        time.sleep(0.2)
+    assert not alive, f"orphaned data workers {alive}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "zombie" in status.read_text())

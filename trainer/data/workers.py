@@ -14,6 +14,7 @@ rank reads the same data, so every rank fails at the same step: no collective is
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import traceback
 from typing import Any
@@ -133,17 +134,34 @@ class WorkerChunks:
         self.procs = []
 
 
+def _die_with_parent() -> int:
+    """Linux: SIGKILL this worker when its training process dies (a rank killed with SIGKILL never
+    stops its children); elsewhere the loop's parent check does. Returns the parent's pid."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    return os.getppid()
+
+
 def _worker_main(w: int, num_workers: int, spec: StreamSpec, tokenizer: Any, commands: Any, out: Any) -> None:
     """A worker: wait for a start, then read its lanes' chunks into `out` until told otherwise."""
+    parent = _die_with_parent()
     reader: ChunkReader | None = None
     generation = 0
     owned = owned_lanes(spec, w, num_workers)
     pending: tuple[int, str, Any] | None = None
     while True:
+        if os.getppid() != parent:  # orphaned: the training process is gone
+            return
         try:
-            command = commands.get(
-                block=reader is None and pending is None, timeout=None if reader is None else 0
-            )
+            idle = reader is None and pending is None
+            command = commands.get(block=idle, timeout=_POLL_S * 5 if idle else None)
         except queue.Empty:
             command = None
         if command is not None:
