@@ -20,7 +20,7 @@ published MeCab numbers). chrF is character-based and needs no tokenizer.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
@@ -223,6 +223,7 @@ def translate_batches(
     tokenizer: TextTokenizer,
     num_beams: int,
     max_length: int,
+    progress: Callable[[int], None] | None = None,
 ) -> list[str]:
     """Decode every batch on one device (greedy if num_beams == 1, else beam search).
 
@@ -232,6 +233,7 @@ def translate_batches(
         tokenizer: see `TextTokenizer`.
         num_beams: beam width.
         max_length: most generated tokens, start token and tag included (HF's `max_length`).
+        progress: called with each batch's sentence count once it is decoded (a bar's update).
 
     Returns:
         n hypotheses, hypothesis i translating the caller's sentence i.
@@ -252,6 +254,8 @@ def translate_batches(
                 max_length=max_length,
             )
             outputs.append((batch.index, out.tolist()))
+            if progress is not None:
+                progress(len(batch.index))
     return hypotheses_in_order(outputs, tokenizer)
 
 
@@ -265,8 +269,10 @@ def translate(
     max_length: int = 128,
     batch_size: int = 32,
     max_source_length: int | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> list[str]:
-    """Translate `sources` from `src_lang` to `tgt_lang` (see `build_batches`, `translate_batches`).
+    """Translate `sources` from `src_lang` to `tgt_lang` (see `build_batches`, `translate_batches`;
+    `progress` gets each decoded batch's sentence count).
 
     Returns:
         One hypothesis per source, in order.
@@ -274,7 +280,7 @@ def translate(
     if not sources:
         return []
     batches = build_batches(tokenizer, sources, src_lang, tgt_lang, batch_size, max_source_length)
-    return translate_batches(model, batches, tokenizer, num_beams, max_length)
+    return translate_batches(model, batches, tokenizer, num_beams, max_length, progress)
 
 
 # ----------------------------------------------------------------------------- metrics
