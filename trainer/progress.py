@@ -7,7 +7,7 @@
                     seconds (count, rate, ETA) and, after such a line, one when the work ends
         enabled=False   nothing (the ranks that do not log)
 
-    format_duration(seconds) -> "1:02:03"
+    format_duration(seconds) -> "1:02:03";  format_bytes(n) -> "1.50GB" (powers of 1024)
 
 The trainer shows bars unless `disable_tqdm` is set; export, translate and plan show bars
 (their bars go to stderr, so `translate`'s stdout holds only translations).
@@ -32,11 +32,9 @@ def format_duration(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def format_count(n: float, unit: str) -> str:
-    """`n` with its unit; bytes in KiB/MiB/GiB."""
-    if unit == "B":
-        return tqdm.format_sizeof(n, "B", 1024)
-    return f"{n:g} {unit}"
+def format_bytes(n: float) -> str:
+    """`n` bytes as tqdm shows them (powers of 1024: `931kB`, `1.50GB`)."""
+    return str(tqdm.format_sizeof(n, "B", 1024))
 
 
 class Progress:
@@ -101,7 +99,10 @@ class Progress:
         self._last = now
         self._lines_shown += 1
         elapsed = now - self.t0
-        done = f"{format_count(self.n, self.unit)}/{format_count(self.total, self.unit)}"
+        if self.unit == "B":
+            done = f"{format_bytes(self.n)}/{format_bytes(self.total)}"
+        else:
+            done = f"{self.n}/{self.total} {self.unit}"
         pct = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
         eta = ""
         if 0 < self.n < self.total:

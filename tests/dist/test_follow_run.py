@@ -20,13 +20,15 @@ ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--builtin_size", "300", "--max_train_samples", "128", "--max_eval_samples", "8"]  # setup dominates
 
 
-def _train(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def _train(out: Path, *extra: str, ranks: int = 1) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "WANDB_MODE": "disabled"}  # fmt: skip
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TQDM_DISABLE"):
         env.pop(k, None)
+    launch = [sys.executable] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]  # fmt: skip
     args = ["-m", "trainer.train", "--config", "configs/tiny.yaml", *SMALL, "--output_dir", str(out), *extra]
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([*launch, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -61,3 +63,13 @@ def test_evaluation_shows_bars_when_bars_are_on(tmp_path: Path) -> None:
     assert re.search(r"eval translate step 0: 100%\|\S+\| 32/32 ", err), err[-3000:]  # 4 directions x 8
     assert "trainer.progress: step 1/2" not in err  # the bar shows the steps
     assert "trainer.progress: eval step 2 | loss" in err  # metrics are logged with bars on too
+
+
+def test_the_logging_rank_speaks_where_it_is_not_rank_0(tmp_path: Path) -> None:
+    """pp=2: the loss and the metrics live on rank 1, whose root logger is at WARNING like every
+    rank but 0's; its progress lines are still logged, once."""
+    proc = _train(tmp_path / "run", "--max_steps", "2", "--do_eval", "false", "--pipeline_parallel_size", "2",
+                  "--num_microbatches", "2", ranks=2)  # fmt: skip
+    log = proc.stdout + proc.stderr
+    steps = re.findall(r"trainer\.progress: (step \d/2) \| loss .* \| bubble \d+\.\d% \| eta", log)
+    assert steps == ["step 1/2", "step 2/2"], log[-3000:]

@@ -89,9 +89,8 @@ def _check_png(path: Path) -> tuple[int, int]:
 def test_curves_from_rows_with_missing_keys(tmp_path: Path) -> None:
     """No evaluation yet, a single row, chrF++ where present, per-direction curves."""
     png = tmp_path / "curves.png"
-    assert render_curves([], png) == ["loss", "BLEU", "chrF", "learning rate"]
-    assert _check_png(png) == (990, 630)
     assert render_curves([TRAIN], png, "one row") == ["loss", "BLEU", "chrF", "learning rate"]
+    assert _check_png(png) == (990, 630)
     rows = [{**TRAIN, "step": s, "loss": 7.0 - s / 10} for s in range(1, 30)]
     rows += [{**EVAL, "step": s, "eval_chrf++": 11.0 + s, "eval_chrf++_en-de": 11.0} for s in (0, 10, 20)]
     assert render_curves(rows, png, "run") == ["loss", "BLEU", "chrF++", "learning rate"]
@@ -101,9 +100,12 @@ def test_curves_from_rows_with_missing_keys(tmp_path: Path) -> None:
 def test_tracker_draws_curves_from_metrics_jsonl(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "lo')  # a torn line
     t = Tracker(str(tmp_path), enabled=True, disable_tqdm=True, initial_step=1)  # keeps step 1
+    sent: list[tuple[int, str, str]] = []
+    t.log_image = lambda step, key, path: sent.append((step, key, path))  # type: ignore[method-assign]
     t.log({**TRAIN, "step": 2})
     t.log({**EVAL, "step": 2})
     assert t.draw_curves(2) == str(tmp_path / "curves.png")
+    assert sent == [(2, "curves", str(tmp_path / "curves.png"))]  # W&B: train/curves
     assert [r["step"] for r in read_rows(tmp_path / "metrics.jsonl")] == [1, 2, 2]
     assert t.draw_curves(2) is None  # no new row: not redrawn
     t.close()
@@ -129,10 +131,10 @@ def test_progress_lines_when_bars_are_off(
         bar.update(3, direction="de-en")
     lines = _messages(caplog)
     assert re.fullmatch(
-        r"eval translate step 5: 1 sent/4 sent \(25%\), 0:00:00 elapsed, eta 0:00:00, direction en-de",
+        r"eval translate step 5: 1/4 sent \(25%\), 0:00:00 elapsed, eta 0:00:00, direction en-de",
         lines[0],
     ), lines
-    assert lines[1].startswith("eval translate step 5: 4 sent/4 sent (100%)") and len(lines) == 3
+    assert lines[1].startswith("eval translate step 5: 4/4 sent (100%)") and len(lines) == 3
     caplog.clear()
     with Progress(10, "quiet", bar=False, every_s=60) as bar:  # short work: no line at all
         bar.update(10)

@@ -35,7 +35,7 @@ from models.m2m100 import M2M100Translation
 from models.moe import expert_param_name, is_expert_param
 from trainer.checkpoint.commit import COMMIT_MARKER, is_complete, list_checkpoints, verify_checkpoint
 from trainer.errors import BadInputError
-from trainer.progress import Progress, format_count
+from trainer.progress import Progress, format_bytes
 from trainer.tokenizer.stock_m2m100 import (
     StockLayout,
     permute_tensor,
@@ -388,7 +388,7 @@ def export_weights(
     groups = plan_shards(list(sizes.items()), max_shard_bytes)
     logger.info(
         "%d tensors, %s as %s, in %d shard(s)", len(order),
-        format_count(sum(sizes.values()), "B"), str(dtype).removeprefix("torch."), len(groups),
+        format_bytes(sum(sizes.values())), str(dtype).removeprefix("torch."), len(groups),
     )  # fmt: skip
     bar = Progress(sum(sizes.values()), "export", "B", logger=logger)
     made = 0
