@@ -52,7 +52,8 @@ def _number(row: dict[str, Any], key: str) -> float | None:
 
 
 def is_train_row(row: dict[str, Any]) -> bool:
-    return "loss" in row
+    """A training row (its `loss` is left out when every step of the window was skipped)."""
+    return "loss" in row or "lr" in row
 
 
 def is_eval_row(row: dict[str, Any]) -> bool:

@@ -27,6 +27,7 @@ from trainer.config.schema import JobConfig
 from trainer.data.batching import eval_batches
 from trainer.eval.predict import predict_test_set
 from trainer.eval.runner import Evaluator
+from trainer.progress import PROGRESS_LOGGER
 from trainer.run.flops import peak_flops, step_flops
 from trainer.run.guard import (
     DivergenceError,
@@ -234,8 +235,10 @@ def log_row(
     if torch.cuda.is_available():
         row["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated()
     tracker.log(row)
-    if tracker.enabled and "moe_aux_loss" in row:
-        logger.info("step %d %s", st.step, load_line(row))
+    if (
+        tracker.enabled and "moe_aux_loss" in row
+    ):  # beside the step's line, also where the logging rank is not 0
+        logging.getLogger(PROGRESS_LOGGER).info("step %d %s", st.step, load_line(row))
     return row
 
 
