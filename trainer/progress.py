@@ -4,7 +4,7 @@
         bar=True    a tqdm bar on stderr (count, rate, ETA); `TQDM_DISABLE=1` in the environment
                     turns every bar into lines
         bar=False   lines through `logger`, so a SLURM log shows them: one every `every_s`
-                    seconds (count, rate, ETA) and, after such a line, one when the work ends
+                    seconds (count, elapsed, ETA) and, after such a line, one when the work ends
         enabled=False   nothing (the ranks that do not log)
 
     format_duration(seconds) -> "1:02:03";  format_bytes(n) -> "1.50GB" (powers of 1024)
