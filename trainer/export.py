@@ -23,13 +23,15 @@ vocabulary permuted to its ids (`trainer.tokenizer.stock_m2m100`); other runs ke
 `NllbTokenizer`, see `trainer.tokenizer.hf_format`). transformers 4.46+ and 5.x load both
 (checked by `tests/unit/test_hf_tokenizer.py` with `scripts/check_hf_export.py`). Everything is written into a temporary
 directory beside DIR and renamed at the end, so a failure leaves no half-written
-export. Bad input fails with one line on stderr and exit status 2.
+export. Bad input fails with one line on stderr and exit status 2. Progress goes to stderr: what
+is read and written, then a bar over the bytes converted (`TQDM_DISABLE=1`: a line every 30 s).
 
 This module parses the flags and calls the library: `trainer.checkpoint.hf_export`.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -49,6 +51,7 @@ def parse_args(argv: Sequence[str] | None) -> ExportArguments:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 bad input, reported on stderr in one line)."""
     args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -9,7 +9,8 @@ DIR is a Hugging Face directory as `trainer.export` writes it (config.json,
 model.safetensors, tokenizer files; stock M2M100/NLLB directories work too); the
 tokenizer loads through `trainer.tokenizer.vocab.Tokenizer.load`, i.e. `AutoTokenizer` for HF
 tokenizer files. One output line per input line, in order; bad input fails with one
-line on stderr, exit 2.
+line on stderr, exit 2. Progress goes to stderr (rank 0 under torchrun): what is translated, then a
+bar over the lines (`TQDM_DISABLE=1`: a line every 30 s).
 
 One process: our own `M2M100Translation` is built on the meta device and each tensor of the
 directory read once into it on one device (`parallel.materialize`); it decodes with
@@ -29,6 +30,7 @@ This module parses the flags and calls the library: `trainer.eval.hf_translate`.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -54,6 +56,9 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
     rank 0 only; a `RankError` by the rank that met it.
     """
     args = parse_args(argv)
+    rank0 = os.environ.get("RANK", "0") == "0"  # the others say nothing but their errors
+    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     try:
         run(args, stdin or utf8(sys.stdin), stdout or utf8(sys.stdout))
     except (TranslateError, CheckpointMismatchError, TokenizerError) as e:

@@ -194,7 +194,8 @@ def bleu_parity(base: Any, pm: Any, mesh: Any, log_rank: int) -> dict[str, Any] 
         batch = copy_batch(cfg, words, [TAGS[lang]] * len(words))
         batches[f"en-{lang}"] = [EvalBatch(f"en-{lang}", batch, texts, ref_texts, TAGS[lang])]
     args = SimpleNamespace(
-        generation_num_beams=3, generation_max_length=12, per_device_eval_batch_size=3, eval_spbleu=False
+        generation_num_beams=3, generation_max_length=12, per_device_eval_batch_size=3, eval_spbleu=False,
+        disable_tqdm=True,
     )
     evaluator = Evaluator(pm, mesh, tok, batches, args, log_rank)  # type: ignore[arg-type]
     got = evaluator.run(step=0)

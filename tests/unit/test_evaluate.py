@@ -325,6 +325,7 @@ def test_cli_dtype_casts_every_weight_and_decodes(
         lines = out.getvalue().split("\n")
         assert len(lines) == 3 and all(w in WORDS for line in lines for w in line.split()), (dtype, lines)
     assert resolve_dtype("auto", model_dir) == torch.float32  # save_hf_model records float32
+    capsys.readouterr()  # the translations' progress bars
     argv = ["--model", str(model_dir), "--source_lang", "en", "--target_lang", "fr", "--dtype", "fp8"]
     assert main(argv, io.StringIO("hello\n"), io.StringIO()) == 2
     err = capsys.readouterr().err.strip()

@@ -7,6 +7,7 @@ The checkpoint is written the way `trainer.checkpoint.save_checkpoint` lays it o
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -178,6 +179,39 @@ def test_export_holds_one_output_shard_at_a_time(
     shards = len(list(out.glob("*.safetensors")))
     assert shards >= 3 and len(alive_at_read) > shards, (shards, alive_at_read)
     assert written and alive_at_read == [0] * len(alive_at_read), alive_at_read
+
+
+def test_export_and_translate_report_progress(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 30: both printed one line at the end. Now export says what it reads and writes and
+    shows a bar over the bytes converted (with the shard), translate a bar over the lines; on
+    stderr, so translate's stdout holds only the translations."""
+    import io
+    import logging
+
+    from trainer import translate
+
+    caplog.set_level(logging.INFO)
+    out = tmp_path / "hf"
+    args = ["--checkpoint", str(run_dir / "checkpoint-3"), "--output", str(out), "--max_shard_size", "8KiB"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    shards = len(list(out.glob("*.safetensors")))
+    assert re.search(rf"export: 100%\|\S+\| [\d.]+k/[\d.]+k .*shard={shards}/{shards}\]", err), err[-2000:]
+    said = [r.getMessage() for r in caplog.records if r.name == "trainer.export"]
+    assert said[0] == f"reading {run_dir / 'checkpoint-3'} -> {out}", said
+    assert re.fullmatch(rf"\d+ tensors, [\d.]+kB as float32, in {shards} shard\(s\)", said[1]), said
+    stdout = io.StringIO()
+    lines = "hello world\nnumber 7\nwelt\n"
+    argv = ["--model", str(out), "--source_lang", "en", "--target_lang", "de", "--num_beams", "1",
+            "--max_length", "6", "--batch_size", "2", "--device", "cpu"]  # fmt: skip
+    assert translate.main(argv, stdin=io.StringIO(lines), stdout=stdout) == 0
+    assert len(stdout.getvalue().splitlines()) == 3
+    err = capsys.readouterr().err
+    assert re.search(r"translate: 100%\|\S+\| 3/3 ", err), err[-2000:]
+    said = [r.getMessage() for r in caplog.records if r.name == "trainer.translate"]
+    assert said == ["3 lines en -> de, 1 beam(s), batches of 2, on cpu"], said
 
 
 def _check_index(out: Path, files: list[str], max_bytes: int, dtype: torch.dtype) -> None:

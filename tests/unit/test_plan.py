@@ -371,3 +371,25 @@ def test_moe_params_memory_and_meshes_follow_expert_parallelism() -> None:
     four, _ = block_param_counts(mc, ep=4)
     got = _param_counts(mc, ep=4)
     assert got[1:] == four[1:] and got[0] == four[0] + table
+
+
+def test_plan_announces_its_phases_and_counts_the_work(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 30: the NLLB-MoE-54B plan ran 6 minutes without a word before its table. Now each
+    phase is announced when it starts, and costing and simulating show a bar (stderr)."""
+    import logging
+    import re
+
+    caplog.set_level(logging.INFO, logger="trainer.plan")
+    planner.main(
+        ["--config", TINY, "--world_size", "2", "--seq_len", "12", "--link_gbps", "1", "--repeats", "1",
+         "--remat", "none", "--schedules", "1f1b", "--max_microbatches", "2", "--device", "H100",
+         "--output", str(tmp_path / "plan.json")]
+    )  # fmt: skip
+    phases = [r.getMessage() for r in caplog.records if r.getMessage().startswith("phase ")]
+    assert [p.split(":")[0] for p in phases] == [f"phase {i}/5" for i in range(1, 6)], phases
+    pairs = int(re.search(r"= (\d+) \(mesh, cut\) pairs", phases[1]).group(1))  # type: ignore[union-attr]
+    err = capsys.readouterr().err
+    assert re.search(rf"plan: cost layouts: 100%\|\S+\| {pairs}/{pairs} .*mesh=pp=", err), err[-2000:]
+    assert re.search(r"plan: simulate: 100%\|\S+\| (\d+)/\1 ", err), err[-2000:]

@@ -9,6 +9,7 @@ a temporary directory renamed at the end; the usage and the layout are in `train
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -34,6 +35,7 @@ from models.m2m100 import M2M100Translation
 from models.moe import expert_param_name, is_expert_param
 from trainer.checkpoint.commit import COMMIT_MARKER, is_complete, list_checkpoints, verify_checkpoint
 from trainer.errors import BadInputError
+from trainer.progress import Progress, format_bytes
 from trainer.tokenizer.stock_m2m100 import (
     StockLayout,
     permute_tensor,
@@ -42,6 +44,8 @@ from trainer.tokenizer.stock_m2m100 import (
     stock_config,
 )
 from trainer.tokenizer.vocab import SentencePieceTokenizer, Tokenizer
+
+logger = logging.getLogger("trainer.export")
 
 _MODEL = "model."  # DCP flattens {"model": {fqn: t}} to "model.<fqn>"
 _SHARED = "shared.weight"
@@ -197,6 +201,7 @@ def export(args: ExportArguments) -> Path:
     max_length = config.max_position_embeddings  # truncation=True cuts there
     own = tokenizer if isinstance(tokenizer, SentencePieceTokenizer) else None  # stock ones: as they are
     layout = run_layout(own, config.vocab_size) if own is not None else None
+    logger.info("reading %s -> %s", ckpt, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -379,9 +384,18 @@ def export_weights(
         shape = stored[name].shape
         return (out_config.vocab_size, *shape[1:]) if name == _SHARED else shape
 
-    groups = plan_shards([(n, tensor_bytes(out_shape(n), dtype)) for n in order], max_shard_bytes)
+    sizes = {n: tensor_bytes(out_shape(n), dtype) for n in order}
+    groups = plan_shards(list(sizes.items()), max_shard_bytes)
+    logger.info(
+        "%d tensors, %s as %s, in %d shard(s)", len(order),
+        format_bytes(sum(sizes.values())), str(dtype).removeprefix("torch."), len(groups),
+    )  # fmt: skip
+    bar = Progress(sum(sizes.values()), "export", "B", logger=logger)
+    made = 0
 
     def make_shard(group: Sequence[str]) -> dict[str, torch.Tensor]:
+        nonlocal made
+        made += 1
         shard: dict[str, torch.Tensor] = {}
         read_sizes = [(n, tensor_bytes(stored[n].shape, stored[n].dtype)) for n in group]
         # Batches where the cast copies (the read tensors then die as their copies join the
@@ -394,9 +408,11 @@ def export_weights(
                 if layout is not None:
                     ours = permute_tensor(name, ours, layout)
                 shard.update((k, v.to(dtype).contiguous()) for k, v in hf_tensors(name, ours, config))
+                bar.update(sizes[name], shard=f"{made}/{len(groups)}")
         return shard
 
-    write_shards(out, groups, make_shard)
+    with bar:  # bytes converted (the shard's file is written after its last tensor)
+        write_shards(out, groups, make_shard)
 
 
 def _default_permissions(directory: Path) -> None:

@@ -264,8 +264,10 @@ def translate(
     max_length: int = 128,
     batch_size: int = 32,
     max_source_length: int | None = None,
+    on_batch: Callable[[int], None] | None = None,
 ) -> list[str]:
-    """Translate `sources` from `src_lang` to `tgt_lang` (see `build_batches`, `translate_batches`).
+    """Translate `sources` from `src_lang` to `tgt_lang` (see `build_batches`, `translate_batches`;
+    `on_batch` gets each decoded batch's sentence count).
 
     Returns:
         One hypothesis per source, in order.
@@ -273,7 +275,7 @@ def translate(
     if not sources:
         return []
     batches = build_batches(tokenizer, sources, src_lang, tgt_lang, batch_size, max_source_length)
-    return translate_batches(model, batches, tokenizer, num_beams, max_length)
+    return translate_batches(model, batches, tokenizer, num_beams, max_length, on_batch)
 
 
 class Translator(Protocol):

@@ -7,6 +7,7 @@ Loading and checking the model directory, one-process decoding, and decoding on 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from models.m2m100 import M2M100Translation
 from parallel.materialize import materialize, pretrained_fill
 from trainer.errors import BadInputError
 from trainer.eval.decode import translate
+from trainer.progress import Progress
 from trainer.tokenizer.vocab import Tokenizer
 
 if TYPE_CHECKING:
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from parallel.mesh import ParallelDims, ParallelMesh
     from parallel.parallelize import ParallelModel
 
+logger = logging.getLogger("trainer.translate")
 
 # transformers' names, then the short ones `trainer.export --dtype` takes
 DTYPES = {
@@ -196,19 +199,26 @@ def run(args: TranslateArguments, stdin: TextIO, stdout: TextIO) -> None:
     check_model_dir(args.model)
     # Tags first: a missing language should fail before the (slow) weight loading.
     tokenizer = Tokenizer.load(args.model, languages=[args.source_lang, args.target_lang])
-    model = load_model(args.model, pick_device(args.device), resolve_dtype(args.dtype, args.model))
+    device = pick_device(args.device)
+    model = load_model(args.model, device, resolve_dtype(args.dtype, args.model))
     lines = stdin.read().splitlines()
-    hyps = translate(
-        model,
-        tokenizer,
-        lines,
-        args.source_lang,
-        args.target_lang,
-        num_beams=args.num_beams,
-        max_length=args.max_length,
-        batch_size=args.batch_size,
-        max_source_length=args.max_source_length,
-    )
+    logger.info(
+        "%d lines %s -> %s, %d beam(s), batches of %d, on %s", len(lines), args.source_lang,
+        args.target_lang, args.num_beams, args.batch_size, device,
+    )  # fmt: skip
+    with Progress(len(lines), "translate", "line", logger=logger) as bar:
+        hyps = translate(
+            model,
+            tokenizer,
+            lines,
+            args.source_lang,
+            args.target_lang,
+            num_beams=args.num_beams,
+            max_length=args.max_length,
+            batch_size=args.batch_size,
+            max_source_length=args.max_source_length,
+            on_batch=bar.update,
+        )
     write_lines(stdout, hyps)
 
 
@@ -350,7 +360,7 @@ def run_on_mesh(args: TranslateArguments, dims: ParallelDims, stdin: TextIO, std
 
     from models.hf import read_hf_config
     from parallel.mesh import build_mesh, init_distributed
-    from trainer.eval.runner import translate_on_mesh
+    from trainer.eval.runner import replica_share, translate_on_mesh
 
     check_model_dir(args.model)
     config = read_hf_config(args.model)
@@ -373,10 +383,13 @@ def run_on_mesh(args: TranslateArguments, dims: ParallelDims, stdin: TextIO, std
                 file=sys.stderr,
                 flush=True,
             )
-        hyps = translate_on_mesh(
-            pm, tokenizer, lines, args.source_lang, args.target_lang, settings, args.batch_size,
-            dst=0, max_source_length=args.max_source_length,
-        )  # fmt: skip
+        mine = replica_share(len(lines), args.batch_size, mesh)  # rank 0's replica: its bar
+        desc = "translate" if mesh.size("edp") == 1 else f"translate (replica 0 of {mesh.size('edp')})"
+        with Progress(mine, desc, "line", enabled=dist.get_rank() == 0, logger=logger) as bar:
+            hyps = translate_on_mesh(
+                pm, tokenizer, lines, args.source_lang, args.target_lang, settings, args.batch_size,
+                dst=0, max_source_length=args.max_source_length, on_batch=bar.update,
+            )  # fmt: skip
         if hyps is not None:
             write_lines(stdout, hyps)
     except CheckpointMismatchError as e:

@@ -24,7 +24,9 @@ alone, which fails for models that do not fit one device.)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch.distributed as dist
@@ -43,6 +45,7 @@ from trainer.eval.decode import (
     hypotheses_in_order,
     score_directions,
 )
+from trainer.progress import Progress
 from trainer.tokenizer.vocab import Tokenizer
 
 
@@ -71,28 +74,49 @@ class Evaluator:
             if bs
         ]
 
-    def losses(self) -> dict[str, float]:
+    def progress(self, total: int, what: str, step: int, unit: str) -> Progress:
+        """The logging rank's bar (lines with disable_tqdm) over one part of the evaluation at `step`."""
+        return Progress(
+            total, f"eval {what} step {step}", unit, enabled=dist.get_rank() == self.log_rank,
+            bar=not self.args.disable_tqdm, leave=False,
+        )  # fmt: skip
+
+    def translated_here(self) -> int:
+        """Sentences this rank's replica decodes over every direction."""
+        size = self.args.per_device_eval_batch_size
+        return sum(replica_share(len(t.sources), size, self.mesh) for t in self.texts)
+
+    def losses(self, step: int = 0) -> dict[str, float]:
         out: dict[str, float] = {}
         total, count = 0.0, 0
-        for direction, batches in self.batches.items():
-            if not batches:
-                continue
-            s, n = self.pm.eval_loss([b.batch.to(self.device) for b in batches])
-            if n:
-                out[f"eval_loss_{direction}"] = s / n
-            total, count = total + s, count + n
+        with self.progress(sum(1 for bs in self.batches.values() if bs), "loss", step, "dir") as bar:
+            for direction, batches in self.batches.items():
+                if not batches:
+                    continue
+                s, n = self.pm.eval_loss([b.batch.to(self.device) for b in batches])
+                if n:
+                    out[f"eval_loss_{direction}"] = s / n
+                total, count = total + s, count + n
+                bar.update(1, direction=direction)
         if count:
             out["eval_loss"] = total / count
         return out
 
     def run(self, step: int, tracker: Any = None) -> dict[str, Any]:
-        """Loss and BLEU/chrF/chrF++ (spBLEU) in the run's precision (`ParallelModel.evaluating`: one gather
-        under fsdp, one cast with bf16_full_eval, for the whole evaluation). Collective."""
+        """Loss and BLEU/chrF/chrF++ (spBLEU) in the run's precision (`ParallelModel.evaluating`: one
+        gather under fsdp, one cast with bf16_full_eval, for the whole evaluation). Collective.
+
+        The logging rank shows a bar for each part (the loss per direction, then the sentences
+        its replica translates), or with `disable_tqdm` a line every 30 s of a long evaluation.
+        """
         self.pm.model.eval()
         with self.pm.evaluating():
-            metrics: dict[str, Any] = self.losses()
+            metrics: dict[str, Any] = self.losses(step)
             if self.texts:
-                result = score_directions(self.translate_3d, self.texts, spbleu=self.args.eval_spbleu)
+                with self.progress(self.translated_here(), "translate", step, "sent") as bar:
+                    result = score_directions(
+                        partial(self.translate_3d, bar=bar), self.texts, spbleu=self.args.eval_spbleu
+                    )
                 samples = result.pop(SAMPLES_KEY, [])
                 if dist.get_rank() == self.log_rank:
                     metrics.update(result)
@@ -102,11 +126,14 @@ class Evaluator:
         self.pm.model.train()
         return metrics
 
-    def translate_3d(self, sources: Sequence[str], src_lang: str, tgt_lang: str) -> list[str] | None:
+    def translate_3d(
+        self, sources: Sequence[str], src_lang: str, tgt_lang: str, bar: Progress | None = None
+    ) -> list[str] | None:
         """Collective: `translate_on_mesh` with the run's generation settings; the hypotheses on
-        the logging rank, None elsewhere."""
+        the logging rank, None elsewhere. `bar` counts the sentences decoded."""
         a = self.args
         settings = SearchSettings(num_beams=a.generation_num_beams, max_length=a.generation_max_length)
+        direction = f"{src_lang}-{tgt_lang}"
         return translate_on_mesh(
             self.pm,
             self.tok,
@@ -116,7 +143,15 @@ class Evaluator:
             settings,
             a.per_device_eval_batch_size,
             self.log_rank,
+            on_batch=None if bar is None else lambda n: bar.update(n, direction=direction),
         )
+
+
+def replica_share(n: int, batch_size: int, mesh: ParallelMesh) -> int:
+    """Of `n` sentences, those this rank's replica decodes in `translate_on_mesh`: batches edp_rank,
+    edp_rank + edp, ... of `build_batches`' (all full but the last)."""
+    batches = range(mesh.edp_rank, math.ceil(n / batch_size), mesh.size("edp"))
+    return sum(min(batch_size, n - i * batch_size) for i in batches)
 
 
 def translate_on_mesh(

@@ -134,9 +134,14 @@ def calibrate(
     from trainer.planner.report import run_candidate
 
     out: dict[Family, Calibration] = {}
-    for fam, (_, layout, sc, ctx) in calibration_layouts(pending).items():
+    chosen = calibration_layouts(pending)
+    for i, (fam, (_, layout, sc, ctx)) in enumerate(chosen.items()):
         args = layout_args(layout, base_args, ctx.sequence_parallel)
         run_dir = root / f"calibrate_pp{fam[0]}_tp{fam[1]}_dp{fam[2]}_{layout.schedule}"
+        logger.info(
+            "calibration run %d/%d: pp=%d tp=%d dp=%d %s, %d steps -> %s", i + 1, len(chosen), *fam[:3],
+            layout.schedule, opts.validate_steps, run_dir,
+        )  # fmt: skip
         measured = run_candidate(args, opts.world_size, run_dir, opts)
         cal = fit(layout, sc, ctx, measured, args)
         logger.info(

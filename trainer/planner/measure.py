@@ -168,6 +168,12 @@ class CostSource:
             self._acts[key] = activation_kind_costs(self.mc, Shape(1, s, t), remat, tp, sp)
         return self._acts[key]
 
+    @property
+    def measured(self) -> int:
+        """Cost tables made so far (per-kind costs, and activation bytes in table mode): a
+        progress count."""
+        return len(self._costs) + len(self._acts)
+
     def block_costs(
         self, shape: Shape, remat: str, tp: int, ctx: CostContext, ep: int = 1
     ) -> list[BlockPhases]:

@@ -10,6 +10,7 @@ validate            runs the top K with trainer.train (torchrun for several rank
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -25,6 +26,8 @@ from trainer.planner.cost import Candidate
 from trainer.planner.hardware import GIB, DeviceSpec, LinkModel
 from trainer.planner.layout import Family, Layout, family
 from trainer.planner.options import PlanOptions
+
+logger = logging.getLogger("trainer.plan")
 
 
 def _reason(c: Candidate, best: Candidate, memory_gib: float | None) -> str:
@@ -163,7 +166,11 @@ def validate(result: dict[str, Any], k: int, opts: PlanOptions) -> list[dict[str
     )
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in jobs}
     for rep in range(opts.validate_repeats):  # rounds: every job once per round, so drift is shared
-        for name, args in jobs.items():
+        for i, (name, args) in enumerate(jobs.items()):
+            logger.info(
+                "validation round %d/%d, run %d/%d: %s with trainer.train -> %s",
+                rep + 1, opts.validate_repeats, i + 1, len(jobs), name, root / name / f"run_{rep}",
+            )  # fmt: skip
             runs[name].append(_run_once(args, opts.world_size, root / name / f"run_{rep}", opts))
     by_args = {tuple(jobs[n]): statistics.median(r["step_time_s"] for r in runs[n]) for n in jobs}
     drift = {_family(c["layout"]): by_args[tuple(c["args"])] / c["measured_step_time_s"] for c in cal_rows}

@@ -45,6 +45,7 @@ from trainer.planner.space import (
     schedule_space,
     sharding_space,
 )
+from trainer.progress import Progress
 
 logger = logging.getLogger("trainer.plan")
 
@@ -71,6 +72,9 @@ def plan(cfg: JobConfig, base_args: list[str], opts: PlanOptions) -> dict[str, A
     """
     world, gpn = opts.world_size, opts.gpus_per_node or opts.world_size
     device = device_spec(opts.device, cfg.training.half_precision) if opts.device else None
+    logger.info(
+        "phase 1/5: the job's architecture%s", " and the data's batch shapes" if opts.seq_len is None else ""
+    )
     source = CostSource(cfg, opts, device)
     memory_gib = opts.device_memory_gib or (device.memory_gib if device else None)
     ctx = cost_context(cfg, opts, source, device)
@@ -82,30 +86,14 @@ def plan(cfg: JobConfig, base_args: list[str], opts: PlanOptions) -> dict[str, A
         ctx.action_overhead_s, ctx.step_overhead_s = measure_overheads(
             cfg, source.mc, shape0, source.kind_costs(shape0, "none"), ctx.optimizer_s_per_param
         )
-    budget = batch_budget(cfg, world)
-    valid, rejected_meshes = meshes(world, gpn, source.mc)
-    rejected: list[dict[str, str]] = [{"layout": m, "reason": r} for m, r in rejected_meshes]
-    pending: list[tuple[float, Layout, StageCosts, CostContext]] = []
-    accepts = TrainerCheck(cfg, world)
-    for dims in valid:
-        cuts = list(batch_cuts(budget, dims.dp, opts.max_microbatches))
-        if not cuts:
-            rejected.append({"layout": f"pp={dims.pp} tp={dims.tp} dp={dims.dp}",
-                             "reason": f"the global batch ({budget.total}) has no cut over dp={dims.dp}"})  # fmt: skip
-        for m, g, mb in cuts:
-            shape = source.shape(mb, m, g, dims.dp, budget.token_mode)
-            fetch = source.fetch_s.get((mb, m, g, dims.dp, int(budget.token_mode)), 0.0)
-            cut_ctx = replace(ctx, fetch_s_per_microbatch=fetch)
-            for layout in _layouts(dims, m, g, mb, budget.token_mode, source, shape, cut_ctx, rejected):
-                error = accepts(layout)
-                if error:
-                    rejected.append({"layout": describe(layout), "reason": f"trainer rejects it: {error}"})
-                    continue
-                costs = source.block_costs(shape, layout.remat, layout.tp, cut_ctx, layout.ep)
-                sc = layout_stage_costs(layout, costs, shape, cut_ctx)
-                pending.append((lower_bound(layout, sc, cut_ctx), layout, sc, cut_ctx))
+    pending, rejected = enumerate_layouts(cfg, opts, source, ctx)
+    if calibrating:
+        logger.info("phase 3/5: calibrating with short trainer.train runs (one per mesh and backward kind)")
+    else:
+        logger.info("phase 3/5: no calibration runs (%s)", why_not)
     fits = calibrate(pending, base_args, opts, run_root(opts, "calibrate")) if calibrating else {}
     candidates, pruned = _simulate_best(apply(pending, fits), memory_gib, opts, rejected)
+    logger.info("phase 5/5: the config's own layout and the top %d candidates' flags", opts.top)
     for c in candidates[: opts.top]:  # the printed rows: their flags through the trainer's own parser
         c.args = layout_args(c.layout, base_args, cfg.parallel.sequence_parallel)
         check_args(c.args, world)
@@ -117,6 +105,51 @@ def plan(cfg: JobConfig, base_args: list[str], opts: PlanOptions) -> dict[str, A
     return result
 
 
+def enumerate_layouts(
+    cfg: JobConfig, opts: PlanOptions, source: CostSource, ctx: CostContext
+) -> tuple[list[tuple[float, Layout, StageCosts, CostContext]], list[dict[str, str]]]:
+    """Every layout the trainer accepts, costed with its lower bound; and every one rejected, with why.
+
+    Costing measures each (micro-batch shape, remat, tp) once, here or from the device table
+    (`CostSource`): the long part of a plan for a large model. A bar (or a line every 30 s)
+    counts the (mesh, batch cut) pairs.
+    """
+    world, gpn = opts.world_size, opts.gpus_per_node or opts.world_size
+    budget = batch_budget(cfg, world)
+    valid, rejected_meshes = meshes(world, gpn, source.mc)
+    rejected: list[dict[str, str]] = [{"layout": m, "reason": r} for m, r in rejected_meshes]
+    pending: list[tuple[float, Layout, StageCosts, CostContext]] = []
+    accepts = TrainerCheck(cfg, world)
+    work = [(dims, list(batch_cuts(budget, dims.dp, opts.max_microbatches))) for dims in valid]
+    pairs = sum(len(cuts) for _, cuts in work)
+    logger.info(
+        "phase 2/5: costing layouts: %d meshes (%d rejected) x batch cuts = %d (mesh, cut) pairs",
+        len(valid), len(rejected_meshes), pairs,
+    )  # fmt: skip
+    with Progress(pairs, "plan: cost layouts", "cut", logger=logger) as bar:
+        for dims, cuts in work:
+            if not cuts:
+                rejected.append({"layout": f"pp={dims.pp} tp={dims.tp} dp={dims.dp}",
+                                 "reason": f"the global batch ({budget.total}) has no cut over dp={dims.dp}"})  # fmt: skip
+            mesh = f"pp={dims.pp} tp={dims.tp} dp={dims.dp}" + (f" ep={dims.ep}" if dims.ep > 1 else "")
+            for m, g, mb in cuts:
+                shape = source.shape(mb, m, g, dims.dp, budget.token_mode)
+                fetch = source.fetch_s.get((mb, m, g, dims.dp, int(budget.token_mode)), 0.0)
+                cut_ctx = replace(ctx, fetch_s_per_microbatch=fetch)
+                for layout in _layouts(dims, m, g, mb, budget.token_mode, source, shape, cut_ctx, rejected):
+                    error = accepts(layout)
+                    if error:
+                        rejected.append(
+                            {"layout": describe(layout), "reason": f"trainer rejects it: {error}"}
+                        )
+                        continue
+                    costs = source.block_costs(shape, layout.remat, layout.tp, cut_ctx, layout.ep)
+                    sc = layout_stage_costs(layout, costs, shape, cut_ctx)
+                    pending.append((lower_bound(layout, sc, cut_ctx), layout, sc, cut_ctx))
+                bar.update(1, mesh=mesh, layouts=len(pending), measured=source.measured)
+    return pending, rejected
+
+
 def _simulate_best(
     pending: list[tuple[float, Layout, StageCosts, CostContext]], memory_gib: float | None,
     opts: PlanOptions, rejected: list[dict[str, str]],
@@ -126,7 +159,12 @@ def _simulate_best(
     best: list[float] = []  # max-heap (negated) of the keep best fitting step times
     out: list[Candidate] = []
     pruned = 0
+    logger.info(
+        "phase 4/5: simulating %d layouts, best lower bound first (the best %d kept)", len(pending), opts.keep
+    )
+    bar = Progress(len(pending), "plan: simulate", "layout", logger=logger)
     for bound, layout, sc, ctx in sorted(pending, key=lambda x: x[0]):
+        bar.update(1, fitting=len(out), pruned=pruned)
         if len(best) >= opts.keep and bound > -best[0]:
             pruned += 1
             continue
@@ -141,6 +179,7 @@ def _simulate_best(
         heapq.heappush(best, -pred.step_time_s)
         if len(best) > opts.keep:
             heapq.heappop(best)
+    bar.close()
     out.sort(key=lambda c: (c.prediction.step_time_s, c.prediction.peak_memory_bytes))
     return out, pruned
 
@@ -242,6 +281,7 @@ def _local_link(opts: PlanOptions) -> LinkModel:
     if opts.link_gbps:
         lat = opts.link_latency_us * 1e-6
         return LinkModel(lat, opts.link_gbps * 1e9, lat, (opts.inter_node_gbps or opts.link_gbps) * 1e9)
+    logger.info("measuring the link: ping-pong between two local gloo processes (--link_gbps skips it)")
     return measure_link()
 
 

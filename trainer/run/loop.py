@@ -2,6 +2,7 @@
 
 run              resume point (checked) -> validate -> claim output dir (lock, fresh-start
                  cleanup) -> setup_run -> resume_state -> tracker, evaluator -> ...
+                 (every evaluation row is logged to the console and redraws curves.png)
 train_loop       per step: train_step (guarded) -> log_row -> timeline (once) -> preempted? save + exit
                  -> maybe_eval_and_save (eval/save strategies, best model, early stop: trainer.run.strategies)
 finish_run       final eval -> checkpoint -> best model loaded -> do_predict (trainer.eval.predict)
@@ -26,6 +27,7 @@ from trainer.config.schema import JobConfig
 from trainer.data.batching import eval_batches
 from trainer.eval.predict import predict_test_set
 from trainer.eval.runner import Evaluator
+from trainer.progress import PROGRESS_LOGGER
 from trainer.run.flops import peak_flops, step_flops
 from trainer.run.guard import (
     DivergenceError,
@@ -83,6 +85,7 @@ def _run(ctx: RunContext, cfg: JobConfig) -> dict[str, Any]:
     if cfg.training.do_eval and step == 0 and cfg.training.do_train:
         before = evaluator.run(step)
         tracker.log({"step": step, **before})
+        tracker.draw_curves(step)
     args = cfg.training
     # SIGTERM/SIGUSR1 from here on: save at the next step boundary (trainer/run/guard.py). A signal
     # during the final eval and save is not acted on: the run completes and exits 0.
@@ -91,6 +94,7 @@ def _run(ctx: RunContext, cfg: JobConfig) -> dict[str, Any]:
         try:
             totals = train_loop(ctx, tracker, evaluator, step, guard) if args.do_train else LoopTotals(step)
         except (Preempted, DivergenceError):  # agreed by every rank: the save in flight can finish
+            tracker.draw_curves(tracker.step)  # the curves up to the stop (a divergence shows there)
             tracker.close()  # rows are already on disk; this ends the W&B run and the progress bar
             ctx.saver.wait()
             raise
@@ -239,8 +243,10 @@ def log_row(
     if torch.cuda.is_available():
         row["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated()
     tracker.log(row)
-    if tracker.enabled and "moe_aux_loss" in row:
-        logger.info("step %d %s", st.step, load_line(row))
+    if (
+        tracker.enabled and "moe_aux_loss" in row
+    ):  # beside the step's line, also where the logging rank is not 0
+        logging.getLogger(PROGRESS_LOGGER).info("step %d %s", st.step, load_line(row))
     return row
 
 
@@ -282,7 +288,8 @@ def evaluate_at(
     from it (one object per evaluation), so every rank takes the same decisions.
     """
     metrics = evaluator.run(step, tracker)
-    tracker.log({"step": step, **metrics})
+    tracker.log({"step": step, **metrics})  # also the console's evaluation line
+    tracker.draw_curves(step)
     args = ctx.cfg.training
     if tracks_best(args):
         box = [metrics]
@@ -333,6 +340,7 @@ def finish_run(
         print_summary(summary)
         logger.info("memory per rank: %s", "; ".join(memory_lines(summary["memory"])))
     summary["history"] = tracker.history
+    tracker.draw_curves(step)  # the last rows since the last evaluation (none drawn twice)
     tracker.close()
     dist.barrier()
     return summary

@@ -34,6 +34,7 @@ from trainer.config.schema import JobConfig
 from trainer.config.training_args import TrainingArguments
 from trainer.data.sources import RawDatasets
 from trainer.data.tokenization import TranslationData
+from trainer.progress import PROGRESS_LOGGER
 from trainer.run.balance import choose_partition
 from trainer.run.data import build_sampler, setup_data
 from trainer.run.faults import FaultInjection
@@ -212,6 +213,8 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint
     scheduler = build_scheduler(optimizer, cfg.training)
     startup_host = peak_host_bytes()  # the start-up peak: model and optimizer built, no step run yet
     log_rank = coords_to_rank((pm.plan.last_stage_rank, 0, 0), dims.shape)
+    if rank == log_rank:  # its per-step, evaluation and progress lines, also where it is not rank 0
+        logging.getLogger(PROGRESS_LOGGER).setLevel(logging.INFO)
     if rank == 0:
         record_setup(cfg, out, dims, mc, partition_text, data.skipped, resume)
     return RunContext(

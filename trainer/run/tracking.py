@@ -11,6 +11,11 @@ W&B and TensorBoard get them grouped the way the Hugging Face Trainer reports th
 
 `metrics.jsonl` holds each step once: on opening, the logging rank cuts the rows of
 steps after the one this session starts from (a resumed run repeats them), atomically.
+
+The console gets each row too (`trainer.run.console`): a line per training row when the
+progress bar is off (`disable_tqdm`: a SLURM log shows every logged step), a line per
+evaluation row always. `draw_curves` redraws `curves.png` from metrics.jsonl
+(`trainer.run.curves`) and sends it to W&B.
 """
 
 from __future__ import annotations
@@ -18,13 +23,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from trainer.progress import PROGRESS_LOGGER
+from trainer.run.console import eval_line, is_eval_row, is_train_row, train_line
 
 logger = logging.getLogger(__name__)
+console = logging.getLogger(PROGRESS_LOGGER)
 
 BACKENDS = ("wandb", "tensorboard")
 
@@ -65,6 +76,9 @@ class Tracker:
         self.wandb: Any = None
         self.tensorboard: Any = None
         self.bar: Any = None
+        self.max_steps, self.step = max_steps, initial_step  # `step`: advanced by `advance`
+        self._clock: tuple[float, int] | None = None  # (time, step) at the first advance: the ETA's origin
+        self._drawn_rows = -1  # len(history) at the last draw_curves: no new row, no redraw
         if not enabled:
             return
         cut_metrics(self.path, initial_step)
@@ -75,6 +89,8 @@ class Tracker:
             self.tensorboard = _init_tensorboard(output_dir, config or {}, initial_step)
         if not disable_tqdm:
             self.bar = tqdm(total=max_steps, initial=initial_step, desc="train", dynamic_ncols=True)
+            if self.bar.disable:  # TQDM_DISABLE=1: lines instead
+                self.bar = None
 
     def log(self, row: dict[str, Any]) -> None:
         """Append one row (must contain `step`)."""
@@ -92,10 +108,36 @@ class Tracker:
                 self.tensorboard.add_scalar(key, value, step)
         if self.bar is not None and "loss" in row:
             self.bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row.get('lr', 0):.2e}")
+        if self.bar is None and is_train_row(row):
+            console.info("%s", train_line(row, self.max_steps, self.eta_s(row)))
+        if is_eval_row(row):
+            self._say(eval_line(row))
+
+    def _say(self, line: str) -> None:
+        """A console line that leaves the progress bar intact (tqdm.write under the bar)."""
+        if self.bar is None:
+            console.info("%s", line)
+            return
+        with logging_redirect_tqdm():
+            console.info("%s", line)
 
     def advance(self, n: int = 1) -> None:
+        """`n` more steps done (the bar, and the clock of the per-step lines' ETA)."""
+        self.step += n
+        if self._clock is None:
+            self._clock = (time.perf_counter(), self.step)
         if self.bar is not None:
             self.bar.update(n)
+
+    def eta_s(self, row: dict[str, Any]) -> float | None:
+        """Seconds to max_steps at the wall-clock rate since this session's first step (evaluations
+        and checkpoints included, as tqdm's ETA); at the first step, from its `step_time_s`."""
+        left = self.max_steps - int(row["step"])
+        if self._clock is not None and self.step > self._clock[1]:
+            t0, s0 = self._clock
+            return (time.perf_counter() - t0) / (self.step - s0) * left
+        step_time = row.get("step_time_s")
+        return step_time * left if isinstance(step_time, (int, float)) else None
 
     def log_samples(self, step: int, samples: list[tuple[str, str, str, str]]) -> None:
         """A W&B table of (direction, source, reference, hypothesis)."""
@@ -114,6 +156,23 @@ class Tracker:
         import wandb
 
         self.wandb.log({dashboard_key(key): wandb.Image(path)}, step=step)
+
+    def draw_curves(self, step: int) -> str | None:
+        """Redraw `curves.png` beside metrics.jsonl from its rows (`trainer.run.curves`) and send it
+        to W&B as `train/curves`; returns its path. A drawing failure is a warning, never the run's end."""
+        if not self.enabled or self._drawn_rows == len(self.history):
+            return None
+        self._drawn_rows = len(self.history)
+        from trainer.run.curves import read_rows, render_curves
+
+        png = self.path.with_name("curves.png")
+        try:
+            render_curves(read_rows(self.path), png, f"{self.path.parent.name}: step {step}")
+        except Exception as e:  # matplotlib or a font cache: the run goes on without its picture
+            logger.warning("curves.png not drawn: %s: %s", type(e).__name__, e)
+            return None
+        self.log_image(step, "curves", str(png))
+        return str(png)
 
     def close(self) -> None:
         if self.bar is not None:
