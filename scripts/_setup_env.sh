@@ -13,6 +13,24 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 LOCK="requirements/lock-cpu${EXTRAS:+-extras}.txt"
 PY="${PYTHON:-python3}"
+# The lock is compiled for one Python minor version (its header: "# Python 3.11, ..."): another
+# one may lack wheels or need other pins, and would fail halfway through the install. Check the
+# interpreter (or the existing .venv's) first, before anything is created.
+# SKIP_PYTHON_CHECK=1 tries anyway.
+LOCK_PY="$(sed -n 's/^#.*# Python \([0-9][0-9]*\.[0-9][0-9]*\),.*/\1/p' "$LOCK" | sed -n 1p)"
+if [ -x .venv/bin/python ]; then CHECK_PY=.venv/bin/python; WHAT=".venv"; else CHECK_PY="$PY"; WHAT="$PY"; fi
+if ! HAVE_PY="$("$CHECK_PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)"; then
+  echo "scripts/_setup_env.sh: no Python at PYTHON=$PY; $LOCK is locked for Python ${LOCK_PY:-?}: set PYTHON=python${LOCK_PY:-3}" >&2
+  exit 2
+fi
+if [ -n "$LOCK_PY" ] && [ "$HAVE_PY" != "$LOCK_PY" ] && [ "${SKIP_PYTHON_CHECK:-0}" != 1 ]; then
+  if [ "$WHAT" = ".venv" ]; then
+    echo "scripts/_setup_env.sh: .venv has Python $HAVE_PY but $LOCK is locked for Python $LOCK_PY: remove .venv and rerun with PYTHON=python$LOCK_PY" >&2
+  else
+    echo "scripts/_setup_env.sh: $PY is Python $HAVE_PY but $LOCK is locked for Python $LOCK_PY: rerun with PYTHON=python$LOCK_PY (any Python $LOCK_PY interpreter)" >&2
+  fi
+  exit 2
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi

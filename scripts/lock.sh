@@ -22,14 +22,17 @@ if [ -z "${TORCH_FIND_LINKS:-}" ]; then
     TORCH_FIND_LINKS=https://download.pytorch.org/whl/cpu/torch/
   fi
 fi
+# The Python the locks are for; the header line below names it, and scripts/_setup_env.sh reads
+# it there to refuse another interpreter before installing.
+LOCK_PYTHON=3.11
 lock() {
   local out="$1"
   shift
   "$UV" pip compile pyproject.toml "$@" \
-    --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+    --python-version "$LOCK_PYTHON" --python-platform x86_64-manylinux_2_28 \
     --override requirements/torch-cpu.txt --find-links "$TORCH_FIND_LINKS" \
     --no-emit-package torch --generate-hashes --quiet \
-    --custom-compile-command "scripts/lock.sh  # Python 3.11, Linux x86_64, CPU torch 2.13.0 (not emitted)" \
+    --custom-compile-command "scripts/lock.sh  # Python $LOCK_PYTHON, Linux x86_64, CPU torch 2.13.0 (not emitted)" \
     -o "$out"
 }
 lock requirements/lock-cpu.txt "${@}"

@@ -212,3 +212,158 @@ def test_predictions_are_written_per_direction(tmp_path: Path) -> None:
     assert (tmp_path / "predictions_de-en.txt").read_text() == "x\n"
     assert not (tmp_path / "generated_predictions.txt").exists()  # HF's name only for one direction
     assert (tmp_path / "predict_results.json").read_text().startswith("{")
+
+
+# --- issue 30: the flags' spellings and values (trainer/config/flags.py) ----------------------------
+
+
+def _texts(value: object) -> list[str]:
+    """A parsed value as the command line writes it."""
+    if isinstance(value, bool):
+        return [str(value).lower()]
+    if isinstance(value, list) and value:
+        return [str(x) for x in value]
+    return ["null" if value in (None, []) else str(value)]
+
+
+def test_every_field_takes_both_spellings_and_the_equals_form() -> None:
+    """Regression: `--max-steps 5`, the form `--help` prints beside `--max_steps`, was refused as
+    "unknown flag(s) ['--max-steps']", and `--no-do-eval` / `--no_do_eval` (also printed) too."""
+    from dataclasses import fields
+
+    from trainer.config.flags import build_parser, options
+    from trainer.config.parse import DESCRIPTION, USAGE
+    from trainer.config.schema import SECTIONS
+
+    spelled = options(build_parser(SECTIONS, USAGE, DESCRIPTION))
+    base = parse_config(["--config", TINY]).to_dict()
+    names = [f.name for cls in SECTIONS for f in fields(cls)]
+    for name in names:
+        assert spelled[f"--{name}"] == spelled[f"--{name.replace('_', '-')}"] == name
+    for dashes in (False, True):
+        for equals in (False, True):  # every field in one command line, each as the file has it
+            argv = ["--config", TINY]
+            for name in names:
+                flag, words = "--" + (name.replace("_", "-") if dashes else name), _texts(base[name])
+                argv += [f"{flag}={words[0]}"] if equals and len(words) == 1 else [flag, *words]
+            got = parse_config(argv).to_dict()
+            assert got == base, (dashes, equals, {k: v for k, v in got.items() if v != base[k]})
+
+
+@pytest.mark.parametrize(
+    "args,field,value",
+    [
+        (["--max-steps", "5"], "max_steps", 5),
+        (["--max-steps=5"], "max_steps", 5),
+        (["--learning-rate", "2e-4"], "learning_rate", 2e-4),
+        (["--no-do-eval"], "do_eval", False),
+        (["--no_do_eval"], "do_eval", False),
+        (["--do-eval", "false"], "do_eval", False),
+        (["--bf16"], "bf16", True),
+        (["--batch-prioritized-routing"], "batch_prioritized_routing", True),  # bool | None: bare = true
+        (["--greater-is-better"], "greater_is_better", True),
+        (["--language-pairs", "en-de", "de-en"], "language_pairs", ["en-de", "de-en"]),
+        (["--dataset-name", "null", "--train-file", "x.jsonl"], "dataset_name", None),
+        (["--max-eval-samples=null"], "max_eval_samples", None),
+        # null on a field that cannot be None unsets the file's value: the default (was: a TypeError traceback)
+        (["--max_steps", "null"], "max_steps", -1),
+        (["--max-steps=null"], "max_steps", -1),
+    ],
+)
+def test_dashed_and_equals_flags_override_the_file(args: list[str], field: str, value: object) -> None:
+    assert parse_config(["--config", TINY, *args]).to_dict()[field] == value
+
+
+def test_config_takes_the_equals_form() -> None:
+    """Regression: `--config=configs/tiny.yaml` was refused as "unknown flag(s) ['--config']"."""
+    assert parse_config([f"--config={TINY}"]).to_dict() == parse_config(["--config", TINY]).to_dict()
+    assert parse_config([f"--config={TINY}", "--max-steps", "3"]).training.max_steps == 3
+    with pytest.raises(ConfigError, match=r"^--config given 2 times"):
+        parse_config([f"--config={TINY}", "--config", TINY])
+    with pytest.raises(ConfigError, match=r"^--config needs a file path"):
+        parse_config(["--config="])
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        # was: argparse's usage block and "train.py: error: argument --max_steps/--max-steps: invalid int value"
+        (["--max_steps", "1e3"], r"^max_steps='1e3' is not an integer; write 1000$"),
+        (["--max-steps=2.5"], r"^max_steps='2\.5' is not an integer$"),
+        (["--learning_rate", "fast"], r"^learning_rate='fast' is not a number$"),
+        (["--bf16", "maybe"], r"^bf16='maybe' is not a boolean \(true/false, yes/no, 1/0\)$"),
+        (["--save_total_limit", "all"], r"^save_total_limit='all' is not an integer$"),
+        (["--max_steps"], r"^--max_steps: expected one argument$"),
+        (
+            ["--per-gpu-train-batch-size", "4"],
+            r"\(per-gpu-train-batch-size: use per_device_train_batch_size\)",
+        ),
+    ],
+)
+def test_a_bad_flag_value_is_one_config_error_naming_it(args: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        parse_config(["--config", TINY, *args])
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ("max_steps: 2.5", r"max_steps=2\.5 is not an integer$"),  # was: accepted, trained 3 steps
+        ("max_steps: 1e3", r"^max_steps='1e3' is not an integer; write 1000$"),  # YAML 1.1: a string
+        ("bf16: 1", r"bf16=1 is not a boolean"),
+        ("source_lang: no", r"source_lang=False is not a string \(YAML reads yes/no/on/off as booleans"),
+        ("max-steps: 5", r"unknown config key\(s\) \['max-steps'\] \(max-steps: write max_steps\)"),
+    ],
+)
+def test_a_bad_file_value_is_one_config_error_naming_it(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(Path(TINY).read_text() + line + "\n")
+    with pytest.raises(ConfigError, match=message):
+        parse_config(["--config", str(path)])
+
+
+def test_file_values_of_a_compatible_type_are_taken(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(Path(TINY).read_text() + "learning_rate: 1\ndataset_config_name: 2014\nmax_steps: null\n")
+    cfg = parse_config(["--config", str(path)])
+    assert (cfg.training.learning_rate, cfg.data.dataset_config_name, cfg.training.max_steps) == (
+        1.0,
+        "2014",
+        -1,
+    )
+
+
+@pytest.mark.parametrize(
+    "given,resolved",
+    [("True", "latest"), ("true", "latest"), ("yes", "latest"), ("latest", "latest"),
+     ("False", None), ("false", None), ("runs/x/checkpoint-4", "runs/x/checkpoint-4")],
+)  # fmt: skip
+def test_resume_from_checkpoint_takes_the_hf_bool(tmp_path: Path, given: str, resolved: str | None) -> None:
+    """Regression: `--resume_from_checkpoint True` (the HF Trainer's bool: the last checkpoint in
+    output_dir) failed "resume_from_checkpoint='True' is not a directory"; in YAML (`true`) a TypeError
+    traceback. True means 'latest', False no resume."""
+    cfg = parse_config(["--config", TINY, "--resume_from_checkpoint", given])
+    assert cfg.training.resume_from_checkpoint == resolved
+    word = given.lower() if given.lower() in ("true", "false", "yes") else repr(given)
+    path = tmp_path / "c.yaml"
+    path.write_text(Path(TINY).read_text() + f"resume_from_checkpoint: {word}\n")
+    assert parse_config(["--config", str(path)]).training.resume_from_checkpoint == resolved
+    assert load_config_dict({"resume_from_checkpoint": given}).training.resume_from_checkpoint == resolved
+
+
+def test_resume_true_resumes_from_the_newest_checkpoint(tmp_path: Path) -> None:
+    from trainer.checkpoint.commit import COMMIT_MARKER
+    from trainer.checkpoint.dcp import resolve_resume
+
+    for step in (2, 4):
+        ckpt = tmp_path / f"checkpoint-{step}"
+        ckpt.mkdir()
+        (ckpt / COMMIT_MARKER).write_text("ok")  # a marker from before checksums: nothing to verify
+    for value in (True, "True"):
+        spec = TrainingArguments(
+            resume_from_checkpoint=value, output_dir=str(tmp_path)
+        ).resume_from_checkpoint  # type: ignore[arg-type]
+        assert resolve_resume(spec, tmp_path) == tmp_path / "checkpoint-4"
+    assert TrainingArguments(resume_from_checkpoint=False).resume_from_checkpoint is None  # type: ignore[arg-type]
+    assert load_config_dict({"resume_from_checkpoint": True}).training.resume_from_checkpoint == "latest"

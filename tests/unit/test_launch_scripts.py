@@ -6,18 +6,26 @@ The sbatch tests pin three bugs of its first version: `srun` did not pass --cpus
 GPU count was hard-coded to 8, and its flags overrode the config's documented schedule
 and micro-batches. The launcher tests pin SIGUSR1 forwarding (torchrun dies on it by
 default, orphaning the workers) and the per-attempt rendezvous store under restarts.
+Issue 30: the output directory held SLURM_JOB_ID, so a resubmitted job (new id) started from
+scratch beside the first one's checkpoints despite `--resume_from_checkpoint latest`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _run_sbatch(tmp_path: Path, *args: str, gpus: str = "4") -> tuple[list[str], dict[str, str]]:
+def _run_sbatch(
+    tmp_path: Path, *args: str, gpus: str = "4", job_id: str = "4242"
+) -> tuple[list[str], dict[str, str]]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     record = tmp_path / "srun.txt"
@@ -30,9 +38,10 @@ def _run_sbatch(tmp_path: Path, *args: str, gpus: str = "4") -> tuple[list[str],
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k not in ("RUN_NAME", "OUTPUT_DIR")},
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_ID": job_id,
+        "SLURM_JOB_NAME": "m2m100-3d",
         "SLURM_NNODES": "2",
         "SLURM_JOB_NODELIST": "node-[a-b]",
         "SLURM_CPUS_PER_TASK": "64",
@@ -60,6 +69,77 @@ def test_sbatch_passes_cpus_gpus_and_keeps_the_config_layout(tmp_path: Path) -> 
     assert trainer_args[-2:] == ["--max_steps", "5"]  # the job's own extra flags come last
     for flag in ("--pipeline_schedule", "--num_microbatches", "--tensor_parallel_size", "--bf16"):
         assert flag not in trainer_args, f"{flag} would override the config's documented layout"
+
+
+def test_a_resubmitted_job_keeps_its_output_dir(tmp_path: Path) -> None:
+    """A resubmission gets a new SLURM_JOB_ID: the output_dir (where `latest` looks) must not change."""
+    argv = []
+    for job in ("4242", "5353"):
+        (tmp_path / job).mkdir()
+        argv.append(_run_sbatch(tmp_path / job, job_id=job)[0])
+    dirs = [a[a.index("--output_dir") + 1] for a in argv]
+    assert dirs[0] == dirs[1] == "outputs/m2m100-3d", dirs  # was outputs/m2m100-3d-4242, -5353
+    assert all(a[a.index("--resume_from_checkpoint") + 1] == "latest" for a in argv)
+    assert all(a[a.index("--run_name") + 1] == "m2m100-3d" for a in argv)
+
+
+# `srun` of the resubmission test: parses the trainer flags the job hands on (`trainer.config`), says
+# which checkpoint `--resume_from_checkpoint` resolves to, then commits one as a run would.
+TRAINER_STUB = """
+import json, sys
+from pathlib import Path
+from trainer.checkpoint.commit import COMMIT_MARKER
+from trainer.checkpoint.dcp import resolve_resume
+from trainer.config.parse import parse_config
+args = sys.argv[sys.argv.index("scripts/launch_multinode.sh") + 1 :]
+cfg = parse_config(args)
+out = Path(cfg.training.output_dir).resolve()
+found = resolve_resume(cfg.training.resume_from_checkpoint, out)
+step = 0 if found is None else int(found.name.split("-")[1])
+(out / f"checkpoint-{step + 5}").mkdir(parents=True)
+(out / f"checkpoint-{step + 5}" / COMMIT_MARKER).write_text("ok")
+print(json.dumps({"output_dir": str(out), "resumed_from": found and str(found.resolve()),
+                  "run_name": cfg.training.run_name}))
+"""
+
+
+@pytest.mark.slow  # two trainer-config parses in fresh processes (torch and transformers imports)
+def test_a_resubmitted_job_resumes_in_the_same_output_dir(tmp_path: Path) -> None:
+    """Two submissions of the job (new SLURM_JOB_ID each, as a resubmission gets): one output_dir,
+    and the second resumes from the first one's checkpoint."""
+    submit = tmp_path / "submit"  # the submit directory: where outputs/ goes, not the repository
+    submit.mkdir()
+    for name in ("configs", "scripts"):
+        (submit / name).symlink_to(REPO / name)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "trainer_stub.py").write_text(TRAINER_STUB)
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho node-a\n")
+    (bin_dir / "srun").write_text(
+        f'#!/usr/bin/env bash\nexec {sys.executable} {tmp_path / "trainer_stub.py"} "$@"\n'
+    )
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    runs = []
+    for job_id in ("4242", "5353"):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RUN_NAME", "OUTPUT_DIR"))}
+        env.update({
+            "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(REPO), "SLURM_JOB_ID": job_id,
+            "SLURM_JOB_NAME": "m2m100-3d", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "node-a",
+            "SLURM_SUBMIT_DIR": str(submit),
+        })  # fmt: skip
+        done = subprocess.run(
+            ["bash", str(REPO / "scripts/slurm_example.sbatch")],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    out = submit / "outputs" / "m2m100-3d"
+    assert first["output_dir"] == second["output_dir"] == str(out.resolve())
+    assert first["resumed_from"] is None
+    assert second["resumed_from"] == str((out / "checkpoint-5").resolve())
+    assert first["run_name"] == second["run_name"] == "m2m100-3d"
 
 
 def test_sbatch_log_path_needs_no_directory() -> None:

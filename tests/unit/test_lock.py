@@ -6,6 +6,8 @@ A changed range in pyproject.toml without `scripts/lock.sh` fails here, not at i
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,48 @@ def test_runtime_lock_agrees_with_the_extras_lock() -> None:
         n: (v, extras.get(n, (None, 0))[0]) for n, (v, _) in runtime.items() if extras.get(n, ("",))[0] != v
     }
     assert not differ, f"lock-cpu.txt vs lock-cpu-extras.txt versions: {differ}"
+
+
+def _setup_env(tmp_path: Path, version: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """scripts/_setup_env.sh in a copy of the repository's scripts and locks, with PYTHON a stub
+    that reports `version` and records what else it is asked to do."""
+    for sub in ("scripts", "requirements"):
+        shutil.copytree(ROOT / sub, tmp_path / sub)
+    log = tmp_path / "python.log"
+    fake = tmp_path / "fake-python"
+    fake.write_text(
+        f'#!/usr/bin/env bash\nif [ "$1" = -c ]; then echo {version}; exit 0; fi\necho "$@" >> {log}; exit 1\n'
+    )
+    fake.chmod(0o755)
+    done = subprocess.run(
+        ["bash", str(tmp_path / "scripts/_setup_env.sh")],
+        env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake)},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    return done, log
+
+
+def test_setup_refuses_a_python_the_lock_is_not_for(tmp_path: Path) -> None:
+    """Issue 30: on another Python the set-up created .venv, then failed halfway through the hashed
+    install; now one line before anything is created says which Python the lock needs."""
+    header = LOCKS["runtime"].read_text().splitlines()[1]
+    locked = re.search(r"# Python (\d+\.\d+),", header)
+    assert locked, header
+    other = "3.99" if locked[1] != "3.99" else "3.98"
+    done, log = _setup_env(tmp_path, other)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert (
+        len(lines) == 1
+        and f"is Python {other} but requirements/lock-cpu.txt is locked for Python {locked[1]}" in lines[0]
+    )
+    assert f"PYTHON=python{locked[1]}" in lines[0]
+    assert not (tmp_path / ".venv").exists() and not log.exists()
+
+
+def test_setup_takes_the_python_the_lock_is_for(tmp_path: Path) -> None:
+    locked = re.search(r"# Python (\d+\.\d+),", LOCKS["runtime"].read_text())
+    assert locked
+    done, log = _setup_env(tmp_path, locked[1])
+    assert done.returncode != 0  # the stub creates no venv: the script stops there
+    assert log.read_text().split()[:3] == ["-m", "venv", ".venv"]  # past the check, to the venv

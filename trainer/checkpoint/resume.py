@@ -83,7 +83,7 @@ MUST_MATCH: dict[str, tuple[str, ...]] = {
         "activation_function",
         "max_position_embeddings",
         "scale_embedding",
-        "num_experts",  # NLLB-MoE architecture and routing recipe
+        "num_experts",  # NLLB-MoE architecture (the routing options may change, as EOM)
         *MOE_ARCH_FIELDS,
     ),
     "data": (
@@ -112,7 +112,7 @@ MAY_CHANGE = (
     *GLOBAL_BATCH,  # each may change; their product (x dp) may not
     *SESSION_MODEL_FIELDS,
     *LAYERDROP_FIELDS,  # LayerDrop too, where the session sets it (None: the checkpoint's value)
-    *MOE_SESSION_FIELDS,  # NLLB-MoE: EOM and the aux loss weight, as LayerDrop
+    *MOE_SESSION_FIELDS,  # NLLB-MoE: EOM, the aux loss weight and routing, as LayerDrop
     *MOE_RUN_FIELDS,  # NLLB-MoE routing options of the run (dropless, capacity factor)
     "init_std",  # only draws the initial weights, which come from the checkpoint
     "train_file",

@@ -2,10 +2,12 @@
 
 Unknown keys (file or flag) are an error naming the key, with a hint where it is an HF
 Trainer name we spell differently (`HF_NAME_HINTS`); `--field null` unsets a value the file set.
+The flags' spellings and value types: `trainer.config.flags`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import fields
@@ -14,6 +16,16 @@ from typing import Any
 
 import yaml
 
+from trainer.config.flags import (
+    argument_error,
+    build_parser,
+    check_file_value,
+    field_kinds,
+    options,
+    take_config,
+    take_nulls,
+    takes_value,
+)
 from trainer.config.schema import SECTIONS, JobConfig
 from trainer.errors import ConfigError
 
@@ -74,36 +86,41 @@ def _read_file(path: str) -> dict[str, Any]:
 def parse_config(argv: list[str] | None = None) -> JobConfig:
     """Parse `--config FILE` plus CLI overrides into a validated JobConfig.
 
-    Raises:
-        ConfigError: on an unknown key (file or flag) or an invalid value.
-    """
-    from transformers import HfArgumentParser
+    Every field takes `--name value`, `--name-with-dashes value` and `--name=value` (the spellings
+    `--help` prints); `--name null` unsets what the file set (`trainer.config.flags`).
 
+    Raises:
+        ConfigError: on an unknown key (file or flag) or an invalid value (one line naming the
+            field, the value and what it must be).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
-    file_values: dict[str, Any] = {}
-    if "--config" in argv:
-        i = argv.index("--config")
-        if i + 1 >= len(argv):
-            raise ConfigError("--config needs a file path")
-        file_values = _read_file(argv[i + 1])
-        del argv[i : i + 2]
+    path = take_config(argv)
+    file_values = _read_file(path) if path is not None else {}
     known = {f.name for cls in SECTIONS for f in fields(cls)}
     unknown = sorted(set(file_values) - known)
     if unknown:
         raise ConfigError(
             f"unknown config key(s) {unknown}{_hints(unknown)}; see `python -m trainer.train --help` for valid keys"
         )
-    parser = HfArgumentParser(SECTIONS, usage=USAGE, description=DESCRIPTION)  # type: ignore[arg-type]
-    file_values.update(_take_nulls(argv, known))
-    parser.set_defaults(**{k: _as_default(v) for k, v in file_values.items()})
-    flags = [a.split("=", 1)[0][2:] for a in argv if a.startswith("--")]
-    bad = sorted({f for f in flags if f not in known and f != "help"})
+    kinds = field_kinds(SECTIONS)
+    file_values = {
+        k: check_file_value(k, _as_default(v), kinds[k], str(path)) for k, v in file_values.items()
+    }
+    parser = build_parser(SECTIONS, USAGE, DESCRIPTION)
+    spelled = options(parser)
+    valued = {s: name for s, name in spelled.items() if s in takes_value(parser)}
+    file_values.update(dict.fromkeys(take_nulls(argv, valued)))
+    for name in [k for k, v in file_values.items() if v is None and not kinds[k].optional]:
+        del file_values[name]  # null on a field that cannot be None: unset, its default applies
+    parser.set_defaults(**file_values)
+    flags = [a.split("=", 1)[0] for a in argv if a.startswith("--") and a != "--"]
+    bad = sorted({f for f in flags if f not in spelled})
     if bad:
-        raise ConfigError(
-            f"unknown flag(s) {['--' + b for b in bad]}{_hints(bad)}; see --help for valid flags"
-        )
+        raise ConfigError(f"unknown flag(s) {bad}{_hints([b[2:] for b in bad])}; see --help for valid flags")
     try:
         model, data, parallel, training = parser.parse_args_into_dataclasses(args=argv)
+    except argparse.ArgumentError as e:
+        raise argument_error(e) from None
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return JobConfig(model, data, parallel, training)
@@ -123,32 +140,17 @@ DESCRIPTION = (
 
 
 def _hints(names: list[str]) -> str:
-    """`; use X for Y` for the unknown names that are HF Trainer names we spell differently."""
-    hints = [f"{n}: use {HF_NAME_HINTS[n]}" for n in names if n in HF_NAME_HINTS]
+    """`; use X for Y` for the unknown names that are HF Trainer names we spell differently
+    (either spelling: `per-gpu-train-batch-size` too), or a file key with dashes."""
+    known = {f.name for cls in SECTIONS for f in fields(cls)}
+    hints = []
+    for n in names:
+        under = n.replace("-", "_")
+        if under in HF_NAME_HINTS:
+            hints.append(f"{n}: use {HF_NAME_HINTS[under]}")
+        elif under in known and under != n:
+            hints.append(f"{n}: write {under}")
     return f" ({'; '.join(hints)})" if hints else ""
-
-
-def _take_nulls(argv: list[str], known: set[str]) -> dict[str, None]:
-    """Remove `--field null` / `--field=null` from `argv` (in place); returns {field: None}.
-
-    argparse would read "null" as the string "null" (or fail on a number); on the command
-    line it means: unset what the config file set, as `field: null` would in the file.
-    """
-    out: dict[str, None] = {}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
-        if name in known and eq and value == "null":
-            out[name] = None
-            del argv[i]
-            continue
-        if name in known and not eq and i + 1 < len(argv) and argv[i + 1] == "null":
-            out[name] = None
-            del argv[i : i + 2]
-            continue
-        i += 1
-    return out
 
 
 def _as_default(value: Any) -> Any:

@@ -88,17 +88,35 @@ class ModelArguments:
     )
     decoder_sparse_step: int = field(default=4, metadata={"help": "As encoder_sparse_step, decoder."})
     router_bias: bool = field(default=False, metadata={"help": "A bias in the router's classifier."})
-    second_expert_policy: str = field(
-        default="all", metadata={"help": "Second expert: all | sampling (Gumbel) | random (kept w.p. 2 g2)."}
+    # NLLB-MoE routing (NllbMoeConfig names): how tokens reach experts, not weights, so a run sets them
+    # over a checkpoint's too; None: the checkpoint's, else NllbMoeConfig's default (given after it).
+    second_expert_policy: str | None = field(
+        default=None,
+        metadata={
+            "help": "Second expert: all | sampling (Gumbel) | random (kept w.p. 2 g2); default: the "
+            "checkpoint's, else all."
+        },
     )
-    normalize_router_prob_before_dropping: bool = field(
-        default=False, metadata={"help": "Renormalise the two gates before capacity drops (else after)."}
+    normalize_router_prob_before_dropping: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Renormalise the two gates before capacity drops (else after); default: the "
+            "checkpoint's, else false."
+        },
     )
-    batch_prioritized_routing: bool = field(
-        default=False, metadata={"help": "Capacity goes to the tokens with the highest router probability."}
+    batch_prioritized_routing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Capacity goes to the tokens with the highest router probability; default: the "
+            "checkpoint's, else false."
+        },
     )
-    moe_eval_capacity_token_fraction: float = field(
-        default=1.0, metadata={"help": "Evaluation capacity = fraction x tokens (1.0: nothing dropped)."}
+    moe_eval_capacity_token_fraction: float | None = field(
+        default=None,
+        metadata={
+            "help": "Evaluation capacity = fraction x tokens (1.0: nothing dropped; <= 0: the training "
+            "capacity); default: the checkpoint's, else 1.0."
+        },
     )
     # NLLB-MoE: the run's choices (also over a checkpoint's values).
     moe_token_dropout: float | None = field(
@@ -137,7 +155,8 @@ class ModelArguments:
         return ModelConfig(vocab_size=vocab_size, **arch, **special_ids)  # type: ignore[arg-type]
 
     def apply_session(self, mc: ModelConfig) -> ModelConfig:
-        """`mc` (a checkpoint's architecture) with this run's regularisation and MoE choices."""
+        """`mc` (a checkpoint's architecture) with this run's regularisation and MoE choices (dropouts;
+        LayerDrop, EOM, the aux loss weight and the routing options where the run sets them)."""
         for k in SESSION_DROPOUTS:
             setattr(mc, k, getattr(self, k))
         for k in (*LAYERDROP_FIELDS, *MOE_SESSION_FIELDS):  # the checkpoint's unless the run sets it
@@ -281,18 +300,18 @@ class ParallelArguments:
 
 LAYERDROP_FIELDS = ("encoder_layerdrop", "decoder_layerdrop")
 SESSION_DROPOUTS = ("dropout", "attention_dropout", "activation_dropout")
-# NLLB-MoE architecture fields of a new model (besides num_experts, which decides it).
-MOE_ARCH_FIELDS = (
-    "encoder_sparse_step",
-    "decoder_sparse_step",
-    "router_bias",
+# NLLB-MoE architecture fields of a new model (besides num_experts, which decides it): the weights'.
+MOE_ARCH_FIELDS = ("encoder_sparse_step", "decoder_sparse_step", "router_bias")
+# NLLB-MoE model fields a run may set over a checkpoint's (None: the checkpoint's): EOM, the aux loss
+# weight and the routing options, which the sparse layers read when built (`models.moe.layer`).
+MOE_SESSION_FIELDS = (
+    "moe_token_dropout",
+    "router_aux_loss_coef",
     "second_expert_policy",
     "normalize_router_prob_before_dropping",
     "batch_prioritized_routing",
     "moe_eval_capacity_token_fraction",
 )
-# NLLB-MoE model fields a run may set over a checkpoint's (None: the checkpoint's).
-MOE_SESSION_FIELDS = ("moe_token_dropout", "router_aux_loss_coef")
 # NLLB-MoE options of the run alone (not in the model config), with their defaults.
 MOE_RUN_DEFAULTS: dict[str, object] = {"moe_dropless": False, "moe_capacity_factor": 1.0}
 MOE_RUN_FIELDS = tuple(MOE_RUN_DEFAULTS)

@@ -149,7 +149,11 @@ class TrainingArguments:
         default=0.0, metadata={"help": "The improvement that counts for early stopping."}
     )
     resume_from_checkpoint: str | None = field(
-        default=None, metadata={"help": "A checkpoint directory, or 'latest' for the newest in output_dir."}
+        default=None,
+        metadata={
+            "help": "A checkpoint directory, or 'latest' for the newest in output_dir; true (the HF "
+            "Trainer's bool: True, yes) means 'latest', false means no resume."
+        },
     )
     seed: int = field(default=42, metadata={"help": "Seed for init, data order and dropout."})
     bf16: bool = field(
@@ -218,6 +222,7 @@ class TrainingArguments:
     disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
 
     def __post_init__(self) -> None:
+        self.resume_from_checkpoint = resume_spec(self.resume_from_checkpoint)
         self.report_to = resolve_report_to(self.report_to)
         check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULER_CHOICES)
         check_choice("nan_policy", self.nan_policy, NAN_POLICIES)
@@ -264,6 +269,32 @@ class TrainingArguments:
             )
         if self.load_best_model_at_end or self.early_stopping_patience or self.metric_for_best_model:
             check_best_model_args(self)
+
+
+# `resume_from_checkpoint` words that mean the HF Trainer's bool (`trainer.train(resume_from_checkpoint=True)`:
+# the last checkpoint in output_dir), as YAML 1.1 and `string_to_bool` read them.
+RESUME_LATEST_WORDS = ("true", "yes", "on")
+RESUME_NONE_WORDS = ("false", "no", "off", "")
+
+
+def resume_spec(value: object) -> str | None:
+    """`resume_from_checkpoint` as `trainer.checkpoint.dcp.resolve_resume` takes it: the HF bool form
+    (True / "True" / "yes": the newest checkpoint in output_dir) is "latest", False / "false" is None;
+    a directory or "latest" as given.
+
+    Raises:
+        ConfigError: a value that is neither text nor a bool.
+    """
+    if value is None or isinstance(value, bool):
+        return "latest" if value else None
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"resume_from_checkpoint={value!r} is not valid: a checkpoint directory, 'latest' "
+            "(or true: the newest checkpoint in output_dir), or false"
+        )
+    if value.strip().lower() in RESUME_LATEST_WORDS:
+        return "latest"
+    return None if value.strip().lower() in RESUME_NONE_WORDS else value
 
 
 def check_best_model_args(args: TrainingArguments) -> None:
