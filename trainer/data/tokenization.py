@@ -50,6 +50,7 @@ def encode_pairs(
     eos = tokenizer.eos_id
     src = tokenizer.encode_batch(sources)
     tgt = tokenizer.encode_batch(targets)
+    tags = {lang: tokenizer.lang_id(lang) for lang in {*src_langs, *tgt_langs}}
     input_ids, labels, skip, cut = [], [], [], []
     for s_lang, t_lang, s, t in zip(src_langs, tgt_langs, src, tgt):
         s_long, t_long = len(s) + 2 > max_source_length, len(t) + 2 > max_target_length
@@ -61,8 +62,8 @@ def encode_pairs(
             cut.append(int(s_long) | 2 * int(t_long))
             s = s[: max(0, max_source_length - 2)] if s_long else s
             t = t[: max(0, max_target_length - 2)] if t_long else t
-        input_ids.append([tokenizer.lang_id(s_lang), *s, eos])
-        labels.append([tokenizer.lang_id(t_lang), *t, eos])
+        input_ids.append([tags[s_lang], *s, eos])
+        labels.append([tags[t_lang], *t, eos])
     return input_ids, labels, skip, cut
 
 
