@@ -191,6 +191,7 @@ def test_overwrite_clears_the_earlier_run_but_a_restart_keeps_it(
         ".lock",
         "checkpoint-1",
         "config.yaml",  # no overwritten_run/: removed when checkpoint-1 was committed
+        "curves.png",
         "data_cache",  # the tokenized data outlives a fresh overwrite: the next run loads it
         "metrics.jsonl",
         "model_config.json",

@@ -47,7 +47,7 @@ def test_run_translation_style_config_end_to_end(tmp_path: Path) -> None:
             "--max_eval_samples", "16", "--generation_max_length", "12", "--logging_steps", "6"]  # fmt: skip
     decisions = ["--metric_for_best_model", "eval_loss", "--greater_is_better", "true",
                  "--early_stopping_patience", "1", "--early_stopping_threshold", "1e9",
-                 "--save_total_limit", "1", "--test_file", VALIDATION]  # fmt: skip
+                 "--save_total_limit", "1", "--test_file", VALIDATION, "--max_predict_samples", "16"]  # fmt: skip
     _train(out, *tiny, *decisions)
 
     summary = json.loads((out / "run_summary.json").read_text())
@@ -66,7 +66,7 @@ def test_run_translation_style_config_end_to_end(tmp_path: Path) -> None:
     assert results["predict_loss"] != pytest.approx(evals[12]["eval_loss"], rel=1e-6)
     assert {"predict_bleu", "predict_chrf", "predict_bleu_en-de", "predict_chrf_en-de"} <= set(results)
     lines = (out / "predictions_en-de.txt").read_text().splitlines()
-    assert len(lines) == results["predict_samples"]["en-de"] == 16  # max_eval_samples caps the test too
+    assert len(lines) == results["predict_samples"]["en-de"] == 16  # max_predict_samples caps it
     assert (out / "generated_predictions.txt").read_text() == (out / "predictions_en-de.txt").read_text()
 
     # do_train=false: evaluate and predict a given checkpoint (here the best one), write no checkpoint

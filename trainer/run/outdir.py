@@ -67,6 +67,7 @@ RUN_OUTPUTS = (
     "run_summary.json",
     "timeline.png",
     "timeline_trace.json",
+    "curves.png",
     "config.yaml",
     "model_config.json",
     "tokenizer",
