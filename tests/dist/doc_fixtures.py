@@ -8,8 +8,9 @@
     python -m tests.dist.doc_fixtures jsonl DIR CODE [CODE ...]
         DIR/train.jsonl and DIR/valid.jsonl in the HF translation format, keys CODE (`eng_Latn`,
         `en`), text from the built-in corpus
-    python -m tests.dist.doc_fixtures flores DIR CODE [CODE ...]
-        a FLORES-style directory: DIR/devtest/CODE.devtest, line i of each the same sentence
+    python -m tests.dist.doc_fixtures flores DIR CODE [CODE ...] [--pattern '{lang}.txt']
+        a FLORES-style directory: DIR/devtest/CODE.devtest (or DIR/<pattern>), line i of each the
+        same sentence
 
 The tiny architecture mirrors tests/dist/rehearsal.py's cut (d_model 32, 2 + 2 layers, FFN 64).
 """
@@ -85,11 +86,12 @@ def write_jsonl(out: Path, codes: list[str]) -> None:
         (out / name).write_text("\n".join(rows) + "\n")
 
 
-def write_flores(out: Path, codes: list[str]) -> None:
-    (out / "devtest").mkdir(parents=True, exist_ok=True)
+def write_flores(out: Path, codes: list[str], pattern: str = "devtest/{lang}.devtest") -> None:
     recs = _corpus(codes)["validation"][:8]
     for code in codes:
-        (out / "devtest" / f"{code}.devtest").write_text("".join(r[code] + "\n" for r in recs))
+        path = out / pattern.format(lang=code)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(r[code] + "\n" for r in recs))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -103,13 +105,14 @@ def main(argv: list[str] | None = None) -> None:
         p = sub.add_parser(name)
         p.add_argument("dir")
         p.add_argument("codes", nargs="+")
+    p.add_argument("--pattern", default="devtest/{lang}.devtest")
     args = parser.parse_args(argv)
     if args.what == "hf":
         hf_download(args.repo_id, args.local_dir)
     elif args.what == "jsonl":
         write_jsonl(Path(args.dir), args.codes)
     else:
-        write_flores(Path(args.dir), args.codes)
+        write_flores(Path(args.dir), args.codes, args.pattern)
 
 
 if __name__ == "__main__":
