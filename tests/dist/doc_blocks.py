@@ -21,10 +21,11 @@ unless an HTML comment right before it (blank lines allowed between) says otherw
                       in the hub cache: the `hf` of the doc tests is tests/dist/doc_fixtures.py)
     after: COMMAND    run last, in the same shell: a check of what the block made, where its
                       exit status says nothing (`wait` after background jobs)
-    check: REASON     every `trainer.train` launch is checked, not run: its flags parsed and the
-                      job validated for its world size (torchrun's nodes x processes), the
-                      trainer's own first step; for GPU-sized jobs and repeats of a job already
-                      run. The block must launch at least one.
+    check: REASON     every `trainer.train` and `trainer.plan` launch is checked, not run: its
+                      flags parsed and the job validated for its world size (torchrun's nodes x
+                      processes, the planner's --world_size), the trainer's own first step; for
+                      GPU-sized jobs and repeats of a job already run. The block must launch at
+                      least one; its other commands run.
     skip: REASON      not run at all: only where no tiny form exists (the REASON says why)
     timeout: SECONDS  the block's limit (default `DEFAULT_TIMEOUT_S`)
 

@@ -4,7 +4,9 @@
         the `hf` command of the doc tests (no network): a tiny model of REPO_ID's family with
         random weights (NLLB-MoE where the name says "moe", else dense NLLB-200), NLLB's codes
         as its tags, written where huggingface_hub's cache (HF_HUB_CACHE) keeps REPO_ID's
-        snapshot, so `model_name_or_path: REPO_ID` with HF_HUB_OFFLINE=1 finds it, or to DIR
+        snapshot, so `model_name_or_path: REPO_ID` with HF_HUB_OFFLINE=1 finds it, or to DIR.
+        With DOC_TEST_HF_SHAPE=configs/X.yaml: that config's architecture in config.json and no
+        weights (a model too large to build here, for `check:` blocks, which read no weights)
     python -m tests.dist.doc_fixtures jsonl DIR CODE [CODE ...]
         DIR/train.jsonl and DIR/valid.jsonl in the HF translation format, keys CODE (`eng_Latn`,
         `en`), text from the built-in corpus
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 from pathlib import Path
 
 NLLB_CODES = ("eng_Latn", "deu_Latn", "fra_Latn", "ces_Latn")  # the shipped NLLB configs' languages
@@ -60,6 +63,24 @@ def tiny_nllb(out: Path, moe: bool) -> None:
     save_hf_model(M2M100Translation(mc).state_dict(), mc, out)
 
 
+def shape_only(out: Path, config: Path) -> None:
+    """config.json with `config`'s architecture (its model fields), tiny NLLB tokenizer files, no weights."""
+    from dataclasses import fields
+
+    import yaml
+
+    from models.config import ModelConfig
+    from models.hf_save import write_hf_config
+    from trainer.tokenizer.vocab import train_tokenizer
+
+    texts = [t for rec in _corpus(list(NLLB_CODES))["train"] for t in rec.values()]
+    tok = train_tokenizer(texts, list(NLLB_CODES), VOCAB, seed=0)
+    tok.save_pretrained(out)
+    file = yaml.safe_load(config.read_text())
+    names = {f.name for f in fields(ModelConfig)} - set(tok.special_ids())
+    write_hf_config(ModelConfig(**{k: v for k, v in file.items() if k in names and v is not None}), out)
+
+
 def hf_download(repo_id: str, local_dir: str | None) -> Path:
     """`hf download REPO_ID`: the snapshot layout huggingface_hub's cache uses, offline."""
     if local_dir:
@@ -73,7 +94,11 @@ def hf_download(repo_id: str, local_dir: str | None) -> Path:
         (repo / "refs").mkdir(parents=True, exist_ok=True)
         (repo / "refs" / "main").write_text(commit)
     out.mkdir(parents=True, exist_ok=True)
-    tiny_nllb(out, moe="moe" in repo_id.lower())
+    shape = os.environ.get("DOC_TEST_HF_SHAPE")
+    if shape:
+        shape_only(out, Path(shape))
+    else:
+        tiny_nllb(out, moe="moe" in repo_id.lower())
     print(out)
     return out
 

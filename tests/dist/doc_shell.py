@@ -19,10 +19,10 @@ served too: `torchrun [opts] -m MOD ARGS` becomes `python -m torch.distributed.r
 --no-python CLIENT -m MOD ARGS`, so its workers are clients as well (torchrun's own agent, its
 rendezvous, environment and signal handling are unchanged).
 
-`DOC_TEST_MODE=check` makes a `trainer.train` launch a check instead of a run (a GPU-sized job):
-the flags are parsed and the job validated for its world size by `trainer.run.preflight.
-validate_early`, the trainer's own first step; under torchrun nothing is launched, the world
-size is torchrun's `--nnodes` x `--nproc-per-node`. `DOC_TEST_TRAIN_ARGS` (shell words) are
+`DOC_TEST_MODE=check` makes a `trainer.train` or `trainer.plan` launch a check instead of a run (a
+GPU-sized job): the flags are parsed and the job validated for its world size by `trainer.run.
+preflight.validate_early`, the trainer's own first step; under torchrun nothing is launched, the
+world size is torchrun's `--nnodes` x `--nproc-per-node` (the planner's: `--world_size`). `DOC_TEST_TRAIN_ARGS` (shell words) are
 appended to every `trainer.train` launch: the marker's tiny-scale flags (later flags win).
 
 This file imports only the standard library at the top: the client starts in ~30 ms.
@@ -45,6 +45,7 @@ CLIENT_ENV = "DOC_TEST_CLIENT"  # the executable client shim (torchrun's --no-py
 MODE_ENV = "DOC_TEST_MODE"  # "run" (default) or "check"
 TRAIN_ARGS_ENV = "DOC_TEST_TRAIN_ARGS"
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+CHECKED = ("trainer.train", "trainer.plan")  # what check mode validates instead of running
 SERVED_PREFIXES = ("trainer.", "torch.distributed.run", "scripts.", "tests.")
 
 
@@ -164,20 +165,30 @@ def client(argv: list[str]) -> int:
 # server
 
 
-def check_train(argv: list[str]) -> None:
-    """A `trainer.train` launch checked, not run: parse, then `validate_early` for the world size."""
+def check_launch(module: str, argv: list[str]) -> None:
+    """A `trainer.train` or `trainer.plan` launch checked, not run: its flags parsed and the job
+    validated for its world size by `validate_early` (for the planner: the config's own layout on
+    `--world_size` ranks, `--gpus_per_node` to a node)."""
     from trainer.config.parse import parse_config
     from trainer.errors import BAD_INPUT
     from trainer.run.preflight import validate_early
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        cfg = parse_config(argv)
+        if module == "trainer.plan":
+            from trainer.planner.options import parse_args
+
+            opts, overrides = parse_args(argv)
+            world = opts.world_size
+            os.environ["LOCAL_WORLD_SIZE"] = str(opts.gpus_per_node or world)
+            cfg = parse_config(["--config", opts.config, *overrides])
+        else:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            cfg = parse_config(argv)
         dims = validate_early(cfg, world)
     except BAD_INPUT as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    print(f"doc-test check: trainer.train on {world} ranks: mesh pp={dims.pp} dp={dims.dp} tp={dims.tp}")
+    print(f"doc-test check: {module} on {world} ranks: mesh pp={dims.pp} dp={dims.dp} tp={dims.tp}")
 
 
 def _new_std_streams() -> None:
@@ -214,8 +225,8 @@ def _run_child(req: dict[str, Any], fds: list[int]) -> int:
     try:
         if kind == "module":
             sys.argv = [target, *args]
-            if target == "trainer.train" and os.environ.get(MODE_ENV) == "check":
-                check_train(args)
+            if target in CHECKED and os.environ.get(MODE_ENV) == "check":
+                check_launch(target, args)
             else:
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
         elif kind == "path":

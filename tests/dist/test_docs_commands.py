@@ -160,7 +160,7 @@ def run_block(block: Block, cwd: Path, env: dict[str, str]) -> str:
     failed = (
         f"timed out after {block.timeout:.0f} s" if timed_out
         else f"exit status {proc.returncode}" if proc.returncode
-        else "`check:` but no trainer.train launch was checked" if block.check and "doc-test check:" not in text
+        else "`check:` but no launch was checked" if block.check and "doc-test check:" not in text
         else None
     )  # fmt: skip
     if failed:
