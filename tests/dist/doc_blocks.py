@@ -1,4 +1,4 @@
-"""The commands of README.md and docs/*.md, and the markers that say how a test runs them.
+"""The commands of README.md, docs/*.md and benchmarks/README.md, and the markers that say how a test runs them.
 
 Every fenced block whose language is `bash`, `sh`, `shell`, `console` or `python` is a *command
 block*. tests/dist/test_docs_commands.py runs each one with bash, in order, in one directory per
@@ -86,8 +86,8 @@ class Block:
 
 
 def doc_pages(root: Path = ROOT) -> list[Path]:
-    """README.md, then docs/*.md in name order: the pages whose commands must run."""
-    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    """README.md, docs/*.md in name order, benchmarks/README.md: the pages whose commands must run."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md")), root / "benchmarks" / "README.md"]
 
 
 def _directives(block: Block, comment: str) -> None:

@@ -93,7 +93,7 @@ def _request(argv: list[str]) -> dict[str, Any] | None:
         if module == "torch.distributed.run":
             opts, rest, parsed = _torchrun_argv(args)
             module_run, margs = rest[0], _with_train_args(rest[0], rest[1:])
-            if env.get(MODE_ENV) == "check" and module_run == "trainer.train":
+            if env.get(MODE_ENV) == "check" and module_run in CHECKED:
                 nproc = int(parsed.get("nproc-per-node", "1") or 1)
                 nnodes = int(parsed.get("nnodes", "1").split(":")[-1] or 1)
                 env.update(WORLD_SIZE=str(nnodes * nproc), LOCAL_WORLD_SIZE=str(nproc), RANK="0")
