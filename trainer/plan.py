@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if opts.validate:
         result["validation"] = validate(result, opts.validate, opts)
         print(format_validation(result["validation"]), flush=True)
+    Path(opts.output).parent.mkdir(parents=True, exist_ok=True)  # `--output outputs/plan.json` on a fresh clone
     Path(opts.output).write_text(json.dumps(result, indent=1))
     return result
 
