@@ -68,7 +68,10 @@ def test_markers_apply(tmp_path: Path) -> None:
     )
     first, second = read_blocks(page, tmp_path)
     assert isinstance(first, Block) and first.train == ["--max_steps", "2"]
-    assert first.script().splitlines()[1:] == ["mkdir -p x", "python -m trainer.export --checkpoint out/checkpoint-2"]
+    assert first.script().splitlines()[1:] == [
+        "mkdir -p x",
+        "python -m trainer.export --checkpoint out/checkpoint-2",
+    ]
     assert second.script().splitlines()[1:] == ["echo hi"]
 
 
@@ -76,7 +79,9 @@ def test_readme_is_a_front_page() -> None:
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= README_MAX_LINES, f"README.md has {len(readme.splitlines())} lines"
     assert readme.index("scripts/demo.sh") < readme.index("## Launching"), "the set-up commands come first"
-    assert "scripts/test.sh" in (ROOT / ".ci" / "run").read_text(), ".ci/run must run the README's test command"
+    assert "scripts/test.sh" in (ROOT / ".ci" / "run").read_text(), (
+        ".ci/run must run the README's test command"
+    )
     missing = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if f"(docs/{p.name})" not in readme]
     assert not missing, f"README.md's index lacks {missing}"
 
