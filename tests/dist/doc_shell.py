@@ -263,6 +263,9 @@ def serve(path: str, preload: list[str]) -> None:
 
     for name in preload:
         importlib.import_module(name)
+    # SIGTERM (the test's teardown) ends the loop through `finally`, which kills what is still running
+    # (each child leads a process group of its own, which a kill of the server's group misses).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
     srv.listen(128)
