@@ -194,6 +194,8 @@ def check_launch(module: str, argv: list[str]) -> None:
 def _new_std_streams() -> None:
     """sys.stdin/stdout/stderr over the request's descriptors, buffered as python would buffer them
     (the server's own objects remember what its descriptors were: a file, seekable)."""
+    import io
+
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
     for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
         mode = "r" if fd == 0 else "w"
@@ -202,7 +204,7 @@ def _new_std_streams() -> None:
             fd, mode, encoding="utf-8", closefd=False, errors="backslashreplace" if fd == 2 else "strict",
             buffering=1 if (tty or fd == 2) and fd else -1,
         )
-        if fd and unbuffered:
+        if fd and unbuffered and isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(write_through=True)
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
@@ -317,9 +319,9 @@ def serve(path: str, preload: list[str]) -> None:
                     break
                 if pid == 0:
                     break
-                conn = children.pop(pid, None)
-                if conn is None:
+                if pid not in children:
                     continue
+                conn = children.pop(pid)
                 code = os.waitstatus_to_exitcode(status)
                 try:
                     sel.unregister(conn)
