@@ -3,7 +3,8 @@
 Every fenced block whose language is `bash`, `sh`, `shell`, `console` or `python` is a *command
 block*. tests/dist/test_docs_commands.py runs each one with bash, in order, in one directory per
 page (so a page's later blocks see what its earlier ones wrote: train -> export -> translate),
-through the cheap `python` / `torchrun` of tests/dist/doc_shell.py. A block runs as written
+through the cheap `python` / `torchrun` of tests/dist/doc_shell.py (a copy of the repository:
+nothing a command writes reaches the checkout). A block runs as written
 unless an HTML comment right before it (blank lines allowed between) says otherwise:
 
     <!-- doc-test skip: REASON -->              one directive on the comment's first line, or

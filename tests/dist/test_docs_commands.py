@@ -3,8 +3,8 @@ is a command some test runs").
 
 The blocks and their markers are read by tests/dist/doc_blocks.py (its docstring is the
 convention). Each page is one test: its blocks run in order with bash in a directory of their own
-that holds the repository's files (symlinks), so `configs/tiny.yaml` and `scripts/demo.sh` are
-where the docs say and `outputs/` is the page's. The environment:
+that holds a copy of the repository's files, so `configs/tiny.yaml` and `scripts/demo.sh` are
+where the docs say, and what the commands write (`outputs/`, `models/...`) stays there. The environment:
 
 - `python` and `torchrun` are tests/dist/doc_shell.py's clients of one server that imported torch,
   transformers and the trainer once (a rank starts in milliseconds, not seconds of imports);
@@ -24,6 +24,7 @@ a block over its time limit; the message holds the script and the end of its out
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,7 +38,8 @@ from tests.dist.doc_blocks import ROOT, Block, doc_pages, read_blocks
 from tests.dist.harness import TRAINER_PRELOAD, free_port
 
 DOC_SHELL = ROOT / "tests" / "dist" / "doc_shell.py"
-NOT_LINKED = {".git", ".venv", "outputs", "wandb", "runs", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
+# Not copied into a page's directory: version control, environments, caches and earlier outputs.
+NOT_COPIED = (".git", ".venv", "outputs", "wandb", "runs", "__pycache__", ".*_cache", "*.egg-info", "build")
 SERVER_START_S = 120
 
 SBATCH = r"""#!/usr/bin/env bash
@@ -124,12 +126,10 @@ def shell(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
 
 
 def sandbox(path: Path, shims: str) -> Path:
-    """A directory that looks like the repository (symlinks) with its own outputs and a `.venv`
-    that scripts/_setup_env.sh takes as installed and whose `activate` puts the shims first."""
-    path.mkdir(parents=True)
-    for item in ROOT.iterdir():
-        if item.name not in NOT_LINKED:
-            (path / item.name).symlink_to(item)
+    """A copy of the repository (its files, not its caches or outputs) where the page's commands write
+    (`outputs/`, `models/<name>` of an `hf download --local-dir`, ...), never into the repository, and
+    a `.venv` that scripts/_setup_env.sh takes as installed and whose `activate` puts the shims first."""
+    shutil.copytree(ROOT, path, ignore=shutil.ignore_patterns(*NOT_COPIED), symlinks=True)
     venv = path / ".venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").symlink_to(sys.executable)
