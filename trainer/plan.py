@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if opts.validate:
         result["validation"] = validate(result, opts.validate, opts)
         print(format_validation(result["validation"]), flush=True)
+    # `--output outputs/plan.json` on a fresh clone: the directory is made, not an error after planning
+    Path(opts.output).parent.mkdir(parents=True, exist_ok=True)
     Path(opts.output).write_text(json.dumps(result, indent=1))
     return result
 

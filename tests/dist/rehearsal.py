@@ -21,7 +21,7 @@ an entry here:
 - data the box does not have (`/data/...`) becomes small JSON-lines files written by the test
   from the built-in corpus, keyed by the config's own codes (`eng_Latn` <- `en` through ISO 639-3);
   `dataset_name: builtin` stays, with fewer items;
-- fine-tunes (`model_name_or_path` set, or the config's README recipe: `FINE_TUNE_RECIPES`) start
+- fine-tunes (`model_name_or_path` set, or the config's recipe in docs/recipes.md: `FINE_TUNE_RECIPES`) start
   from a tiny directory of the config's family made by `make_pretrained` (weights by
   `models.hf_save`, tokenizer by our own `save_pretrained`, the form `trainer.export` writes).
 
@@ -48,8 +48,8 @@ D_MODEL, MAX_HEADS, FFN, VOCAB, MAX_EXPERTS = 32, 4, 64, 256, 4
 MAX_LEN, GEN_LEN, EVAL_SAMPLES = 16, 12, 8
 PAIRS_PER_MICROBATCH, TOKENS_PER_MICROBATCH = 2, 64
 BUILTIN_SIZE = 80
-# Configs whose header documents fine-tuning a published model (README "Fine-tuning NLLB-200" and
-# "Fine-tuning NLLB-MoE-54B"): rehearsed as that recipe, from a tiny directory of the family.
+# Configs whose header documents fine-tuning a published model (docs/recipes.md "NLLB-200" and
+# "NLLB-MoE-54B"): rehearsed as that recipe, from a tiny directory of the family.
 # nllb200_1.3b (same mesh as the 600M one) stays from scratch, so NLLB codes are rehearsed both ways.
 FINE_TUNE_RECIPES = frozenset({"nllb200_distilled_600m", "nllb200_3.3b", "nllb_moe_54b"})
 
@@ -66,7 +66,7 @@ class Rehearsal:
     directions: list[tuple[str, str]]
     fine_tune: bool
     data_files: dict[str, str] = field(default_factory=dict)  # split -> path the test writes
-    cut: list[str] = field(default_factory=list)  # what was cut, for the README table
+    cut: list[str] = field(default_factory=list)  # what was cut, for docs/development.md's table
 
     def argv(self, **extra: Any) -> list[str]:
         """`--config FILE --field value ...`, the command line a user would type."""

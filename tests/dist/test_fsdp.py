@@ -210,7 +210,7 @@ def test_fsdp_dp2_bf16_and_fp16_evaluate_train_and_resume(dp2_runs: list) -> Non
 def test_fsdp_bf16_decoding_is_within_bf16_rounding_of_fp32(dp2_runs: list) -> None:
     """The bf16 run's last checkpoint evaluated again in fp32 (same weights): eval loss within
     bf16 rounding, BLEU within 1 point (on a 1200-step tiny model: 6.92 fp32, 7.08 bf16 autocast,
-    7.18 bf16_full_eval; README)."""
+    7.18 bf16_full_eval; docs/precision.md)."""
     straight, _, fp32 = dp2_runs[0]
     bf16_eval, fp32_eval = eval_rows(straight)[4], eval_rows(fp32)[4]
     assert abs(bf16_eval["eval_loss"] - fp32_eval["eval_loss"]) < 2e-2, (bf16_eval, fp32_eval)

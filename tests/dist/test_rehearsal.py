@@ -16,7 +16,7 @@ save strategies. The rehearsal, as a user lives it on the first day:
 
 Cost: the configs of one world size share one spawned gloo group (the imports are paid once per
 rank), the export and translation run in the test process. Each config's wall and CPU seconds
-(summed over its ranks) are printed (`-s`) and listed in the README table.
+(summed over its ranks) are printed (`-s`) and listed in the table of docs/development.md.
 """
 
 from __future__ import annotations

@@ -275,11 +275,11 @@ def test_entry_point_keeps_internal_tracebacks(internal: bool, monkeypatch, caps
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
-def test_readme_rehearsal_table_names_every_shipped_config() -> None:
-    """The README's rehearsal table (the list of combinations tests/dist/test_rehearsal.py covers)
-    has a row per configs/*.yaml: a config added without its row fails here."""
+def test_rehearsal_table_names_every_shipped_config() -> None:
+    """The rehearsal table of docs/development.md (the list of combinations tests/dist/test_rehearsal.py
+    covers) has a row per configs/*.yaml: a config added without its row fails here."""
     root = Path(__file__).resolve().parents[2]
-    readme = (root / "README.md").read_text()
-    section = readme.split("### Every shipped config, rehearsed", 1)[1].split("\n## ", 1)[0]
+    page = (root / "docs" / "development.md").read_text()
+    section = page.split("## Every shipped config, rehearsed", 1)[1].split("\n## ", 1)[0]
     missing = [p.stem for p in sorted((root / "configs").glob("*.yaml")) if f"\n| {p.stem} |" not in section]
-    assert not missing, f"README rehearsal table lacks {missing}"
+    assert not missing, f"docs/development.md rehearsal table lacks {missing}"

@@ -166,7 +166,8 @@ def _worker_main(w: int, num_workers: int, spec: StreamSpec, tokenizer: Any, com
             command = None
         if command is not None:
             kind, generation, state = command
-            if kind == "exit":
+            if kind == "exit":  # what is still queued for the training process is not wanted: exit
+                out.cancel_join_thread()  # now, not after close()'s join timeout (2 s per worker)
                 return
             if reader is not None:
                 reader.close()

@@ -34,7 +34,7 @@ Preemption: the handler only records the signal number. At the next step's check
 rank learns it; the step completes, a committed checkpoint of it is written and
 `Preempted` is raised: exit code 75 (EX_TEMPFAIL of sysexits.h, "temporary failure,
 retry later": distinct from 1 = crash, 2 = bad input, 3 = diverged, and from 128+N =
-killed by signal N, so a launcher can requeue on it). See the README's "Failures" for
+killed by signal N, so a launcher can requeue on it). See docs/checkpoints.md for
 torchrun and SLURM.
 
 `assert_finite_state` is the last line of defence: no checkpoint with a non-finite

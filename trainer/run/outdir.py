@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
 LOCK_NAME = ".lock"
 RESTART_LOCK_WAIT_S = 30.0
-# What a run writes into output_dir besides its checkpoints (see the README's "Outputs").
+# What a run writes into output_dir besides its checkpoints (see docs/training.md, "Outputs").
 RUN_OUTPUTS = (
     "metrics.jsonl",
     "run_summary.json",
