@@ -20,7 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
+# multi30k beside the clone (../shared/data), else the machine's copy
+_CANDIDATES = (
+    Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k",
+    Path("/work/shared/data/multi30k"),
+)
+DATA = next((p for p in _CANDIDATES if p.is_dir()), _CANDIDATES[0])
 LANGUAGES = ("en", "de", "fr", "cs", "xx")
 
 
