@@ -110,13 +110,13 @@ def test_rank0_tokenizes_the_others_load(tmp_path: Path) -> None:
 
 
 def _slow_rank0(rank: int, world: int) -> str:
-    """Rank 0's work outlasts the collective timeout (3 s): the waiting rank names what it waited for."""
+    """Rank 0's work outlasts the collective timeout (2 s): the waiting rank names what it waited for."""
     import time
 
     from trainer.run.rank0 import on_rank0
 
     try:
-        on_rank0(rank, "tokenize the data", lambda: time.sleep(8) if rank == 0 else None, hint="; HINT")
+        on_rank0(rank, "tokenize the data", lambda: time.sleep(5) if rank == 0 else None, hint="; HINT")
     except RuntimeError as e:
         return str(e).splitlines()[0]
     return "no error"
@@ -125,5 +125,5 @@ def _slow_rank0(rank: int, world: int) -> str:
 def test_a_rank_timed_out_waiting_for_rank0_says_what_for() -> None:
     """The story: a map-style corpus large enough that rank 0's tokenization outlasted dist_timeout_s
     killed the other ranks with gloo's bare "Timed out waiting 30000ms for recv operation to complete"."""
-    r0, r1 = run_distributed(_slow_rank0, 2, timeout=120, collective_timeout=3, preload=())
+    r0, r1 = run_distributed(_slow_rank0, 2, timeout=120, collective_timeout=2, preload=())
     assert r1.startswith("rank 1 timed out waiting for rank 0 to tokenize the data; HINT (")
