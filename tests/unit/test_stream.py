@@ -308,6 +308,8 @@ def test_token_capped_windows(tmp_path: Path, tok: SentencePieceTokenizer) -> No
         for s in gb.slots:
             assert len(s) * int(np.maximum(gb.src_len[s], gb.tgt_len[s]).max()) <= 96
         assert 0.0 <= gb.padding_fraction < 0.5
+        src, tgt = gb.example_lengths()  # what MFU counts FLOPs from
+        assert len(src) == len(tgt) == sum(len(s) for s in gb.slots) and int(tgt.sum()) == gb.num_tokens
 
 
 def test_tokenizer_sample_is_bounded_and_seeded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

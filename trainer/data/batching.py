@@ -25,6 +25,8 @@ from trainer.data.sampling import (
     direction_probabilities,
     draw_epoch,
     epoch_counts,
+    served_shares,
+    window_shares,
 )
 from trainer.data.sources import column_array
 from trainer.data.tokenization import TranslationData
@@ -110,6 +112,11 @@ class GlobalBatch:
     src_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)  # by example index
     tgt_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
     padded_tokens: int = 0  # source + target positions of the padded micro-batches (padding share)
+
+    def example_lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        """(source, target) token counts of every example of the global batch (host arrays)."""
+        idx = np.concatenate(self.slots)
+        return self.src_len[idx], self.tgt_len[idx]
 
     @property
     def padding_fraction(self) -> float:
@@ -339,11 +346,6 @@ class GlobalBatchSampler:
         self.step += 1
         return batch
 
-    def example_lengths(self, batch: GlobalBatch) -> tuple[np.ndarray, np.ndarray]:
-        """(source, target) token counts of every example of `batch` (host arrays)."""
-        idx = np.concatenate(batch.slots)
-        return self.src_len[idx], self.tgt_len[idx]
-
     def peek(self) -> GlobalBatch:
         """The next global batch, without moving on (a copy of the sampler draws it)."""
         return next(copy.deepcopy(self))
@@ -352,20 +354,12 @@ class GlobalBatchSampler:
         """Nothing to release (the streaming sampler stops its workers)."""
 
     def shares(self) -> dict[str, dict[str, float]]:
-        """Per direction: the `expected` share p_d, the `realised` share of the examples served so
-        far (over the run: the counts travel in the state dict) and the `examples` count."""
-        total = max(1, int(self.drawn.sum()))
-        return {
-            name: {"expected": round(p, 6), "realised": round(int(n) / total, 6), "examples": int(n)}
-            for (name, p), n in zip(self.probabilities.items(), self.drawn)
-        }
+        """`trainer.data.sampling.served_shares` of the examples served so far."""
+        return served_shares(self.directions, self.probabilities, self.drawn)
 
     def shares_since(self, mark: np.ndarray) -> dict[str, float]:
-        """Per direction, its fraction of the examples served since `mark` (an earlier copy of
-        `drawn`): the sampled shares of a logging window."""
-        window = self.drawn - mark
-        total = max(1, int(window.sum()))
-        return {name: round(int(n) / total, 6) for name, n in zip(self.directions, window)}
+        """`trainer.data.sampling.window_shares` since `mark` (an earlier copy of `drawn`)."""
+        return window_shares(self.directions, self.drawn, mark)
 
     def _identity(self) -> dict[str, Any]:
         return {"seed": self.seed, "num_examples": len(self.lengths), **self.layout.signature(),

@@ -95,6 +95,27 @@ def direction_probabilities(sizes: Mapping[str, int], sampling: DirectionSamplin
     return {d: v / total for d, v in powered.items()}
 
 
+def served_shares(
+    directions: Sequence[str], expected: Mapping[str, float], drawn: np.ndarray
+) -> dict[str, dict[str, float]]:
+    """Per direction: the `expected` share p_d, the `realised` share of the `drawn` examples served
+    so far and their count (both samplers report these; the counts travel in the data state)."""
+    total = max(1, int(drawn.sum()))
+    return {
+        name: {"expected": round(expected.get(name, 0.0), 6), "realised": round(int(n) / total, 6),
+               "examples": int(n)}
+        for name, n in zip(directions, drawn)
+    }  # fmt: skip
+
+
+def window_shares(directions: Sequence[str], drawn: np.ndarray, mark: np.ndarray) -> dict[str, float]:
+    """Per direction, its fraction of the examples served since `mark` (an earlier copy of `drawn`):
+    the sampled shares of a logging window."""
+    window = drawn - mark
+    total = max(1, int(window.sum()))
+    return {name: round(int(n) / total, 6) for name, n in zip(directions, window)}
+
+
 def epoch_counts(probabilities: Sequence[float], total: int) -> np.ndarray:
     """c_d = total * p_d rounded by largest remainder (ties to the earlier direction), sum c_d = total."""
     exact = np.asarray(probabilities, dtype=np.float64) * total

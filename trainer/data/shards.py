@@ -51,9 +51,6 @@ class Shard:
     row_groups: tuple[int, ...] = ()  # parquet: rows per row group
     records: int = 0  # records it holds: exact for Parquet, else estimated from its first lines
 
-    def name(self) -> str:
-        return self.path
-
 
 @dataclass(frozen=True)
 class Piece:
@@ -443,7 +440,3 @@ def fingerprint(shards: Sequence[Shard]) -> str:
 
     text = json.dumps([(s.path, s.size) for s in shards])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def is_streamable(path: str) -> bool:
-    return "{lang}" in path or path.endswith(STREAM_SUFFIXES) or any(c in path for c in "*?[")

@@ -36,7 +36,6 @@ from __future__ import annotations
 import copy
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -320,16 +319,12 @@ class ChunkReader:
         self._readers.clear()
 
 
-def example_lengths(chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
-    """(source, target) lengths of the chunk's examples."""
-    return np.diff(chunk.src_off), np.diff(chunk.tgt_off)
-
-
 def owned_lanes(spec: StreamSpec, worker: int, num_workers: int) -> set[int]:
     """The lanes worker `worker` of `num_workers` reads."""
     return {lane for lane in spec.lanes() if lane % num_workers == worker}
 
 
-def merge_counts(total: dict[str, int], add: Sequence[tuple[str, int]] | dict[str, int]) -> None:
-    for key, value in add.items() if isinstance(add, dict) else add:
+def merge_counts(total: dict[str, int], add: dict[str, int]) -> None:
+    """Add a chunk's skip counts to the running ones."""
+    for key, value in add.items():
         total[key] = total.get(key, 0) + int(value)

@@ -34,6 +34,7 @@ from trainer.data.batching import (
     collate,
     padded_positions,
 )
+from trainer.data.sampling import served_shares, window_shares
 from trainer.data.shards import fingerprint
 from trainer.data.sources import direction_name
 from trainer.data.stream import (
@@ -250,22 +251,11 @@ class StreamSampler:
 
         return fetch
 
-    def example_lengths(self, batch: GlobalBatch) -> tuple[np.ndarray, np.ndarray]:
-        idx = np.concatenate(batch.slots)
-        return batch.src_len[idx], batch.tgt_len[idx]
-
     def shares(self) -> dict[str, dict[str, float]]:
-        total = max(1, int(self.drawn.sum()))
-        return {
-            name: {"expected": round(self.probabilities.get(name, 0.0), 6),
-                   "realised": round(int(n) / total, 6), "examples": int(n)}
-            for name, n in zip(self.directions, self.drawn)
-        }  # fmt: skip
+        return served_shares(self.directions, self.probabilities, self.drawn)
 
     def shares_since(self, mark: np.ndarray) -> dict[str, float]:
-        window = self.drawn - mark
-        total = max(1, int(window.sum()))
-        return {name: round(int(n) / total, 6) for name, n in zip(self.directions, window)}
+        return window_shares(self.directions, self.drawn, mark)
 
     # ------------------------------------------------------------------ state
     def _identity(self) -> dict[str, Any]:

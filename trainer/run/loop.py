@@ -169,7 +169,7 @@ def train_loop(
             seed=args.seed,
             scaler=ctx.loss_scale,
         )
-        flops = step_flops(ctx.mc, *ctx.sampler.example_lengths(gb)) if window.peak_flops else 0.0
+        flops = step_flops(ctx.mc, *gb.example_lengths()) if window.peak_flops else 0.0
         window.add(st, time.perf_counter() - start, flops, start - waited, gb.padded_tokens)
         tracker.advance()
         if log_now:
