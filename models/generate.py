@@ -11,7 +11,12 @@ then the forced target-language tag, then the translation, `</s>`, and pad.
 Semantics are those of `M2M100ForConditionalGeneration.generate(do_sample=False)`
 with `no_repeat_ngram_size=0`, `min_length=0`, `repetition_penalty=1.0` (the
 `GenerationConfig` defaults) in transformers 5.x, whose vectorized beam search
-(`GenerationMixin._beam_search`, PR #35802) this module ports step for step:
+(`GenerationMixin._beam_search`, PR #35802) this module ports step for step. Two more
+`GenerationConfig` fields are honoured, as HF applies them: `bad_words_ids` of one token
+(`SearchSettings.suppress_tokens`: -inf after the log-softmax, before the forced tag) and
+`renormalize_logits` (log-softmax again after that); an export in the stock M2M100
+vocabulary sets both so that rows the run never trained take no probability
+(`trainer.tokenizer.stock_m2m100`).
 
     step: log-probs (B, K, V) + running scores -> top 2K of K*V candidates
           -> the best K that did not just hit EOS/max_length keep running
@@ -152,6 +157,10 @@ class SearchSettings:
     max_length: int = 200
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # `bad_words_ids` of one token: never generated (the forced tag excepted, as in HF, where
+    # `ForcedBOSTokenLogitsProcessor` runs after `NoBadWordsLogitsProcessor`)
+    suppress_tokens: tuple[int, ...] = ()
+    renormalize_logits: bool = False  # log-softmax again after suppression (HF's `LogitNormalization`)
 
     def validate(self) -> SearchSettings:
         """Raises ValueError on num_beams < 1 or max_length < 2; returns self."""
@@ -172,6 +181,17 @@ class Special:
     forced: Tensor | None
 
 
+def suppress(scores: Tensor, settings: SearchSettings, renormalize: bool) -> Tensor:
+    """HF's `NoBadWordsLogitsProcessor` for one-token words (-inf), then, if `renormalize` and
+    `settings.renormalize_logits`, its `LogitNormalization` (a log-softmax over what is left)."""
+    if not settings.suppress_tokens:
+        return scores
+    scores = scores.index_fill(
+        -1, torch.tensor(settings.suppress_tokens, device=scores.device), -float("inf")
+    )
+    return F.log_softmax(scores, dim=-1) if renormalize and settings.renormalize_logits else scores
+
+
 def force_bos(scores: Tensor, forced: Tensor | None, cur_len: int) -> Tensor:
     """HF's `ForcedBOSTokenLogitsProcessor`, per row: at length 1 only the tag is possible (score 0)."""
     if forced is None or cur_len != 1:
@@ -181,17 +201,18 @@ def force_bos(scores: Tensor, forced: Tensor | None, cur_len: int) -> Tensor:
     return out
 
 
-def greedy_search(state: DecoderStep, special: Special, batch_size: int, max_length: int) -> Tensor:
+def greedy_search(state: DecoderStep, special: Special, batch_size: int, settings: SearchSettings) -> Tensor:
     """Argmax decoding; rows that emitted EOS are padded until all rows are done (as HF `_sample`).
 
     Returns:
-        (B, T) token ids, T <= max_length.
+        (B, T) token ids, T <= settings.max_length.
     """
     device = state.device
     seqs = torch.full((batch_size, 1), special.start, dtype=torch.long, device=device)
     unfinished = torch.ones(batch_size, dtype=torch.bool, device=device)
-    for cur_len in range(1, max_length):
-        scores = force_bos(state.step(seqs[:, -1:]), special.forced, cur_len)
+    for cur_len in range(1, settings.max_length):
+        # A log-softmax would not move the argmax: suppression alone.
+        scores = force_bos(suppress(state.step(seqs[:, -1:]), settings, False), special.forced, cur_len)
         tokens = scores.argmax(dim=-1)
         tokens = torch.where(unfinished, tokens, torch.full_like(tokens, special.pad))
         seqs = torch.cat([seqs, tokens[:, None]], dim=1)
@@ -301,29 +322,27 @@ def beam_step(
     return cand, cand_scores, source, hits
 
 
-def beam_search(
-    state: DecoderStep,
-    special: Special,
-    batch_size: int,
-    num_beams: int,
-    max_length: int,
-    length_penalty: float,
-    early_stopping: bool | str,
-) -> Tensor:
+def beam_search(state: DecoderStep, special: Special, batch_size: int, settings: SearchSettings) -> Tensor:
     """Beam search over `state`'s B*K rows (row n = batch row n // K, beam n % K).
 
     Returns:
-        (B, T) the best hypothesis of each row, padded to the longest, T <= max_length.
+        (B, T) the best hypothesis of each row, padded to the longest, T <= settings.max_length.
     """
     device = state.device
-    b, k = batch_size, num_beams
+    b, k = batch_size, settings.num_beams
+    max_length, length_penalty, early_stopping = (
+        settings.max_length,
+        settings.length_penalty,
+        settings.early_stopping,
+    )
     beams = init_beams(b, k, max_length, special, device)
     # Only the K best candidates may finish; the other K are spares that keep K beams running.
     top_k_mask = torch.arange(2 * k, device=device) < k
     row_offset = torch.arange(b, device=device)[:, None] * k  # (B, 1)
     for cur_len in range(1, max_length):
         logits = state.step(beams.running[:, :, cur_len - 1].reshape(b * k, 1))
-        log_probs = force_bos(F.log_softmax(logits, dim=-1), special.forced, cur_len).view(b, k, -1)
+        log_probs = suppress(F.log_softmax(logits, dim=-1), settings, True)
+        log_probs = force_bos(log_probs, special.forced, cur_len).view(b, k, -1)
         cand, cand_scores, source, hits = beam_step(beams, log_probs, cur_len, max_length, special)
 
         # Next running beams: the best K candidates that did not just finish.
@@ -387,16 +406,8 @@ def search(state: DecoderStep, special: Special, batch_size: int, settings: Sear
         (B, T) long token ids, T <= settings.max_length.
     """
     if settings.num_beams == 1:
-        return greedy_search(state, special, batch_size, settings.max_length)
-    return beam_search(
-        state,
-        special,
-        batch_size,
-        settings.num_beams,
-        settings.max_length,
-        settings.length_penalty,
-        settings.early_stopping,
-    )
+        return greedy_search(state, special, batch_size, settings)
+    return beam_search(state, special, batch_size, settings)
 
 
 @torch.no_grad()
@@ -409,6 +420,8 @@ def generate(
     max_length: int = 200,
     length_penalty: float = 1.0,
     early_stopping: bool | str = False,
+    suppress_tokens: Sequence[int] = (),
+    renormalize_logits: bool = False,
 ) -> Tensor:
     """Translate a padded batch, as `M2M100ForConditionalGeneration.generate(do_sample=False)`.
 
@@ -424,6 +437,9 @@ def generate(
         early_stopping: True stops a row once K hypotheses are finished; False (the
             `GenerationConfig` default) stops once no running beam can beat them by
             HF's heuristic; "never" uses max_length in that heuristic.
+        suppress_tokens: ids never generated (but forced), as one-token `bad_words_ids`.
+        renormalize_logits: beam scores are log-probabilities over the ids not suppressed
+            (`GenerationConfig.renormalize_logits`).
 
     Returns:
         (B, T) long token ids: `</s> __tgt__ tokens </s>` then pad, T <= max_length.
@@ -431,7 +447,9 @@ def generate(
     Raises:
         ValueError: num_beams < 1, max_length < 2, or a per-row tag list of the wrong length.
     """
-    settings = SearchSettings(num_beams, max_length, length_penalty, early_stopping).validate()
+    settings = SearchSettings(
+        num_beams, max_length, length_penalty, early_stopping, tuple(suppress_tokens), renormalize_logits
+    ).validate()
     b = int(input_ids.shape[0])
     special = special_tokens(model.config, forced_bos_token_id, b, num_beams, input_ids.device)
     empty = input_ids[:, :0]

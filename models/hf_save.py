@@ -109,9 +109,11 @@ def write_hf_config(
     out_dir: str | Path,
     generation: dict[str, Any] | None = None,
     dtype: torch.dtype = torch.float32,
+    extra: dict[str, Any] | None = None,
 ) -> None:
-    """Write config.json (recording the weights' `dtype`) and generation_config.json (the
-    config's special ids plus `generation`: num_beams, max_length, ...)."""
+    """Write config.json (recording the weights' `dtype`, and the `extra` keys, which
+    `transformers` keeps as attributes of the config) and generation_config.json (the config's
+    special ids plus `generation`: num_beams, max_length, ...)."""
     import transformers
     from transformers import GenerationConfig
 
@@ -123,6 +125,8 @@ def write_hf_config(
     ]
     # transformers 5.x names the weights' dtype "dtype" (and warns on "torch_dtype"), 4.x "torch_dtype".
     setattr(hf_cfg, "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype", dtype)
+    for key, value in (extra or {}).items():
+        setattr(hf_cfg, key, value)
     hf_cfg.save_pretrained(str(out))
     gen = GenerationConfig(
         decoder_start_token_id=config.decoder_start_token_id,

@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from models.config import ModelConfig  # noqa: E402
+from models.generate import SearchSettings  # noqa: E402
 from models.hf import load_hf_weights, load_into  # noqa: E402
 from models.hf_save import save_hf_model  # noqa: E402
 from models.m2m100 import IGNORE_INDEX, M2M100Translation, Seq2SeqBatch  # noqa: E402
@@ -409,7 +410,9 @@ def evaluate(args: argparse.Namespace, work: Path, shared: dict[str, Any], ours:
     model = M2M100Translation(mc)
     load_into(model, state)
     t0 = time.perf_counter()
-    ours_hyps = translate(model, shared["tok"], sources, SRC, TGT, num_beams=1, max_length=64, batch_size=64)
+    ours_hyps = translate(
+        model, shared["tok"], sources, SRC, TGT, SearchSettings(num_beams=1, max_length=64), 64
+    )
     t_ours = time.perf_counter() - t0
     t0 = time.perf_counter()
     hf_hyps = hf_translate(hf["model"], shared["hf_tok"], sources)

@@ -273,15 +273,16 @@ def write_data(rehearsal: Rehearsal, seed: int = 1) -> None:
 
 
 def builtin_language(code: str) -> str:
-    """The built-in corpus language of a config's code: `en` as is, NLLB's `eng_Latn` through ISO 639-3."""
-    import pycountry
+    """The built-in corpus language of a config's code: `en` as is, NLLB's `eng_Latn` through ISO 639-3
+    (`trainer.tokenizer.lang_codes`, which `trainer.evaluate` maps FLORES codes with)."""
+    from trainer.tokenizer.lang_codes import code_key
 
     if "_" not in code:
         return code
-    lang = pycountry.languages.get(alpha_3=code.split("_")[0])
-    if lang is None or not hasattr(lang, "alpha_2"):
+    lang = code_key(code).language
+    if len(lang) != 2:
         raise ValueError(f"no ISO 639-1 code for {code!r}: the built-in corpus cannot stand in for it")
-    return str(lang.alpha_2)
+    return lang
 
 
 def training_texts(rehearsal: Rehearsal) -> list[str]:

@@ -179,6 +179,7 @@ def bleu_parity(base: Any, pm: Any, mesh: Any, log_rank: int) -> dict[str, Any] 
     import torch.distributed as dist
 
     from trainer.data.batching import EvalBatch
+    from models.generate import SearchSettings
     from trainer.eval.decode import evaluate_directions, translate
     from trainer.eval.runner import Evaluator
 
@@ -188,7 +189,7 @@ def bleu_parity(base: Any, pm: Any, mesh: Any, log_rank: int) -> dict[str, Any] 
         texts = [" ".join(f"w{i}" for i in w) for w in random_sources(10, seed=seed, max_len=6)]
         # References: the single-device translation for 2 sentences in 3, the source otherwise,
         # so BLEU is inside (0, 100) and moves with any changed hypothesis.
-        hyps = translate(base, tok, texts, "en", lang, num_beams=3, max_length=12)
+        hyps = translate(base, tok, texts, "en", lang, SearchSettings(num_beams=3, max_length=12))
         ref_texts = [h if i % 3 else t for i, (h, t) in enumerate(zip(hyps, texts))]
         words = [tok.encode(t) for t in texts]
         batch = copy_batch(cfg, words, [TAGS[lang]] * len(words))

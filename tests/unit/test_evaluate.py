@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from models.config import ModelConfig
-from models.generate import generate
+from models.generate import SearchSettings, generate
 from models.hf_save import save_hf_model
 from models.m2m100 import M2M100Translation
 from tests.unit.test_model_parity import CFG
@@ -119,16 +119,16 @@ def test_translate_restores_input_order(model) -> None:
     """Length-sorted batches come back in input order: equal to decoding the unsorted batch."""
     tok = WordTokenizer()
     texts = sentences(7, seed=1)
-    got = translate(model, tok, texts, "en", "fr", num_beams=2, max_length=10, batch_size=len(texts))
+    got = translate(model, tok, texts, "en", "fr", SearchSettings(num_beams=2, max_length=10), len(texts))
     batch = build_batches(tok, texts, "en", "fr", batch_size=len(texts))[0]
     unsorted = torch.empty_like(batch.input_ids)
     unsorted[torch.tensor(batch.index)] = batch.input_ids  # the same padded width, in input order
     out = generate(model, unsorted, (unsorted != tok.pad_id).long(), LANGS["fr"], num_beams=2, max_length=10)
     want = [tok.decode(strip_output(row, tok.eos_id, tok.pad_id)) for row in out.tolist()]
     assert got == want
-    assert len(translate(model, tok, texts, "en", "fr", num_beams=1, max_length=10, batch_size=3)) == len(
-        texts
-    )
+    assert len(
+        translate(model, tok, texts, "en", "fr", SearchSettings(num_beams=1, max_length=10), 3)
+    ) == len(texts)
 
 
 def test_evaluate_directions_keys_samples_and_mode(model) -> None:

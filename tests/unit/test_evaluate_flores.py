@@ -182,6 +182,7 @@ FLAGS = ["--num_beams", "2", "--max_length", "8", "--batch_size", "4", "--disabl
 def test_evaluate_writes_the_table_json_and_predictions(
     model_dir: Path, flores: Path, tmp_path: Path, empty_cache: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from models.generate import SearchSettings
     from trainer.eval.decode import translate
     from trainer.eval.hf_translate import load_model
     from trainer.tokenizer.vocab import Tokenizer
@@ -202,7 +203,7 @@ def test_evaluate_writes_the_table_json_and_predictions(
     # The scores are sacreBLEU's on the hypotheses written beside them, which are the translations.
     hyps = (out / "predictions_en-fr.txt").read_text().split("\n")[:-1]
     tok, model = Tokenizer.load(model_dir), load_model(model_dir, torch.device("cpu"))
-    want = translate(model, tok, EN, "en", "fr", num_beams=2, max_length=8, batch_size=4)
+    want = translate(model, tok, EN, "en", "fr", SearchSettings(num_beams=2, max_length=8), 4)
     assert hyps == [h.strip() for h in want]
     row = result["directions"]["en-fr"]
     assert row["sentences"] == 6

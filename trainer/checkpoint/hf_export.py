@@ -34,10 +34,12 @@ from models.hf_save import (
 from models.m2m100 import M2M100Translation
 from models.moe import expert_param_name, is_expert_param
 from trainer.checkpoint.commit import COMMIT_MARKER, is_complete, list_checkpoints, verify_checkpoint
+from trainer.checkpoint.directions import RECORD_KEY, run_directions
 from trainer.errors import BadInputError
 from trainer.progress import Progress, format_bytes
 from trainer.tokenizer.stock_m2m100 import (
     StockLayout,
+    generation_rules,
     permute_tensor,
     run_layout,
     save_m2m100_tokenizer,
@@ -201,16 +203,19 @@ def export(args: ExportArguments) -> Path:
     max_length = config.max_position_embeddings  # truncation=True cuts there
     own = tokenizer if isinstance(tokenizer, SentencePieceTokenizer) else None  # stock ones: as they are
     layout = run_layout(own, config.vocab_size) if own is not None else None
+    trained = run_directions(ckpt)
+    record = {} if trained is None else {RECORD_KEY: [f"{s}-{t}" for s, t in trained]}
     logger.info("reading %s -> %s", ckpt, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         export_weights(ckpt, config, tmp, dtype, max_bytes, layout)
         if own is not None and layout is not None:  # M2M100-style tags, all stock codes: stock M2M100
-            write_hf_config(stock_config(config, layout), tmp, generation, dtype)
+            rules = generation_rules(layout)  # the rows the run never had: never generated
+            write_hf_config(stock_config(config, layout), tmp, {**generation, **rules}, dtype, record)
             save_m2m100_tokenizer(own.model_proto, layout, tmp, model_max_length=max_length)
         else:
-            write_hf_config(config, tmp, generation, dtype)
+            write_hf_config(config, tmp, generation, dtype, record)
             save_pretrained(tmp, model_max_length=max_length)
         _default_permissions(tmp)
         if out.exists():

@@ -2,6 +2,9 @@
 
     build_batches       source strings -> length-sorted, right-padded `SourceBatch`es
     translate_batches   batches -> hypotheses in the caller's original order (one device)
+    translate           strings -> hypotheses (one device); a blank source gets an empty
+                        hypothesis, not a decoded one (`without_blanks` / `with_blanks`, which
+                        the 3D `trainer.eval.runner.translate_on_mesh` uses too)
     hypotheses_in_order generated rows of batches -> hypotheses (any decoder, e.g. the 3D one)
     score_directions    a `Translator` over every direction -> `eval_bleu`, `eval_chrf`,
                         `eval_chrf++` (`eval_spbleu`), per-direction keys, samples
@@ -24,7 +27,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor, nn
 
-from models.generate import generate
+from models.generate import SearchSettings, generate
 from models.m2m100 import M2M100Translation
 from trainer.eval.metrics import compute_metrics, metric_names
 
@@ -216,18 +219,16 @@ def translate_batches(
     model: M2M100Translation,
     batches: Iterable[SourceBatch],
     tokenizer: TextTokenizer,
-    num_beams: int,
-    max_length: int,
+    settings: SearchSettings,
     on_batch: Callable[[int], None] | None = None,
 ) -> list[str]:
-    """Decode every batch on one device (greedy if num_beams == 1, else beam search).
+    """Decode every batch on one device (greedy if settings.num_beams == 1, else beam search).
 
     Args:
         model: the full model; put in eval mode for the call.
         batches: from `build_batches` (their `index` fields cover 0..n-1 once).
         tokenizer: see `TextTokenizer`.
-        num_beams: beam width.
-        max_length: most generated tokens, start token and tag included (HF's `max_length`).
+        settings: beam width, max_length (start token and tag included: HF's), suppressed ids.
         on_batch: called with a batch's sentence count once it is decoded (a progress bar).
 
     Returns:
@@ -245,13 +246,32 @@ def translate_batches(
                 batch.input_ids.to(device),
                 batch.attention_mask.to(device),
                 forced_bos_token_id=batch.forced_bos_token_id.to(device),
-                num_beams=num_beams,
-                max_length=max_length,
+                num_beams=settings.num_beams,
+                max_length=settings.max_length,
+                length_penalty=settings.length_penalty,
+                early_stopping=settings.early_stopping,
+                suppress_tokens=settings.suppress_tokens,
+                renormalize_logits=settings.renormalize_logits,
             )
             outputs.append((batch.index, out.tolist()))
             if on_batch is not None:
                 on_batch(len(batch.index))
     return hypotheses_in_order(outputs, tokenizer)
+
+
+def without_blanks(sources: Sequence[str]) -> tuple[list[str], list[int]]:
+    """The sources that hold text, and their positions. A blank line (empty or whitespace) has
+    nothing to translate: decoded, `__src__ </s>` would give a made-up sentence."""
+    keep = [i for i, s in enumerate(sources) if s.strip()]
+    return [sources[i] for i in keep], keep
+
+
+def with_blanks(hyps: Sequence[str], positions: Sequence[int], total: int) -> list[str]:
+    """`total` hypotheses: `hyps[j]` at `positions[j]`, the empty string elsewhere (the blank sources)."""
+    out = [""] * total
+    for hyp, i in zip(hyps, positions, strict=True):
+        out[i] = hyp
+    return out
 
 
 def translate(
@@ -260,22 +280,24 @@ def translate(
     sources: Sequence[str],
     src_lang: str,
     tgt_lang: str,
-    num_beams: int = 4,
-    max_length: int = 128,
+    settings: SearchSettings,
     batch_size: int = 32,
     max_source_length: int | None = None,
     on_batch: Callable[[int], None] | None = None,
 ) -> list[str]:
     """Translate `sources` from `src_lang` to `tgt_lang` (see `build_batches`, `translate_batches`;
-    `on_batch` gets each decoded batch's sentence count).
+    `on_batch` gets each decoded batch's sentence count); a blank source gets "".
 
     Returns:
         One hypothesis per source, in order.
     """
-    if not sources:
-        return []
-    batches = build_batches(tokenizer, sources, src_lang, tgt_lang, batch_size, max_source_length)
-    return translate_batches(model, batches, tokenizer, num_beams, max_length, on_batch)
+    texts, positions = without_blanks(sources)
+    if not texts:
+        return [""] * len(sources)
+    batches = build_batches(tokenizer, texts, src_lang, tgt_lang, batch_size, max_source_length)
+    return with_blanks(
+        translate_batches(model, batches, tokenizer, settings, on_batch), positions, len(sources)
+    )
 
 
 class Translator(Protocol):
@@ -314,17 +336,11 @@ def evaluate_directions(
         See `score_directions`.
     """
 
+    settings = SearchSettings(num_beams=num_beams, max_length=max_length)
+
     def translator(sources: Sequence[str], src_lang: str, tgt_lang: str) -> list[str]:
         return translate(
-            model,
-            tokenizer,
-            sources,
-            src_lang,
-            tgt_lang,
-            num_beams,
-            max_length,
-            batch_size,
-            max_source_length,
+            model, tokenizer, sources, src_lang, tgt_lang, settings, batch_size, max_source_length
         )
 
     return score_directions(translator, eval_sets, num_samples, spbleu)

@@ -6,16 +6,20 @@
 
 `resolve_pattern` finds the file name pattern, `parse_directions` the directions asked for
 (a list, or every ordered pair of some languages), and `read_language_files` reads and checks
-the files. Everything here is pure (no torch, no process group), so `python -m
+the files. A language's file is the one named by its code, else the one whose code names the
+same language (`find_file`, through `trainer.tokenizer.lang_codes`): `--languages en de` reads
+FLORES-200's `eng_Latn.devtest` and `deu_Latn.devtest`, and `eng_Latn` would read `en.txt`. Everything here is pure (no torch, no process group), so `python -m
 trainer.evaluate` fails on bad input in one line, on every rank alike, before any work.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from trainer.errors import BadInputError
+from trainer.tokenizer.lang_codes import matching_codes
 
 # Tried in order under --data_dir when no --file_pattern is given: FLORES-200's devtest, then dev.
 DEFAULT_PATTERNS = ("{lang}.devtest", "devtest/{lang}.devtest", "{lang}.dev", "dev/{lang}.dev")
@@ -92,13 +96,41 @@ def resolve_pattern(data_dir: str | Path, pattern: str | None, languages: Sequen
             )
         return pattern
     for candidate in DEFAULT_PATTERNS:
-        if (root / candidate.format(lang=languages[0])).is_file():
+        if find_file(root, candidate, languages[0]) is not None:
             return candidate
     tried = ", ".join(p.format(lang=languages[0]) for p in DEFAULT_PATTERNS)
     raise EvaluateError(
         f"no file for language {languages[0]!r} in {str(root)!r} (tried {tried}); name the files' "
         "layout with --file_pattern, e.g. '{lang}.txt'"
     )
+
+
+def file_codes(root: Path, pattern: str) -> list[str]:
+    """The language codes of the files under `root` that follow `pattern` (`{lang}` in it), sorted."""
+    head, _, tail = pattern.partition("{lang}")
+    shape = re.compile(re.escape(head) + r"([^/]+)" + re.escape(tail))
+    found = (
+        shape.fullmatch(p.relative_to(root).as_posix()) for p in root.glob(pattern.replace("{lang}", "*"))
+    )
+    return sorted(m.group(1) for m in found if m is not None)
+
+
+def find_file(root: Path, pattern: str, lang: str) -> str | None:
+    """The code `lang`'s file goes by under `root`: `lang` itself, else the one file code of the
+    same language (`en` -> `eng_Latn`, `eng_Latn` -> `en`); None if there is none.
+
+    Raises:
+        EvaluateError: several files could be `lang`'s (the user then names one by its code).
+    """
+    if (root / pattern.format(lang=lang)).is_file():
+        return lang
+    found = matching_codes(lang, file_codes(root, pattern))
+    if len(found) > 1:
+        raise EvaluateError(
+            f"language {lang!r}: several files could be its file ({', '.join(pattern.format(lang=c) for c in found)}); "
+            f"name the one to score by its code, e.g. {found[0]}"
+        )
+    return found[0] if found else None
 
 
 def read_lines(path: Path) -> list[str]:
@@ -125,7 +157,7 @@ def read_language_files(
         max_samples: keep the first this many lines of each (None: all).
 
     Returns:
-        language -> its lines, all of one length.
+        language -> its lines, all of one length (a language's file: `find_file`'s).
 
     Raises:
         EvaluateError: a missing or empty file, files of different line counts, max_samples < 1.
@@ -134,12 +166,15 @@ def read_language_files(
         raise EvaluateError(f"--max_samples {max_samples} must be >= 1")
     root = Path(data_dir)
     texts: dict[str, list[str]] = {}
+    names: dict[str, str] = {}
     for lang in languages:
-        path = root / pattern.format(lang=lang)
-        if not path.is_file():
+        code = find_file(root, pattern, lang)
+        names[lang] = pattern.format(lang=code or lang)
+        path = root / names[lang]
+        if code is None:
             raise EvaluateError(
-                f"no file for language {lang!r}: {str(path)!r} does not exist (--data_dir {str(root)!r}, "
-                f"--file_pattern {pattern!r})"
+                f"no file for language {lang!r}: {str(path)!r} does not exist, nor one under another code "
+                f"of that language (--data_dir {str(root)!r}, --file_pattern {pattern!r})"
             )
         try:
             texts[lang] = read_lines(path)
@@ -152,8 +187,8 @@ def read_language_files(
         first = languages[0]
         other = next(lang for lang in languages if counts[lang] != counts[first])
         raise EvaluateError(
-            f"the language files are not line-aligned: {pattern.format(lang=first)} has {counts[first]} "
-            f"lines but {pattern.format(lang=other)} has {counts[other]} (line i of every file must be "
+            f"the language files are not line-aligned: {names[first]} has {counts[first]} "
+            f"lines but {names[other]} has {counts[other]} (line i of every file must be "
             "the same sentence)"
         )
     if max_samples is not None:

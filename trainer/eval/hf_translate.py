@@ -20,8 +20,9 @@ import torch
 from models.hf import CheckpointMismatchError, read_hf_config
 from models.m2m100 import M2M100Translation
 from parallel.materialize import materialize, pretrained_fill
+from trainer.checkpoint.directions import model_directions, untrained_warning
 from trainer.errors import BadInputError
-from trainer.eval.decode import translate
+from trainer.eval.decode import translate, without_blanks
 from trainer.progress import Progress
 from trainer.tokenizer.vocab import Tokenizer
 
@@ -197,8 +198,10 @@ def run(args: TranslateArguments, stdin: TextIO, stdout: TextIO) -> None:
         run_on_mesh(args, dims, stdin, stdout)
         return
     check_model_dir(args.model)
+    settings = with_generation_config(search_settings(args), args.model)
     # Tags first: a missing language should fail before the (slow) weight loading.
     tokenizer = Tokenizer.load(args.model, languages=[args.source_lang, args.target_lang])
+    warn_untrained(args)
     device = pick_device(args.device)
     model = load_model(args.model, device, resolve_dtype(args.dtype, args.model))
     lines = stdin.read().splitlines()
@@ -206,20 +209,54 @@ def run(args: TranslateArguments, stdin: TextIO, stdout: TextIO) -> None:
         "%d lines %s -> %s, %d beam(s), batches of %d, on %s", len(lines), args.source_lang,
         args.target_lang, args.num_beams, args.batch_size, device,
     )  # fmt: skip
-    with Progress(len(lines), "translate", "line", logger=logger) as bar:
+    with Progress(len(without_blanks(lines)[0]), "translate", "line", logger=logger) as bar:
         hyps = translate(
-            model,
-            tokenizer,
-            lines,
-            args.source_lang,
-            args.target_lang,
-            num_beams=args.num_beams,
-            max_length=args.max_length,
-            batch_size=args.batch_size,
-            max_source_length=args.max_source_length,
-            on_batch=bar.update,
-        )
+            model, tokenizer, lines, args.source_lang, args.target_lang, settings, args.batch_size,
+            args.max_source_length, on_batch=bar.update,
+        )  # fmt: skip
     write_lines(stdout, hyps)
+
+
+def warn_untrained(args: TranslateArguments) -> None:
+    """One line on stderr if the model's record (`trainer.checkpoint.directions`) lacks the direction."""
+    warning = untrained_warning([(args.source_lang, args.target_lang)], model_directions(args.model))
+    if warning is not None:
+        print(f"trainer.translate: {warning}", file=sys.stderr, flush=True)
+
+
+def with_generation_config(settings: SearchSettings, model_dir: str | Path) -> SearchSettings:
+    """`settings` with what the directory's generation_config.json says of the vocabulary: its
+    one-token `bad_words_ids` (never generated) and `renormalize_logits`, which an export in the
+    stock M2M100 vocabulary sets for the rows its run never had (`trainer.tokenizer.stock_m2m100`),
+    so that it decodes as its checkpoint. Beams and lengths stay the flags'.
+
+    Raises:
+        TranslateError: generation_config.json is unreadable or its bad_words_ids malformed.
+    """
+    import json
+    from dataclasses import replace
+
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return settings
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise TranslateError(f"{path} is unreadable: {e}") from None
+    words = config.get("bad_words_ids") or []
+    if not isinstance(words, list) or not all(
+        isinstance(w, list) and w and all(isinstance(i, int) for i in w) for w in words
+    ):
+        raise TranslateError(
+            f"{path}: bad_words_ids must be a list of lists of token ids, got {words!r:.200}"
+        )
+    if any(len(w) > 1 for w in words):
+        logger.warning("%s: bad_words_ids of more than one token are not applied", path)
+    return replace(
+        settings,
+        suppress_tokens=tuple(w[0] for w in words if len(w) == 1),
+        renormalize_logits=bool(config.get("renormalize_logits", False)),
+    )
 
 
 def mesh_dims(args: TranslateArguments, world: int) -> ParallelDims:
@@ -365,10 +402,12 @@ def run_on_mesh(args: TranslateArguments, dims: ParallelDims, stdin: TextIO, std
     check_model_dir(args.model)
     config = read_hf_config(args.model)
     balance = check_model_fits(dims, config)
-    settings = search_settings(args)
+    settings = with_generation_config(search_settings(args), args.model)
     dtype = resolve_dtype(args.dtype, args.model)
     device = mesh_device(args.device)
     tokenizer = Tokenizer.load(args.model, languages=[args.source_lang, args.target_lang])
+    if int(os.environ.get("RANK", "0")) == 0:
+        warn_untrained(args)
     owned = not dist.is_initialized()
     init_distributed("nccl" if device.type == "cuda" else "gloo")
     try:
@@ -383,7 +422,9 @@ def run_on_mesh(args: TranslateArguments, dims: ParallelDims, stdin: TextIO, std
                 file=sys.stderr,
                 flush=True,
             )
-        mine = replica_share(len(lines), args.batch_size, mesh)  # rank 0's replica: its bar
+        mine = replica_share(
+            len(without_blanks(lines)[0]), args.batch_size, mesh
+        )  # rank 0's replica: its bar
         desc = "translate" if mesh.size("edp") == 1 else f"translate (replica 0 of {mesh.size('edp')})"
         with Progress(mine, desc, "line", enabled=dist.get_rank() == 0, logger=logger) as bar:
             hyps = translate_on_mesh(

@@ -44,6 +44,8 @@ from trainer.eval.decode import (
     build_batches,
     hypotheses_in_order,
     score_directions,
+    with_blanks,
+    without_blanks,
 )
 from trainer.progress import Progress
 from trainer.tokenizer.vocab import Tokenizer
@@ -186,7 +188,8 @@ def translate_on_mesh(
         One hypothesis per source, in order, on rank `dst`; None on the other ranks.
     """
     mesh = pm.mesh
-    batches = build_batches(tokenizer, sources, src_lang, tgt_lang, batch_size, max_source_length)
+    texts, positions = without_blanks(sources)  # a blank source: "" (decoded, a made-up sentence)
+    batches = build_batches(tokenizer, texts, src_lang, tgt_lang, batch_size, max_source_length)
     outputs = []
     # FSDP: one gather (a dp collective) for all of this replica's batches, whose count may
     # differ between replicas, and one cast (bf16_full_eval); pipeline_generate's nest in it.
@@ -201,9 +204,10 @@ def translate_on_mesh(
             if on_batch is not None:
                 on_batch(len(batch.index))
     if dist.get_world_size() == 1:
-        return hypotheses_in_order(outputs, tokenizer)
+        return with_blanks(hypotheses_in_order(outputs, tokenizer), positions, len(sources))
     got: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
     dist.gather_object(outputs, got, dst=dst)
     if got is None:
         return None
-    return hypotheses_in_order((o for part in got for o in part), tokenizer)
+    hyps = hypotheses_in_order((o for part in got for o in part), tokenizer)
+    return with_blanks(hyps, positions, len(sources))

@@ -2,8 +2,12 @@
 
     check_inputs   every check that needs no peer and no weights: flags, mesh sizes, directions,
                    the language files, spBLEU's model, the model directory or checkpoint, the
-                   tokenizer's language tags (one line each, on every rank alike)
-    one process    an exported HF directory: `hf_translate.load_model` and `decode.translate_batches`
+                   tokenizer's language tags (one line each, on every rank alike); a language
+                   is the model's tag of the same language where the code given is not one
+                   (`en` -> `eng_Latn` and back, `trainer.tokenizer.lang_codes`), and so is its
+                   file (`flores.find_file`); directions the model's record says it never
+                   trained get one warning line (`trainer.checkpoint.directions`)
+    one process    an exported HF directory: `hf_translate.load_model` and `decode.translate`
     on a mesh      under torchrun, or for a training checkpoint: the ranks form the (pp, dp, tp)
                    mesh; an HF directory is read stage-local (`hf_translate.load_on_mesh`), a
                    checkpoint is built stage-local and loaded by DCP (any saving mesh); decoding is
@@ -29,6 +33,8 @@ from tqdm.auto import tqdm
 
 from models.config import ModelConfig
 from models.hf import CheckpointMismatchError, read_hf_config
+from trainer.checkpoint.directions import model_directions, untrained_warning
+from trainer.errors import TokenizerError
 from trainer.eval.flores import (
     EvaluateError,
     languages_of,
@@ -42,6 +48,7 @@ from trainer.eval.hf_translate import (
     check_model_fits,
     mesh_dims,
     search_settings,
+    with_generation_config,
 )
 from trainer.eval.metrics import (
     check_spbleu_model,
@@ -52,7 +59,8 @@ from trainer.eval.metrics import (
     spbleu_model_url,
 )
 from trainer.eval.report import build_result, to_markdown, write_report
-from trainer.tokenizer.vocab import Tokenizer
+from trainer.tokenizer.lang_codes import matching_codes
+from trainer.tokenizer.vocab import Tokenizer, lang_tag
 
 if TYPE_CHECKING:
     from models.generate import SearchSettings
@@ -145,7 +153,8 @@ class EvaluateArguments:
 class Plan:
     """What `check_inputs` found: everything the work needs, checked."""
 
-    directions: list[tuple[str, str]]
+    directions: list[tuple[str, str]]  # as asked
+    model_codes: dict[str, str]  # each language asked -> the model's code of it (`en` or `eng_Latn`)
     texts: dict[str, list[str]]
     data: str  # data_dir / pattern
     spbleu: bool
@@ -181,11 +190,41 @@ def check_inputs(args: EvaluateArguments, world: int) -> Plan:
         raise EvaluateError(f"--output_dir {args.output_dir!r} exists and is not a directory")
     checkpoint, config, tok_dir = model_source(args)
     balance = check_model_fits(dims, config)
-    tokenizer = Tokenizer.load(tok_dir, languages=langs)  # a language without a tag fails here
+    if checkpoint is None:
+        settings = with_generation_config(settings, args.model)
+    tokenizer = Tokenizer.load(tok_dir)
+    codes = {
+        lang: model_code(tokenizer, lang, tok_dir) for lang in langs
+    }  # a language without a tag fails here
     data = str(Path(args.data_dir) / pattern)
     return Plan(
-        directions, texts, data, spbleu, checkpoint, config, tokenizer, dims, balance, settings, dtype
+        directions, codes, texts, data, spbleu, checkpoint, config, tokenizer, dims, balance, settings, dtype
     )
+
+
+def model_code(tokenizer: Tokenizer, lang: str, where: Path) -> str:
+    """The model's code of `lang`: `lang` if the tokenizer has its tag, else the one tag of the
+    same language (`en` for `eng_Latn` on an M2M100 model, and back).
+
+    Raises:
+        TokenizerError: no tag of that language, or several (naming them).
+    """
+    found = matching_codes(lang, tokenizer.languages)
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise TokenizerError(f"language {lang!r} could be any of the model's {found}; name one of them")
+    raise TokenizerError(
+        f"tokenizer at {where} has no tag {lang_tag(lang)}; it has {tokenizer.available_tags()}"
+    )
+
+
+def warn_untrained(args: EvaluateArguments, plan: Plan) -> None:
+    """One line on stderr (rank 0) naming the directions the model's record says it never trained."""
+    asked = [(plan.model_codes[s], plan.model_codes[t]) for s, t in plan.directions]
+    warning = untrained_warning(asked, model_directions(args.model))
+    if warning is not None and int(os.environ.get("RANK", "0")) == 0:
+        print(f"trainer.evaluate: {warning}", file=sys.stderr, flush=True)
 
 
 def model_source(args: EvaluateArguments) -> tuple[Path | None, ModelConfig, Path]:
@@ -227,6 +266,7 @@ def run(args: EvaluateArguments, stdout: TextIO) -> dict[str, Any] | None:
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plan = check_inputs(args, world)
+    warn_untrained(args, plan)
     if plan.checkpoint is None and world == 1:
         return evaluate_one_process(args, plan, stdout)
     return evaluate_on_mesh(args, plan, stdout)
@@ -234,16 +274,17 @@ def run(args: EvaluateArguments, stdout: TextIO) -> dict[str, Any] | None:
 
 def evaluate_one_process(args: EvaluateArguments, plan: Plan, stdout: TextIO) -> dict[str, Any]:
     """An HF directory on one device (`hf_translate.load_model`, `models.generate`)."""
-    from trainer.eval.decode import build_batches, translate_batches
+    from trainer.eval.decode import translate
     from trainer.eval.hf_translate import load_model, pick_device
 
     device = pick_device(args.device)
     model = load_model(args.model, device, plan.dtype)
 
     def decode(sources: Sequence[str], src: str, tgt: str, on_batch: Callable[[int], None]) -> list[str]:
-        batches = build_batches(plan.tokenizer, sources, src, tgt, args.batch_size, args.max_source_length)
-        s = plan.settings
-        return translate_batches(model, batches, plan.tokenizer, s.num_beams, s.max_length, on_batch)
+        return translate(
+            model, plan.tokenizer, sources, src, tgt, plan.settings, args.batch_size, args.max_source_length,
+            on_batch,
+        )  # fmt: skip
 
     result = score_all(decode, args, plan, f"one process, {device.type}", 1, stdout)
     assert result is not None
@@ -355,7 +396,7 @@ def score_all(
         for src, tgt in plan.directions:
             name = f"{src}-{tgt}"
             progress.start(name, n)
-            hyps = decode(plan.texts[src], src, tgt, progress.batch)
+            hyps = decode(plan.texts[src], plan.model_codes[src], plan.model_codes[tgt], progress.batch)
             progress.finish_direction()
             if hyps is not None:
                 # Edge whitespace depends on the tokenizer class, not the tokens (a hypothesis cut

@@ -17,15 +17,18 @@ permutes the vocabulary (S: tokenizer size, V: model rows, V >= S; N = S - L):
 Rows past the tokenizer (a padded vocabulary) take the madeup slots, whose count grows past 8
 if needed, so every trained row is kept and logits agree on every id. New rows: a code the
 run did not train gets the mean of the trained tag rows (a fine-tune that adds the language
-starts from a tag-like embedding; as an output its logit is the mean of the trained tags',
-never above the largest, so greedy decoding cannot prefer it to a trained tag unless all tag
-logits tie, e.g. a one-language run); an unfilled madeup word gets a copy of the `<unk>` row
-(its logit ties `<unk>`'s, and `<unk>`, the lower id, wins an argmax). The logits at the
-run's ids are the trained model's, so greedy tokens are too; but the new rows take some of
-the softmax (a model without a logits bias cannot give a row minus infinity), so the
-log-probabilities, the loss, sampling and beam scores (hence possibly beam search's choice)
-differ from the trained model's: on a 2-step tiny model (logits near uniform, the worst
-case) the eval loss rose from 6.968 to 7.085 (tests/dist/test_export.py). The specials keep ids
+starts from a tag-like embedding); an unfilled madeup word gets a copy of the `<unk>` row.
+A model without a logits bias cannot give a row minus infinity, so these rows take some of
+the softmax: over the whole stock vocabulary the log-probabilities and the loss differ from
+the trained model's (on a 2-step tiny model, logits near uniform, the eval loss rose from
+6.968 to 7.085, tests/dist/test_export.py), and so did beam search's choice (with 2 beams,
+~10% of a 600-step model's lines). So `generation_config.json` lists them as one-token
+`bad_words_ids` with `renormalize_logits` (`generation_rules`): `generate` in transformers
+4.46+ and 5.x, and our decoder on the export (`models.generate`), then never emit them and
+score beams over the run's rows only, exactly the trained model's log-probabilities, so the
+export decodes as its checkpoint, greedy and beam. (Not `suppress_tokens`: HF applies it after
+the forced target tag, so forcing an untrained code would leave no token at all;
+`bad_words_ids` runs before it.) The specials keep ids
 0..3, so config.json and generation_config.json ids need no change; as stock, no
 `forced_bos_token_id` is stored: pass `forced_bos_token_id=tok.get_lang_id("de")` to `generate`.
 
@@ -88,6 +91,11 @@ class StockLayout:
     @property
     def num_madeup_words(self) -> int:
         return self.size - len(self.pieces) - len(stock_codes())
+
+    @property
+    def untrained_ids(self) -> tuple[int, ...]:
+        """Stock ids no row of the run's model fills: the codes it did not train, unfilled madeup words."""
+        return tuple(sorted((*self.new_code_ids, *self.madeup_fill_ids)))
 
     def permute_rows(self, weight: Tensor) -> Tensor:
         """Our (V, d) embedding -> the stock (size, d) one, new rows filled as documented."""
@@ -164,6 +172,13 @@ def stock_config(config: ModelConfig, layout: StockLayout) -> ModelConfig:
     ):
         raise ValueError(f"special ids of {config} do not keep their ids in the stock layout")
     return replace(config, vocab_size=layout.size)
+
+
+def generation_rules(layout: StockLayout) -> dict[str, Any]:
+    """`generation_config.json` fields that keep `generate` on the run's rows (module docstring):
+    the untrained ids as one-token `bad_words_ids`, and `renormalize_logits` so that beam scores
+    are log-probabilities over the rest, the trained model's."""
+    return {"bad_words_ids": [[i] for i in layout.untrained_ids], "renormalize_logits": True}
 
 
 def permute_tensor(name: str, tensor: Tensor, layout: StockLayout) -> Tensor:
