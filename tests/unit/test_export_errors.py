@@ -33,8 +33,11 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_run(tmp_path_factory.mktemp("run"), train_tokenizer(TEXTS, LANGS, 80))
 
 
-def write_run(out: Path, tok: Tokenizer) -> Path:
-    """OUT/{tokenizer, checkpoint-3, reference.pt} of a tiny random model (64 positions) for `tok`."""
+def write_run(
+    out: Path, tok: Tokenizer, init_std: float = 0.02, run_config: dict[str, object] | None = None
+) -> Path:
+    """OUT/{tokenizer, checkpoint-3, reference.pt} of a tiny random model (64 positions) for `tok`,
+    its weights drawn with `init_std`; `run_config`: the resolved run config trainer_state.json records."""
     import torch.distributed.checkpoint as dcp
 
     tok.save(out / "tokenizer")
@@ -51,6 +54,7 @@ def write_run(out: Path, tok: Tokenizer) -> Path:
             max_position_embeddings=64,
             dropout=0.0,
             attention_dropout=0.0,
+            init_std=init_std,
             **tok.special_ids(),
         )
     )
@@ -74,6 +78,7 @@ def write_run(out: Path, tok: Tokenizer) -> Path:
         "mesh": {"pp": 1, "dp": 1, "tp": 1},
         "partition": [5],
         "model_config": config.to_dict(),
+        **({"config": run_config} if run_config is not None else {}),
     }
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
     (ckpt / COMMIT_MARKER).write_text("ok\n")
