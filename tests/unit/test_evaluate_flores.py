@@ -141,6 +141,38 @@ def test_bad_files_are_one_line(tmp_path: Path) -> None:
         assert "\n" not in str(err.value)
 
 
+def test_codes_match_across_m2m100_and_flores200() -> None:
+    """One language under M2M100's and FLORES-200's codes, related through pycountry's ISO 639
+    and babel's CLDR tables (issue 36: `eng_Latn.devtest` was unreadable for an `en` model)."""
+    from trainer.tokenizer.lang_codes import CodeKey, code_key, matching_codes
+
+    flores = ["eng_Latn", "deu_Latn", "zho_Hans", "zho_Hant", "yue_Hant", "arb_Arab", "ary_Arab",
+              "pes_Arab", "prs_Arab", "kor_Hang", "srp_Cyrl", "tgl_Latn", "zsm_Latn", "ces_Latn"]  # fmt: skip
+    m2m100 = {"en": "eng_Latn", "de": "deu_Latn", "zh": "zho_Hans", "ar": "arb_Arab", "fa": "pes_Arab",
+              "ko": "kor_Hang", "sr": "srp_Cyrl", "tl": "tgl_Latn", "ms": "zsm_Latn", "cs": "ces_Latn"}  # fmt: skip
+    for code, flores_code in m2m100.items():
+        assert matching_codes(code, flores) == [flores_code], code
+        assert matching_codes(flores_code, list(m2m100)) == [code], flores_code  # and back
+    assert matching_codes("zho_Hant", ["zh", "en"]) == ["zh"]  # the only Chinese tag
+    assert matching_codes("en", ["en", "eng_Latn"]) == ["en"]  # the code itself first
+    assert matching_codes("ps", flores + ["pbt_Arab"]) == []  # no table relates ps and pbt
+    assert code_key("prs_Arab") == CodeKey("fa", "Arab", True)  # CLDR: prs -> fa_AF, a variant
+    assert code_key("pes_Arab") == code_key("fa") == CodeKey("fa", "Arab", False)
+
+
+def test_flores200_codes_name_the_files_of_an_m2m100_model_and_back(tmp_path: Path) -> None:
+    flores = write_files(tmp_path / "flores", "devtest/{lang}.devtest", {"eng_Latn": EN, "fra_Latn": FR})
+    assert resolve_pattern(flores, None, ["en"]) == "devtest/{lang}.devtest"
+    assert read_language_files(flores, "devtest/{lang}.devtest", ["en", "fr"]) == {"en": EN, "fr": FR}
+    plain = write_files(tmp_path / "plain", "{lang}.txt", {"en": EN, "fr": FR})
+    assert read_language_files(plain, "{lang}.txt", ["eng_Latn", "fr"]) == {"eng_Latn": EN, "fr": FR}
+    twice = write_files(tmp_path / "twice", "{lang}.txt", {"zho_Hans": EN, "cmn_Hans": EN})
+    with pytest.raises(
+        EvaluateError, match=r"'zh': several files could be its file \(cmn_Hans.txt, zho_Hans.txt\)"
+    ):
+        read_language_files(twice, "{lang}.txt", ["zh"])
+
+
 # ----------------------------------------------------------------------------- table
 
 
@@ -229,6 +261,31 @@ def test_evaluate_scores_spbleu_where_its_model_is(
     assert "spBLEU" not in capsys.readouterr().err
 
 
+def test_evaluate_takes_flores200_codes_for_an_m2m100_model(
+    model_dir: Path, tmp_path: Path, empty_cache: Path
+) -> None:
+    """Issue 36: FLORES-200's `eng_Latn.devtest` for a model whose tags are `__en__`: `--languages
+    en fr` reads it, and `--languages eng_Latn fra_Latn` decodes with `__en__` / `__fr__`; both give
+    the table (under the codes asked) and hypotheses of files named by the model's codes."""
+    flores = write_files(tmp_path / "flores", "devtest/{lang}.devtest", {"eng_Latn": EN, "fra_Latn": FR})
+    plain = write_files(tmp_path / "plain", "{lang}.txt", {"en": EN, "fr": FR})
+    runs = {
+        "plain": ["--data_dir", str(plain), "--file_pattern", "{lang}.txt", "--languages", "en", "fr"],
+        "m2m100 codes": ["--data_dir", str(flores), "--languages", "en", "fr"],
+        "flores codes": ["--data_dir", str(flores), "--languages", "eng_Latn", "fra_Latn"],
+    }
+    got = {}
+    for name, flags in runs.items():
+        out = tmp_path / name.replace(" ", "-")
+        assert main(["--model", str(model_dir), *flags, "--output_dir", str(out), *FLAGS], io.StringIO()) == 0
+        result = json.loads((out / "scores.json").read_text())
+        got[name] = (result["directions"], sorted(p.read_text() for p in out.glob("predictions_*.txt")))
+    assert got["m2m100 codes"] == got["plain"]
+    assert list(got["flores codes"][0]) == ["eng_Latn-fra_Latn", "fra_Latn-eng_Latn"]
+    assert list(got["flores codes"][0].values()) == list(got["plain"][0].values())
+    assert got["flores codes"][1] == got["plain"][1]
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -293,7 +350,10 @@ def test_a_checkpoint_in_one_process_scores_as_its_hf_directory(
     config = read_model_config(ckpt)
     save_hf_model(load_full_state(ckpt, config), config, hf)
     tok.save_pretrained(hf, model_max_length=config.max_position_embeddings)
-    data = write_files(tmp_path / "data", "{lang}.txt", {"en": TEXTS[3::4][:6], "de": TEXTS[1::4][:6]})
+    # A blank line (issue 36): an empty hypothesis on both paths, not a made-up sentence.
+    data = write_files(
+        tmp_path / "data", "{lang}.txt", {"en": [*TEXTS[3::4][:5], ""], "de": [*TEXTS[1::4][:5], ""]}
+    )
     common = ["--data_dir", str(data), "--file_pattern", "{lang}.txt", "--languages", "en", "de", *FLAGS]
     tables = {}
     for name, model in (("checkpoint", ckpt), ("hf", hf)):
@@ -306,3 +366,4 @@ def test_a_checkpoint_in_one_process_scores_as_its_hf_directory(
     assert "(pp, dp, tp) = (1, 1, 1), cpu" in capsys.readouterr().err
     for key in ("directions", "averages", "en-de", "de-en"):
         assert tables["checkpoint"][key] == tables["hf"][key], key
+    assert tables["checkpoint"]["en-de"].split("\n")[5] == "" and tables["checkpoint"]["en-de"].split("\n")[4]
