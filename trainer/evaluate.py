@@ -10,7 +10,10 @@ DIR is an exported Hugging Face M2M100/NLLB directory (as `trainer.translate --m
 training checkpoint (decoded on the mesh, one rank without torchrun). The data directory holds
 one file per language, line i of every file the same sentence: FLORES-200's
 `devtest/eng_Latn.devtest` is found by default, other layouts are named by --file_pattern.
---directions lists SRC-TGT pairs; --languages scores every ordered pair.
+--directions lists SRC-TGT pairs; --languages scores every ordered pair. A code may be the
+model's (`en`, `eng_Latn`) or the same language's in the other convention: an M2M100 model reads
+FLORES-200's `eng_Latn.devtest` for `en` (`trainer.tokenizer.lang_codes`). Directions the model's
+record says it never trained are scored after one warning line.
 
 Prints a markdown table (per direction: sentences, BLEU, chrF, chrF++, and spBLEU where sacreBLEU's
 flores200 model is in its cache; then the averages into English, out of English, non-English and

@@ -8,8 +8,12 @@
 DIR is a Hugging Face directory as `trainer.export` writes it (config.json,
 model.safetensors, tokenizer files; stock M2M100/NLLB directories work too); the
 tokenizer loads through `trainer.tokenizer.vocab.Tokenizer.load`, i.e. `AutoTokenizer` for HF
-tokenizer files. One output line per input line, in order; bad input fails with one
-line on stderr, exit 2. Progress goes to stderr (rank 0 under torchrun): what is translated, then a
+tokenizer files. One output line per input line, in order (a blank line gives an empty
+one); bad input fails with one line on stderr, exit 2. A direction the export's record
+(`trained_language_pairs` in config.json) lacks is translated after one warning line on stderr.
+The directory's generation_config.json `bad_words_ids` (one token each) and
+`renormalize_logits` apply, as in `generate`: an export keeps the stock M2M100 rows its run
+never had out of decoding with them. Progress goes to stderr (rank 0 under torchrun): what is translated, then a
 bar over the lines (`TQDM_DISABLE=1`: a line every 30 s).
 
 One process: our own `M2M100Translation` is built on the meta device and each tensor of the

@@ -245,7 +245,7 @@ def with_generation_config(settings: SearchSettings, model_dir: str | Path) -> S
         raise TranslateError(f"{path} is unreadable: {e}") from None
     words = config.get("bad_words_ids") or []
     if not isinstance(words, list) or not all(
-        isinstance(w, list) and w and all(isinstance(i, int) for i in w) for w in words
+        isinstance(w, list) and w and all(isinstance(i, int) and i >= 0 for i in w) for w in words
     ):
         raise TranslateError(
             f"{path}: bad_words_ids must be a list of lists of token ids, got {words!r:.200}"
