@@ -16,8 +16,8 @@ table and the hypotheses that one process gives on an exported HF directory (`lo
 
 And stock `transformers` `generate` on that export, with 2 and 4 beams, gives the token ids our
 one-process decoder gives on the checkpoint, every direction (issue 36: before the export kept
-those rows out, with 2 beams ~10% of a 600-step model's lines differed, and on this 800-step
-model most directions had a line that differed).
+those rows out, with 2 beams ~10% of a 600-step model's lines differed; on this 800-step model,
+without the rules, 7 of the 24 (direction, beam width) decodings had a line that differed).
 """
 
 from __future__ import annotations
@@ -170,9 +170,12 @@ def test_stock_generate_on_the_export_equals_the_checkpoint_under_beam_search(se
                 kwargs = dict(input_ids=ids, attention_mask=batch.attention_mask, forced_bos_token_id=forced,
                               num_beams=beams, max_length=32)  # fmt: skip
                 got = hf.generate(**kwargs)
-                unruled = hf.generate(**kwargs, bad_words_ids=None, renormalize_logits=False)
+                if beams == 2:  # what the export decoded before it carried the rules (issue 36's case)
+                    unruled = hf.generate(**kwargs, bad_words_ids=None, renormalize_logits=False)
+                    unruled_differ += unruled.shape != got.shape or not torch.equal(unruled, got)
             assert torch.equal(got, layout.map_ids(want)), (pair, beams)
-            unruled_differ += unruled.shape != got.shape or not torch.equal(unruled, got)
     # Without generation_config's rules, the stock vocabulary's extra rows move beam search.
-    print(f"without the export's rules, {unruled_differ} of {2 * len(PAIRS)} (direction, beams) decodings differ")
+    print(
+        f"without the export's rules, {unruled_differ} of {len(PAIRS)} directions decode otherwise with 2 beams"
+    )
     assert unruled_differ > 0
