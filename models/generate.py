@@ -329,12 +329,8 @@ def beam_search(state: DecoderStep, special: Special, batch_size: int, settings:
         (B, T) the best hypothesis of each row, padded to the longest, T <= settings.max_length.
     """
     device = state.device
-    b, k = batch_size, settings.num_beams
-    max_length, length_penalty, early_stopping = (
-        settings.max_length,
-        settings.length_penalty,
-        settings.early_stopping,
-    )
+    b, k, max_length = batch_size, settings.num_beams, settings.max_length
+    length_penalty, early_stopping = settings.length_penalty, settings.early_stopping
     beams = init_beams(b, k, max_length, special, device)
     # Only the K best candidates may finish; the other K are spares that keep K beams running.
     top_k_mask = torch.arange(2 * k, device=device) < k

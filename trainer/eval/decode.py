@@ -335,7 +335,6 @@ def evaluate_directions(
     Returns:
         See `score_directions`.
     """
-
     settings = SearchSettings(num_beams=num_beams, max_length=max_length)
 
     def translator(sources: Sequence[str], src_lang: str, tgt_lang: str) -> list[str]:

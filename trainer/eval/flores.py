@@ -8,8 +8,9 @@
 (a list, or every ordered pair of some languages), and `read_language_files` reads and checks
 the files. A language's file is the one named by its code, else the one whose code names the
 same language (`find_file`, through `trainer.tokenizer.lang_codes`): `--languages en de` reads
-FLORES-200's `eng_Latn.devtest` and `deu_Latn.devtest`, and `eng_Latn` would read `en.txt`. Everything here is pure (no torch, no process group), so `python -m
-trainer.evaluate` fails on bad input in one line, on every rank alike, before any work.
+FLORES-200's `eng_Latn.devtest` and `deu_Latn.devtest`, and `eng_Latn` would read `en.txt`.
+Everything here is pure (no torch, no process group), so `python -m trainer.evaluate` fails on
+bad input in one line, on every rank alike, before any work.
 """
 
 from __future__ import annotations

@@ -422,9 +422,8 @@ def run_on_mesh(args: TranslateArguments, dims: ParallelDims, stdin: TextIO, std
                 file=sys.stderr,
                 flush=True,
             )
-        mine = replica_share(
-            len(without_blanks(lines)[0]), args.batch_size, mesh
-        )  # rank 0's replica: its bar
+        # Rank 0's replica's share of the lines to decode (blank ones are not): its bar.
+        mine = replica_share(len(without_blanks(lines)[0]), args.batch_size, mesh)
         desc = "translate" if mesh.size("edp") == 1 else f"translate (replica 0 of {mesh.size('edp')})"
         with Progress(mine, desc, "line", enabled=dist.get_rank() == 0, logger=logger) as bar:
             hyps = translate_on_mesh(

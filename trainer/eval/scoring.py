@@ -193,9 +193,8 @@ def check_inputs(args: EvaluateArguments, world: int) -> Plan:
     if checkpoint is None:
         settings = with_generation_config(settings, args.model)
     tokenizer = Tokenizer.load(tok_dir)
-    codes = {
-        lang: model_code(tokenizer, lang, tok_dir) for lang in langs
-    }  # a language without a tag fails here
+    # A language without a tag of its own or of the same language fails here.
+    codes = {lang: model_code(tokenizer, lang, tok_dir) for lang in langs}
     data = str(Path(args.data_dir) / pattern)
     return Plan(
         directions, codes, texts, data, spbleu, checkpoint, config, tokenizer, dims, balance, settings, dtype
