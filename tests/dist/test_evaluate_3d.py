@@ -31,6 +31,8 @@ from typing import Any
 
 import pytest
 
+from tests.served import Served
+
 ROOT = Path(__file__).resolve().parents[2]
 LANGS = ["en", "de", "fr", "cs"]
 PAIRS = [f"{s}-{t}" for s in LANGS for t in LANGS if s != t]  # --languages' order
@@ -40,16 +42,8 @@ MESH = ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2", "--data_
 STEPS = 800
 
 
-def _env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}  # fmt: skip
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
-
-
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def setup(served: Served, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The run's checkpoint, its two HF directories, the FLORES-style data."""
     from models.hf_save import save_hf_model
     from trainer.checkpoint.hf_export import load_full_state, read_model_config
@@ -59,12 +53,12 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("evaluate3d")
     run = root / "run"
-    train = [sys.executable, "-m", "trainer.train", "--config", "configs/tiny.yaml", "--language_pairs", *TRAIN_PAIRS,
+    train = [served.python, "-m", "trainer.train", "--config", "configs/tiny.yaml", "--language_pairs", *TRAIN_PAIRS,
              "--max_steps", str(STEPS), "--learning_rate", "5e-3", "--warmup_steps", "40",
              "--per_device_train_batch_size", "32",
              "--dropout", "0", "--attention_dropout", "0", "--activation_dropout", "0", "--do_eval", "false",
              "--logging_steps", "100", "--output_dir", str(run)]  # fmt: skip
-    proc = subprocess.run(train, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=300)
+    proc = subprocess.run(train, capture_output=True, text=True, cwd=ROOT, env=served.environ(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ckpt = run / f"checkpoint-{STEPS}"
     assert export(["--checkpoint", str(ckpt), "--output", str(root / "export")]) == 0
@@ -77,15 +71,16 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (data / "devtest").mkdir(parents=True)
     for lang in LANGS:
         (data / "devtest" / f"{lang}.devtest").write_text("".join(r[lang] + "\n" for r in test), encoding="utf-8")
-    return {"checkpoint": ckpt, "export": root / "export", "same_ids": same_ids, "data": data, "root": root}
+    return {"checkpoint": ckpt, "export": root / "export", "same_ids": same_ids, "data": data, "root": root,
+            "served": served}  # fmt: skip
 
 
-def flags(setup: dict[str, Path], beams: int, out: Path) -> list[str]:
+def flags(setup: dict[str, Any], beams: int, out: Path) -> list[str]:
     return ["--data_dir", str(setup["data"]), "--languages", *LANGS, "--num_beams", str(beams),
             "--max_length", "32", "--batch_size", "8", "--output_dir", str(out)]  # fmt: skip
 
 
-def one_process(setup: dict[str, Path], model: str, beams: int) -> tuple[dict[str, Any], str]:
+def one_process(setup: dict[str, Any], model: str, beams: int) -> tuple[dict[str, Any], str]:
     from trainer.evaluate import main
 
     out, stdout = setup["root"] / f"one-{model}-{beams}", io.StringIO()
@@ -93,12 +88,13 @@ def one_process(setup: dict[str, Path], model: str, beams: int) -> tuple[dict[st
     return read(out), stdout.getvalue()
 
 
-def on_mesh(setup: dict[str, Path], beams: int) -> tuple[dict[str, Any], str, str]:
+def on_mesh(setup: dict[str, Any], beams: int) -> tuple[dict[str, Any], str, str]:
     out = setup["root"] / f"mesh-{beams}"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    torchrun = setup["served"].torchrun("--standalone", "--nproc-per-node", "4")
     cmd = [*torchrun, "-m", "trainer.evaluate", "--model", str(setup["checkpoint"]), *flags(setup, beams, out),
            *MESH, "--device", "cpu"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", cwd=ROOT, env=_env(), timeout=300)
+    env = setup["served"].environ()
+    proc = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return read(out), proc.stdout, proc.stderr
 
@@ -118,7 +114,7 @@ def assert_same_table(mesh: dict[str, Any], one: dict[str, Any]) -> None:
 
 
 @pytest.mark.dist
-def test_checkpoint_on_pp2_tp2_scores_as_the_exported_model_in_one_process(setup: dict[str, Path]) -> None:
+def test_checkpoint_on_pp2_tp2_scores_as_the_exported_model_in_one_process(setup: dict[str, Any]) -> None:
     mesh, stdout, stderr = on_mesh(setup, beams=1)
     one, one_stdout = one_process(setup, "export", beams=1)
     assert "12 directions x 17 sentences on (pp, dp, tp) = (2, 1, 2), cpu, stages of [4, 4] blocks" in stderr
@@ -128,7 +124,7 @@ def test_checkpoint_on_pp2_tp2_scores_as_the_exported_model_in_one_process(setup
 
 
 @pytest.mark.dist
-def test_checkpoint_on_pp2_tp2_beam_search_equals_one_process(setup: dict[str, Path]) -> None:
+def test_checkpoint_on_pp2_tp2_beam_search_equals_one_process(setup: dict[str, Any]) -> None:
     mesh, _, _ = on_mesh(setup, beams=2)
     one, _ = one_process(setup, "same_ids", beams=2)
     assert_same_table(mesh, one)

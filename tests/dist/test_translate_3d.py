@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.served import Served
+
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path("/work/shared/data/multi30k")
 FLAGS = ["--source_lang", "en", "--target_lang", "de", "--num_beams", "2", "--max_length", "24",
@@ -84,15 +86,8 @@ def export_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
-
-
 @pytest.mark.dist
-def test_torchrun_translate_equals_one_process(export_dir: Path) -> None:
+def test_torchrun_translate_equals_one_process(served: Served, export_dir: Path) -> None:
     from trainer.translate import main
 
     text = "\n".join(read_lines("val.en.gz", 6)) + "\n"
@@ -103,10 +98,10 @@ def test_torchrun_translate_equals_one_process(export_dir: Path) -> None:
     # Not degenerate: the hypotheses depend on the input.
     assert len(set(want[:-1])) >= 3, want
 
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    torchrun = served.torchrun("--standalone", "--nproc-per-node", "4")
     cmd = [*torchrun, "-m", "trainer.translate", "--model", str(export_dir), *FLAGS, *MESH, "--device", "cpu"]
     proc = subprocess.run(cmd, input=text, capture_output=True, text=True, encoding="utf-8", cwd=ROOT,
-                          env=_env(), timeout=150)  # fmt: skip
+                          env=served.environ(), timeout=150)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     # On the mesh, not 4 whole-model processes (of which one would read all of stdin and print the
     # same lines: the test must tell them apart).
@@ -115,7 +110,9 @@ def test_torchrun_translate_equals_one_process(export_dir: Path) -> None:
 
 
 @pytest.mark.dist
-def test_torchrun_translate_in_bf16_on_a_pipeline_equals_one_process_in_bf16(export_dir: Path) -> None:
+def test_torchrun_translate_in_bf16_on_a_pipeline_equals_one_process_in_bf16(
+    served: Served, export_dir: Path
+) -> None:
     """`--dtype bfloat16` (transformers' name): every weight cast once, decoding in bf16. A pipeline
     cut adds no reduction, so 2 stages give the one-process bf16 lines exactly."""
     from trainer.translate import main
@@ -125,11 +122,11 @@ def test_torchrun_translate_in_bf16_on_a_pipeline_equals_one_process_in_bf16(exp
     assert main(["--model", str(export_dir), *FLAGS, "--dtype", "bfloat16"], io.StringIO(text), one) == 0
     want = one.getvalue().split("\n")
     assert len(want) == 7 and len(set(want[:-1])) >= 3, want
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    torchrun = served.torchrun("--standalone", "--nproc-per-node", "2")
     cmd = [*torchrun, "-m", "trainer.translate", "--model", str(export_dir), *FLAGS, "--dtype", "bfloat16",
            "--pipeline_parallel_size", "2", "--device", "cpu"]  # fmt: skip
     proc = subprocess.run(cmd, input=text, capture_output=True, text=True, encoding="utf-8", cwd=ROOT,
-                          env=_env(), timeout=150)  # fmt: skip
+                          env=served.environ(), timeout=150)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "(pp, dp, tp) = (2, 1, 1)" in proc.stderr, proc.stderr
     assert proc.stdout.split("\n") == want, (proc.stdout, want)
