@@ -94,7 +94,10 @@ fi
 
 # Relative paths in the arguments stay relative to the caller's directory; the
 # trainer package is found through PYTHONPATH even when run from elsewhere.
-export PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}"
+case ":${PYTHONPATH:-}:" in
+    *":$REPO_DIR:"*) ;;
+    *) export PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" ;;
+esac
 if [[ "$MAX_RESTARTS" != "0" ]]; then
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 fi

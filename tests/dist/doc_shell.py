@@ -47,6 +47,18 @@ TRAIN_ARGS_ENV = "DOC_TEST_TRAIN_ARGS"
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 CHECKED = ("trainer.train", "trainer.plan")  # what check mode validates instead of running
 SERVED_PREFIXES = ("trainer.", "torch.distributed.run", "scripts.", "tests.")
+IMPORT_ENV = "DOC_TEST_IMPORT_ENV"  # the server's import-time environment (JSON; see `import_env`)
+# Variables read when torch, transformers (and huggingface_hub, tqdm) are imported: a request whose
+# values differ from the server's is not served (the preloaded modules would carry the server's).
+_IMPORT_NAMES = ("PYTHONPATH", "PYTHONHASHSEED", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_HOME",
+                 "TORCH_LOGS", "TRANSFORMERS_CACHE", "TRANSFORMERS_OFFLINE", "TRANSFORMERS_VERBOSITY",
+                 "HUGGINGFACE_HUB_CACHE", "HF_HOME", "HF_ENDPOINT", "SACREBLEU")  # fmt: skip
+_IMPORT_PREFIXES = ("HF_HUB_", "TQDM_", "TORCHINDUCTOR_", "TORCHDYNAMO_")
+
+
+def import_env(env: dict[str, str]) -> dict[str, str]:
+    """The part of `env` that importing the preloaded modules reads."""
+    return {k: v for k, v in env.items() if k in _IMPORT_NAMES or k.startswith(_IMPORT_PREFIXES)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,8 +96,11 @@ def _with_train_args(module: str, args: list[str]) -> list[str]:
 
 
 def _request(argv: list[str]) -> dict[str, Any] | None:
-    """What the server should run for `python argv`, or None: exec the real interpreter."""
+    """What the server should run for `python argv`, or None: exec the real interpreter (also when
+    this environment would have imported torch or transformers differently from the server's)."""
     env = dict(os.environ)
+    if IMPORT_ENV in env and json.loads(env[IMPORT_ENV]) != import_env(env):
+        return None
     if argv[:1] == ["-u"]:
         argv = argv[1:]
     if len(argv) >= 2 and argv[0] == "-m" and argv[1].startswith(SERVED_PREFIXES):
@@ -139,6 +154,15 @@ def client(argv: list[str]) -> int:
         real = os.environ[PYTHON_ENV]
         os.execv(real, [real, *argv])
     req["cwd"] = os.getcwd()
+    if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform.startswith("linux"):
+        # A torchrun rank: the served process's parent is the server, not the agent, so this client
+        # stands in for it. When the agent dies the client gets SIGTERM and forwards it, as a rank
+        # that watches its agent takes the SIGTERM path (trainer.run.faults).
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(os.environ[SOCKET_ENV])
     _send(sock, json.dumps(req).encode(), [0, 1, 2])
@@ -201,7 +225,11 @@ def _new_std_streams() -> None:
         mode = "r" if fd == 0 else "w"
         tty = os.isatty(fd)
         stream = open(  # noqa: SIM115 - the process's own stream, open until it exits
-            fd, mode, encoding="utf-8", closefd=False, errors="backslashreplace" if fd == 2 else "strict",
+            fd,
+            mode,
+            encoding="utf-8",
+            closefd=False,
+            errors="backslashreplace" if fd == 2 else "strict",
             buffering=1 if (tty or fd == 2) and fd else -1,
         )
         if fd and unbuffered and isinstance(stream, io.TextIOWrapper):
@@ -221,7 +249,9 @@ def _run_child(req: dict[str, Any], fds: list[int]) -> int:
     os.environ.clear()
     os.environ.update(req["env"])
     _new_std_streams()
-    if os.environ.get("DOC_TEST_SHIMS"):  # what the program starts as python is served too (trainer.plan --validate)
+    if os.environ.get(
+        "DOC_TEST_SHIMS"
+    ):  # what the program starts as python is served too (trainer.plan --validate)
         sys.executable = os.path.join(os.environ["DOC_TEST_SHIMS"], "python")
     kind, target, args = req["kind"], req["target"], req["args"]
     try:

@@ -35,12 +35,11 @@ from pathlib import Path
 import pytest
 
 from tests.dist.doc_blocks import ROOT, Block, doc_pages, read_blocks
-from tests.dist.harness import TRAINER_PRELOAD, free_port
+from tests.dist.harness import free_port
+from tests.served import Served
 
-DOC_SHELL = ROOT / "tests" / "dist" / "doc_shell.py"
 # Not copied into a page's directory: version control, environments, caches and earlier outputs.
 NOT_COPIED = (".git", ".venv", "outputs", "wandb", "runs", "__pycache__", ".*_cache", "*.egg-info", "build")
-SERVER_START_S = 120
 
 SBATCH = r"""#!/usr/bin/env bash
 # doc-test sbatch: run the job script here with SLURM's variables (no scheduler).
@@ -79,50 +78,21 @@ def _write(path: Path, text: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def shell(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """The server and the PATH of the doc tests; yields the environment a block runs in."""
-    base = tmp_path_factory.mktemp("doc_shell")
-    shims, sock = base / "bin", base / "server.sock"
-    shims.mkdir()
-    py, client = sys.executable, f"{sys.executable} {DOC_SHELL} client"
-    _write(shims / "python", f'#!/bin/sh\nexec {client} "$@"\n')
-    for name in ("python3", "doc-client"):
-        _write(shims / name, (shims / "python").read_text())
-    _write(shims / "torchrun", f'#!/bin/sh\nexec {client} -m torch.distributed.run "$@"\n')
-    _write(shims / "hf", f'#!/bin/sh\nexec {client} -m tests.dist.doc_fixtures hf "$@"\n')
+def shell(served: Served, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment a block runs in: the session's served `python` / `torchrun` (tests/served.py),
+    `hf` and SLURM's commands on the PATH, progress bars off."""
+    shims = tmp_path_factory.mktemp("doc_shims")
+    _write(shims / "hf", f'#!/bin/sh\nexec {served.python} -m tests.dist.doc_fixtures hf "$@"\n')
     _write(shims / "sbatch", SBATCH)
     _write(shims / "srun", SRUN)
     _write(shims / "scontrol", SCONTROL)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PET_", "TORCHELASTIC_"))}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    env.update({
-        "PATH": f"{shims}{os.pathsep}{env['PATH']}", "PYTHONPATH": str(ROOT),
-        "DOC_TEST_SOCKET": str(sock), "DOC_TEST_PYTHON": py, "DOC_TEST_CLIENT": str(shims / "doc-client"),
-        "TORCHRUN": str(shims / "torchrun"), "HF_HUB_CACHE": str(base / "hub"), "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-        "WANDB_MODE": "disabled", "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", "DOC_TEST_SHIMS": str(shims),
-    })  # fmt: skip
-    log = open(base / "server.log", "wb")  # noqa: SIM115 - the server's, closed below
-    server = subprocess.Popen(
-        [py, str(DOC_SHELL), "serve", str(sock), ",".join(TRAINER_PRELOAD)],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + SERVER_START_S
-        while b"ready" not in (base / "server.log").read_bytes():
-            assert server.poll() is None, (base / "server.log").read_text()
-            assert time.monotonic() < deadline, "doc_shell server did not start"
-            time.sleep(0.1)
-        yield env
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        log.close()
+    for name in ("python", "python3", "torchrun"):
+        (shims / name).symlink_to(served.bin / name)
+    env = served.environ()
+    env.update(
+        {"PATH": f"{shims}{os.pathsep}{served.bin}{os.pathsep}{env['PATH']}", "DOC_TEST_SHIMS": str(shims)}
+    )
+    return env
 
 
 def sandbox(path: Path, shims: str) -> Path:

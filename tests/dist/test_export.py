@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from tests.dist.harness import run_distributed
+from tests.served import Served
 
 if TYPE_CHECKING:
     from trainer.tokenizer.stock_m2m100 import StockLayout
@@ -133,10 +134,10 @@ def stock_eval_loss(
     return total / count
 
 
-def _python_m(module: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, **ENV, "PYTHONPATH": str(ROOT)}
+def _python_m(served: Served, module: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = served.environ(**ENV)
     return subprocess.run(
-        [sys.executable, "-m", module, *args],
+        served.cmd("-m", module, *args),
         input=stdin,
         capture_output=True,
         text=True,
@@ -224,7 +225,7 @@ def test_stock_hf_model_loads_into_3d_model(
 
 @pytest.mark.dist
 def test_export_from_3d_checkpoint_matches_trainer_eval_loss(
-    finetuned_3d: tuple[dict[str, Any], list[dict[str, Any]], Path], tmp_path: Path
+    finetuned_3d: tuple[dict[str, Any], list[dict[str, Any]], Path], served: Served, tmp_path: Path
 ) -> None:
     values, rows, _ = finetuned_3d
     ckpt = Path(values["output_dir"]) / "checkpoint-2"
@@ -233,6 +234,7 @@ def test_export_from_3d_checkpoint_matches_trainer_eval_loss(
 
     export_dir = tmp_path / "hf"
     res = _python_m(
+        served,
         "trainer.export",
         "--checkpoint",
         str(ckpt),
@@ -287,6 +289,7 @@ def test_export_from_3d_checkpoint_matches_trainer_eval_loss(
     assert generated.shape[0] == 2 and (generated[:, 1] == de).all()
 
     res = _python_m(
+        served,
         "trainer.translate",
         "--model",
         str(export_dir),

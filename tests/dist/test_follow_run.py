@@ -16,26 +16,24 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.served import Served
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--builtin_size", "300", "--max_train_samples", "128", "--max_eval_samples", "8"]  # setup dominates
 
 
-def _train(out: Path, *extra: str, ranks: int = 1) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           "WANDB_MODE": "disabled"}  # fmt: skip
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TQDM_DISABLE"):
-        env.pop(k, None)
-    launch = [sys.executable] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]  # fmt: skip
+def _train(served: Served, out: Path, *extra: str, ranks: int = 1) -> subprocess.CompletedProcess[str]:
+    env = served.environ()
+    launch = served.cmd() if ranks == 1 else served.torchrun("--standalone", "--nproc-per-node", str(ranks))
     args = ["-m", "trainer.train", "--config", "configs/tiny.yaml", *SMALL, "--output_dir", str(out), *extra]
     proc = subprocess.run([*launch, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
 
-def test_log_without_bars_shows_steps_evaluations_and_curves(tmp_path: Path) -> None:
+def test_log_without_bars_shows_steps_evaluations_and_curves(served: Served, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    err = _train(out, "--max_steps", "6", "--eval_strategy", "steps", "--eval_steps", "3").stderr
+    err = _train(served, out, "--max_steps", "6", "--eval_strategy", "steps", "--eval_steps", "3").stderr
     lines = [ln.split("trainer.progress: ", 1)[1] for ln in err.splitlines() if "trainer.progress: " in ln]
     heads = [ln.split(" | ")[0] for ln in lines]
     # before training, each step, the evaluation at step 3 where it was computed, the final one
@@ -55,9 +53,9 @@ def test_log_without_bars_shows_steps_evaluations_and_curves(tmp_path: Path) -> 
     assert "\r" not in err  # no bar anywhere in a log without bars
 
 
-def test_evaluation_shows_bars_when_bars_are_on(tmp_path: Path) -> None:
+def test_evaluation_shows_bars_when_bars_are_on(served: Served, tmp_path: Path) -> None:
     """Was: the evaluation before training (and every other) ran without a bar or ETA."""
-    err = _train(tmp_path / "run", "--max_steps", "2", "--disable_tqdm", "false").stderr
+    err = _train(served, tmp_path / "run", "--max_steps", "2", "--disable_tqdm", "false").stderr
     for what in ("eval loss step 0", "eval translate step 0", "eval translate step 2", "train"):
         assert re.search(rf"{what}: +\d+%\|", err), (what, err[-3000:])
     # counted in sentences, 4 directions x 8 (the bar is drawn at 0 and at most every 0.1 s after)
@@ -66,10 +64,10 @@ def test_evaluation_shows_bars_when_bars_are_on(tmp_path: Path) -> None:
     assert "trainer.progress: eval step 2 | loss" in err  # metrics are logged with bars on too
 
 
-def test_the_logging_rank_speaks_where_it_is_not_rank_0(tmp_path: Path) -> None:
+def test_the_logging_rank_speaks_where_it_is_not_rank_0(served: Served, tmp_path: Path) -> None:
     """pp=2: the loss and the metrics live on rank 1, whose root logger is at WARNING like every
     rank but 0's; its progress lines are still logged, once."""
-    proc = _train(tmp_path / "run", "--max_steps", "2", "--do_eval", "false", "--pipeline_parallel_size", "2",
+    proc = _train(served, tmp_path / "run", "--max_steps", "2", "--do_eval", "false", "--pipeline_parallel_size", "2",
                   "--num_microbatches", "2", ranks=2)  # fmt: skip
     log = proc.stdout + proc.stderr
     steps = re.findall(r"trainer\.progress: (step \d/2) \| loss .* \| bubble \d+\.\d% \| eta", log)

@@ -34,51 +34,21 @@ import pytest
 
 from parallel.mesh import ParallelDims, coords_to_rank, rank_to_coords
 from tests.dist.harness import free_port
+from tests.served import Served
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "scripts" / "launch_multinode.sh"
 TIMEOUT_S = 240
 NNODES, NPROC = 2, 2
 
-# torchrun/launcher variables a surrounding job could leak into the children.
-_LEAKY_ENV = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "ROLE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "NNODES",
-    "NODE_RANK",
-    "NPROC_PER_NODE",
-    "JOB_ID",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS",
-)
+def _env(served: Served, **extra: str) -> dict[str, str]:
+    """A launcher's environment: the session's served one (tests/served.py), `extra` on top."""
+    return served.environ(**extra)
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LEAKY_ENV}
-    env.update(
-        {
-            "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-            "OMP_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-        }
-    )
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.update(extra)
-    return env
-
-
-def _torchrun() -> str:
-    """The torchrun next to this interpreter (the venv's), else the one on PATH."""
-    candidate = Path(sys.executable).parent / "torchrun"
-    return str(candidate) if candidate.exists() else "torchrun"
+def _torchrun(served: Served) -> str:
+    """torchrun, its agent and ranks served by the session's preloaded Python."""
+    return served.torchrun()[0]
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
@@ -158,11 +128,11 @@ class TwoNodes:
         return "\n".join(parts)
 
 
-def _torchrun_nodes(script_args: list[str], log_dir: Path) -> TwoNodes:
+def _torchrun_nodes(served: Served, script_args: list[str], log_dir: Path) -> TwoNodes:
     """`torchrun --nnodes 2 --nproc-per-node 2` twice, meeting at a fresh c10d endpoint."""
     port, run_id = free_port(), f"test-{uuid.uuid4().hex[:8]}"
     cmd = [
-        _torchrun(),
+        _torchrun(served),
         "--nnodes",
         str(NNODES),
         "--nproc-per-node",
@@ -179,10 +149,10 @@ def _torchrun_nodes(script_args: list[str], log_dir: Path) -> TwoNodes:
         "0",
         *script_args,
     ]
-    return TwoNodes([cmd, cmd], [_env(), _env()], log_dir)
+    return TwoNodes([cmd, cmd], [_env(served), _env(served)], log_dir)
 
 
-def _launcher_nodes(trainer_args: list[str], log_dir: Path) -> TwoNodes:
+def _launcher_nodes(served: Served, trainer_args: list[str], log_dir: Path) -> TwoNodes:
     """scripts/launch_multinode.sh on two simulated nodes (NODE_RANK 0 and 1)."""
     port, run_id = free_port(), f"test-{uuid.uuid4().hex[:8]}"
     common = {
@@ -193,18 +163,19 @@ def _launcher_nodes(trainer_args: list[str], log_dir: Path) -> TwoNodes:
         "JOB_ID": run_id,
         "MAX_RESTARTS": "0",
         "RDZV_CONF": "join_timeout=120",
-        "TORCHRUN": _torchrun(),
+        "TORCHRUN": _torchrun(served),
     }
-    envs = [_env(**common, NODE_RANK=str(r)) for r in range(NNODES)]
+    envs = [_env(served, **common, NODE_RANK=str(r)) for r in range(NNODES)]
     cmd = ["bash", str(LAUNCHER), *trainer_args]
     return TwoNodes([cmd, cmd], envs, log_dir)
 
 
 @pytest.mark.dist
-def test_placement_tp_inside_nodes_pp_across(tmp_path: Path) -> None:
+def test_placement_tp_inside_nodes_pp_across(served: Served, tmp_path: Path) -> None:
     out = tmp_path / "ranks"
     nodes = _torchrun_nodes(
-        ["tests/dist/multinode_workers.py", "--out", str(out), "--pp", "2", "--tp", "2"], tmp_path
+        served,
+        ["-m", "tests.dist.multinode_workers", "--out", str(out), "--pp", "2", "--tp", "2"], tmp_path
     ).run()
     assert nodes.ok, nodes.report()
     recs = {}
@@ -250,9 +221,10 @@ def test_placement_tp_inside_nodes_pp_across(tmp_path: Path) -> None:
 
 
 @pytest.mark.dist
-def test_two_simulated_nodes_train_tiny_model(tmp_path: Path) -> None:
+def test_two_simulated_nodes_train_tiny_model(served: Served, tmp_path: Path) -> None:
     out = tmp_path / "run"
     nodes = _launcher_nodes(
+        served,
         [
             "--config",
             "configs/tiny.yaml",

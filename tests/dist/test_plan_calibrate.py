@@ -17,17 +17,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.served import Served
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_plan_calibrates_each_family(tmp_path: Path) -> None:
+def test_plan_calibrates_each_family(served: Served, tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
-    cmd = [sys.executable, "-m", "trainer.plan", "--config", "configs/tiny.yaml", "--world_size", "2",
+    cmd = [served.python, "-m", "trainer.plan", "--config", "configs/tiny.yaml", "--world_size", "2",
            "--seq_len", "12", "--link_gbps", "1", "--repeats", "1", "--schedules", "1f1b,zero_bubble",
            "--remat", "none", "--max_microbatches", "2", "--validate_steps", "5",
            "--validate_warmup", "2", "--validate_repeats", "1", "--validate_dir", str(tmp_path / "runs"), "--output", str(out),
            "--builtin_size", "200", "--calibrate", "true"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    env = served.environ()
     if (os.cpu_count() or 1) < 2:
         pytest.skip("calibrating a 2-rank world needs 2 cores")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)

@@ -27,6 +27,7 @@ import pytest
 
 from tests.dist.harness import free_port
 from tests.dist.test_multinode import TwoNodes, _env, _torchrun
+from tests.served import Served
 
 TIMEOUT_S = 300
 MAX_STEPS, SAVE_STEPS, KILL_STEP = 8, 3, 5
@@ -69,13 +70,13 @@ def _rows_by_step(out: Path) -> dict[int, dict[str, float]]:
 
 
 @pytest.mark.dist
-def test_killed_rank_restarts_resumes_and_matches_uninterrupted_run(tmp_path: Path) -> None:
+def test_killed_rank_restarts_resumes_and_matches_uninterrupted_run(served: Served, tmp_path: Path) -> None:
     fault = {"TRAINER_FAULT_INJECT": f"kill:rank=1:step={KILL_STEP}"}
     outs = {name: tmp_path / name for name in ("reference", "killed")}
 
     def torchrun(out: Path, max_restarts: int) -> list[str]:
         return [
-            _torchrun(),
+            _torchrun(served),
             "--nproc-per-node",
             "2",
             "--max-restarts",
@@ -92,7 +93,7 @@ def test_killed_rank_restarts_resumes_and_matches_uninterrupted_run(tmp_path: Pa
         ]
 
     jobs = TwoNodes(
-        [torchrun(outs["reference"], 0), torchrun(outs["killed"], 1)], [_env(), _env(**fault)], tmp_path
+        [torchrun(outs["reference"], 0), torchrun(outs["killed"], 1)], [_env(served), _env(served, **fault)], tmp_path
     ).run(TIMEOUT_S)
     assert jobs.ok, jobs.report()
 

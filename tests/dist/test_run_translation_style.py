@@ -26,21 +26,22 @@ from pathlib import Path
 
 import pytest
 
+from tests.served import Served
+
 ROOT = Path(__file__).resolve().parents[2]
 VALIDATION = "configs/data/en-de_sample/validation.jsonl"
 
 
-def _train(out: Path, *flags: str) -> None:
-    cmd = [sys.executable, "-m", "trainer.train", "--config", "configs/run_translation_style.yaml",
+def _train(served: Served, out: Path, *flags: str) -> None:
+    cmd = [served.python, "-m", "trainer.train", "--config", "configs/run_translation_style.yaml",
            "--output_dir", str(out), *flags]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    env.pop("WORLD_SIZE", None)
+    env = served.environ()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.mark.dist
-def test_run_translation_style_config_end_to_end(tmp_path: Path) -> None:
+def test_run_translation_style_config_end_to_end(served: Served, tmp_path: Path) -> None:
     out = tmp_path / "run"
     tiny = ["--d_model", "32", "--encoder_ffn_dim", "64", "--decoder_ffn_dim", "64", "--vocab_size", "300",
             "--max_train_samples", "192", "--per_device_train_batch_size", "32", "--num_train_epochs", "3",
@@ -48,7 +49,7 @@ def test_run_translation_style_config_end_to_end(tmp_path: Path) -> None:
     decisions = ["--metric_for_best_model", "eval_loss", "--greater_is_better", "true",
                  "--early_stopping_patience", "1", "--early_stopping_threshold", "1e9",
                  "--save_total_limit", "1", "--test_file", VALIDATION, "--max_predict_samples", "16"]  # fmt: skip
-    _train(out, *tiny, *decisions)
+    _train(served, out, *tiny, *decisions)
 
     summary = json.loads((out / "run_summary.json").read_text())
     evals = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").open()) if "eval_loss" in r}
@@ -71,7 +72,7 @@ def test_run_translation_style_config_end_to_end(tmp_path: Path) -> None:
 
     # do_train=false: evaluate and predict a given checkpoint (here the best one), write no checkpoint
     only = tmp_path / "predict_only"
-    _train(only, *tiny, *decisions, "--do_train", "false", "--resume_from_checkpoint", best)
+    _train(served, only, *tiny, *decisions, "--do_train", "false", "--resume_from_checkpoint", best)
     again = json.loads((only / "predict_results.json").read_text())
     assert again["predict_loss"] == pytest.approx(evals[6]["eval_loss"], rel=1e-6)
     assert (only / "predictions_en-de.txt").read_text() == (out / "predictions_en-de.txt").read_text()

@@ -22,6 +22,7 @@ from tests.dist.test_multinode import TwoNodes, _env, _torchrun
 from tests.dist.test_restart import _rows_by_step
 from tests.dist.train_workers import base_config, train_cases
 from tests.dist.train_workers import mesh_overrides as mesh
+from tests.served import Served
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-5
@@ -111,7 +112,7 @@ def test_resume_on_another_dp_size(tmp_path: Path, corpus: str) -> None:
     assert not _close(reference[3:], hist), _close(reference[3:], hist)
 
 
-def test_killed_rank_resumes_the_stream_exactly(tmp_path: Path, corpus: str) -> None:
+def test_killed_rank_resumes_the_stream_exactly(served: Served, tmp_path: Path, corpus: str) -> None:
     """SIGKILL of rank 1 as step 5 begins (its data worker dies with it): the restarted group
     resumes the stream from checkpoint-3 and logs the uninterrupted run's steps exactly."""
     args = ["--config", "configs/tiny.yaml", "--dataset_name", "null", "--train_file", corpus,
@@ -123,13 +124,13 @@ def test_killed_rank_resumes_the_stream_exactly(tmp_path: Path, corpus: str) -> 
     outs = {name: tmp_path / name for name in ("reference", "killed")}
 
     def torchrun(out: Path, max_restarts: int) -> list[str]:
-        return [_torchrun(), "--nproc-per-node", "2", "--max-restarts", str(max_restarts), "--rdzv-backend",
+        return [_torchrun(served), "--nproc-per-node", "2", "--max-restarts", str(max_restarts), "--rdzv-backend",
                 "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "trainer.train", *args,
                 "--output_dir", str(out)]  # fmt: skip
 
     fault = {"TRAINER_FAULT_INJECT": "kill:rank=1:step=5"}
     jobs = TwoNodes(
-        [torchrun(outs["reference"], 0), torchrun(outs["killed"], 1)], [_env(), _env(**fault)], tmp_path
+        [torchrun(outs["reference"], 0), torchrun(outs["killed"], 1)], [_env(served), _env(served, **fault)], tmp_path
     ).run(400)
     assert jobs.ok, jobs.report()
     reference = _rows_by_step(outs["reference"])

@@ -3,15 +3,12 @@ raised before any collective could hang and before anything is written."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow  # twelve trainer processes start (imports dominate): ~25 s on 2 cores
 
 CASES = {
     "unknown-flag": (["--foo", "1"], "unknown flag(s) ['--foo']"),
@@ -59,24 +56,16 @@ def _bare_model(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
-    env = {**os.environ, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("WORLD_SIZE", None)
+def outcomes(served, tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
+    env = served.environ()
     procs = {}
     bare = str(_bare_model(tmp_path_factory.mktemp("bare_model")))
     for name, (args, _) in CASES.items():
         out = tmp_path_factory.mktemp(name) / "out"
         args = [a.replace("{bare_model}", bare) for a in args]
-        cmd = [
-            sys.executable,
-            "-m",
-            "trainer.train",
-            "--config",
-            "configs/tiny.yaml",
-            "--output_dir",
-            str(out),
-            *args,
-        ]
+        cmd = served.cmd(
+            "-m", "trainer.train", "--config", "configs/tiny.yaml", "--output_dir", str(out), *args
+        )
         procs[name] = (
             subprocess.Popen(
                 cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

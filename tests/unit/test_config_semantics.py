@@ -10,11 +10,11 @@ built-in corpus, silently; `--dataset_name null` looked for a Hub dataset called
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.served import Served
 from trainer.config.parse import parse_config
 from trainer.errors import ConfigError
 
@@ -76,10 +76,11 @@ def test_report_to_all_and_bad_names(tmp_path: Path) -> None:
         parse_config(["--config", TINY, "--report_to", "comet"])
 
 
-def test_help_opens_with_config_usage_and_groups_by_section() -> None:
+def test_help_opens_with_config_usage_and_groups_by_section(served: Served) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "trainer.train", "--help"],
+        served.cmd("-m", "trainer.train", "--help"),
         cwd=ROOT,
+        env=served.environ(),
         capture_output=True,
         text=True,
         timeout=120,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from models.config import ModelConfig
 from models.generate import SearchSettings, generate
 from models.hf_save import save_hf_model
 from models.m2m100 import M2M100Translation
+from tests.served import Served
 from tests.unit.test_model_parity import CFG
 from trainer.eval.decode import (
     SAMPLES_KEY,
@@ -203,11 +203,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_cli_translates_stdin_line_by_line(model_dir: Path) -> None:
-    cmd = [sys.executable, "-m", "trainer.translate", "--model", str(model_dir), "--source_lang", "en",
+def test_cli_translates_stdin_line_by_line(served: Served, model_dir: Path) -> None:
+    cmd = [served.python, "-m", "trainer.translate", "--model", str(model_dir), "--source_lang", "en",
            "--target_lang", "fr", "--num_beams", "2", "--max_length", "8"]  # fmt: skip
     proc = subprocess.run(cmd, input="hello world\nthe cat sat on the mat\n", capture_output=True,
-                          text=True, encoding="utf-8", cwd=ROOT, timeout=120)  # fmt: skip
+                          text=True, encoding="utf-8", cwd=ROOT, env=served.environ(), timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.split("\n")
     assert len(lines) == 3 and lines[2] == "", proc.stdout  # two lines, each newline-terminated

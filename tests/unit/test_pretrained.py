@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ import pytest
 from models.config import ModelConfig
 from models.hf_save import save_hf_model
 from models.m2m100 import M2M100Translation
+from tests.served import Served
 from trainer.config.parse import parse_config
 from trainer.config.pretrained import check_tokenizer_fits, pretrained_sources
 from trainer.errors import ConfigError, TokenizerError
@@ -135,20 +134,16 @@ def test_hub_name_resolves_through_the_cache_offline(
 
 @pytest.mark.slow
 def test_fine_tune_from_a_hub_name_in_the_offline_cache(
-    tok: Tokenizer, tok_dir: Path, tmp_path: Path
+    served: Served, tok: Tokenizer, tok_dir: Path, tmp_path: Path
 ) -> None:
     """`python -m trainer.train --model_name_or_path org/name` with HF_HUB_OFFLINE=1 and the model in
     HF_HUB_CACHE: trains from the cached weights with the cached tokenizer's ids (one process)."""
-    snapshot = _hub_cache(tmp_path / "hub", [_model_dir(tmp_path / "model", tok.vocab_size), tok_dir])
+    # The session's served Python reads HF_HUB_CACHE (offline): the model goes into that cache.
+    hub = Path(served.env["HF_HUB_CACHE"])
+    snapshot = _hub_cache(hub, [_model_dir(tmp_path / "model", tok.vocab_size), tok_dir])
     out = tmp_path / "out"
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "HF_HUB_OFFLINE": "1",
-        "HF_HUB_CACHE": str(tmp_path / "hub"),
-    }
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "trainer.train", "--config", TINY, "--output_dir", str(out),
+    env = served.environ()
+    cmd = [served.python, "-m", "trainer.train", "--config", TINY, "--output_dir", str(out),
            "--model_name_or_path", REPO, "--language_pairs", "en-de", "--max_steps", "2", "--do_eval", "false",
            "--builtin_size", "200", "--max_source_length", "24", "--max_target_length", "24"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
