@@ -4,6 +4,8 @@ Every test under tests/dist spawns process groups, runs the trainer or launches 
 (seconds to a minute each on 2 cores), so it is `slow`, except the modules in QUICK_DIST:
 one shared group of a few seconds that keeps multi-process coverage in the quick tier.
 Slow tests elsewhere carry `@pytest.mark.slow` themselves.
+
+Also the `multi30k` fixture: the tests' parallel text, found or generated (tests/corpus_data.py).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+from tests import corpus_data
 
 DIST = Path(__file__).parent / "dist"
 QUICK_DIST = {"test_tensor_parallel.py"}
@@ -21,3 +25,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.parent == DIST and item.path.name not in QUICK_DIST:
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    corpus_data.found()  # a bad MULTI30K_DIR stops the session in one line, before collection
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"multi30k: {corpus_data.describe()}"
+
+
+@pytest.fixture(scope="session")
+def multi30k(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of multi30k's files: the real ones where found, else the built-in corpus written
+    in that layout (tests/corpus_data.py)."""
+    real = corpus_data.found()
+    return real if real is not None else corpus_data.generate(tmp_path_factory.mktemp("multi30k-generated"))

@@ -4,7 +4,7 @@ Issue 13: `trainer.translate` loaded the whole exported model onto one device, s
 failed for models that do not fit one. Under torchrun it now cuts the model into
 pipeline stages and tensor-parallel shards and decodes with `pipeline_generate`.
 
-A tiny model is trained for 250 steps on real multi30k en->de pairs (so outputs
+A tiny model is trained for 250 steps on en->de pairs of `multi30k`'s text (so outputs
 depend on the input and beam search differs from greedy) with a SentencePiece
 vocabulary trained here, then exported as `trainer.export` writes it (`save_hf_model`
 and the tokenizer's `save_pretrained`). The same 6 validation sentences, in 3 batches
@@ -15,7 +15,6 @@ be identical line for line, and nothing else may reach stdout.
 
 from __future__ import annotations
 
-import gzip
 import io
 import os
 import subprocess
@@ -25,20 +24,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.corpus_data import read_lines
+
 ROOT = Path(__file__).resolve().parents[2]
-DATA = Path("/work/shared/data/multi30k")
 FLAGS = ["--source_lang", "en", "--target_lang", "de", "--num_beams", "2", "--max_length", "24",
          "--batch_size", "2"]  # fmt: skip
 MESH = ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2", "--data_parallel_size", "1"]
 TRAIN_STEPS, BATCH = 250, 32  # 120 gave 3 distinct outputs of 6 here: on the edge of the check
 
 
-def read_lines(name: str, n: int) -> list[str]:
-    with gzip.open(DATA / name, "rt", encoding="utf-8") as f:
-        return [next(f).strip() for _ in range(n)]
-
-
-def train_export(out: Path) -> None:
+def train_export(out: Path, text: Path) -> None:
     """Tokenizer + tiny model trained on en->de, written as an HF directory."""
     from models.config import ModelConfig
     from models.hf_save import save_hf_model
@@ -46,7 +41,7 @@ def train_export(out: Path) -> None:
     from trainer.eval.decode import pad_batch
     from trainer.tokenizer.vocab import train_tokenizer
 
-    en, de = read_lines("train.en.gz", 2000), read_lines("train.de.gz", 2000)
+    en, de = ([t.strip() for t in read_lines(text, "train", lang, 2000)] for lang in ("en", "de"))
     tok = train_tokenizer(en + de, ["en", "de"], vocab_size=256)
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, encoder_layers=2, decoder_layers=2,
@@ -76,11 +71,9 @@ def train_export(out: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def export_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not DATA.is_dir():
-        pytest.skip(f"{DATA} (multi30k) is not here")
+def export_dir(tmp_path_factory: pytest.TempPathFactory, multi30k: Path) -> Path:
     out = tmp_path_factory.mktemp("export")
-    train_export(out)
+    train_export(out, multi30k)
     return out
 
 
@@ -92,10 +85,10 @@ def _env() -> dict[str, str]:
 
 
 @pytest.mark.dist
-def test_torchrun_translate_equals_one_process(export_dir: Path) -> None:
+def test_torchrun_translate_equals_one_process(export_dir: Path, multi30k: Path) -> None:
     from trainer.translate import main
 
-    text = "\n".join(read_lines("val.en.gz", 6)) + "\n"
+    text = "\n".join(t.strip() for t in read_lines(multi30k, "val", "en", 6)) + "\n"
     one = io.StringIO()
     assert main(["--model", str(export_dir), *FLAGS], io.StringIO(text), one) == 0
     want = one.getvalue().split("\n")
@@ -115,12 +108,14 @@ def test_torchrun_translate_equals_one_process(export_dir: Path) -> None:
 
 
 @pytest.mark.dist
-def test_torchrun_translate_in_bf16_on_a_pipeline_equals_one_process_in_bf16(export_dir: Path) -> None:
+def test_torchrun_translate_in_bf16_on_a_pipeline_equals_one_process_in_bf16(
+    export_dir: Path, multi30k: Path
+) -> None:
     """`--dtype bfloat16` (transformers' name): every weight cast once, decoding in bf16. A pipeline
     cut adds no reduction, so 2 stages give the one-process bf16 lines exactly."""
     from trainer.translate import main
 
-    text = "\n".join(read_lines("val.en.gz", 6)) + "\n"
+    text = "\n".join(t.strip() for t in read_lines(multi30k, "val", "en", 6)) + "\n"
     one = io.StringIO()
     assert main(["--model", str(export_dir), *FLAGS, "--dtype", "bfloat16"], io.StringIO(text), one) == 0
     want = one.getvalue().split("\n")
