@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.append(str(ROOT / "scripts"))  # after the packages: a script name shadows nothing
 from make_sharded_corpus import BESIDE_CLONE, MULTI30K_SOURCE  # noqa: E402
 
 ENV = "MULTI30K_DIR"
