@@ -4,9 +4,9 @@
     python scripts/bench_data.py --sizes 100000 --quick   # a rehearsal
 
 For each size a sharded JSON-lines corpus over 20 directions is generated once
-(`scripts/make_sharded_corpus.py`, multi30k text; 100k pairs per shard) and trained on with
-`torchrun --nproc-per-node 2` (configs/tiny.yaml, dp=2, a new SentencePiece at the default
-`spm_input_sentence_size`, no evaluation):
+(`scripts/make_sharded_corpus.py`, multi30k text from `--data_dir`, as that script takes it; 100k
+pairs per shard) and trained on with `torchrun --nproc-per-node 2` (configs/tiny.yaml, dp=2, a new
+SentencePiece at the default `spm_input_sentence_size`, no evaluation):
 
   streaming   `streaming: true`, one data-loader worker per rank (the new path)
   map-style   `streaming: false` (the path before it: rank 0 reads and tokenizes the corpus before
@@ -43,13 +43,13 @@ PAIRS = ["en-de", "de-en", "en-fr", "fr-en", "en-cs", "cs-en", "de-fr", "fr-de",
          "fr-cs", "cs-fr", "en-xx", "xx-en", "de-xx", "xx-de", "fr-xx", "xx-fr", "cs-xx", "xx-cs"]  # fmt: skip
 
 
-def corpus(size: int, root: Path) -> Path:
+def corpus(size: int, root: Path, data: Path | str) -> Path:
     from make_sharded_corpus import write_corpus
 
     out = root / f"corpus-{size}"
     if not (out / "DONE").exists():
         t = time.perf_counter()
-        write_corpus(out, size, n_directions=20, shard_pairs=100_000)
+        write_corpus(out, size, data, n_directions=20, shard_pairs=100_000)
         (out / "DONE").write_text(f"{time.perf_counter() - t:.0f} s\n")
     return out
 
@@ -269,7 +269,14 @@ def main() -> None:
     parser.add_argument("--root", default="/tmp/bench_data")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "data_cpu"))
     parser.add_argument("--quick", action="store_true", help="few steps, no throughput")
+    parser.add_argument(
+        "--data_dir", default=None, help="multi30k's folder (make_sharded_corpus.py --data_dir)"
+    )
     args = parser.parse_args()
+    from make_sharded_corpus import BUILTIN, LANGUAGES, multi30k_dir
+
+    files = [f"train.{lang}.gz" for lang in LANGUAGES[:4]]
+    text = BUILTIN if args.data_dir == BUILTIN else multi30k_dir(args.data_dir, files)
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     steps = 8 if args.quick else args.steps
@@ -280,14 +287,14 @@ def main() -> None:
     if args.timeout_check:
         plan.append((args.timeout_check, "streaming, dist_timeout_s 30", ["--dist_timeout_s", "30"]))
     for pairs, path, extra in plan:
-        data = corpus(pairs, root)
+        data = corpus(pairs, root, text)
         mib = round(sum(p.stat().st_size for p in data.glob("train-*.jsonl")) / 2**20)
         out = root / f"run-{pairs}-{path.split(',')[0]}"
         result = train(data, out, path.startswith("streaming"), steps, extra)
         print(json.dumps({"pairs": pairs, "path": path, **result})[:400], flush=True)
         results["runs"].append({"pairs": pairs, "mib": mib, "path": path, "result": result})
     if not args.quick:
-        results["throughput"] = throughput(corpus(max(args.sizes), root))
+        results["throughput"] = throughput(corpus(max(args.sizes), root, text))
         results["demo"] = demo_data_wait(root, 60)
     Path(args.out + ".json").write_text(json.dumps(results, indent=1))
     Path(args.out + ".md").write_text(table(results))

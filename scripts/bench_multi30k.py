@@ -3,6 +3,10 @@
     python scripts/bench_multi30k.py --probe          # a few alternating same-batch steps: s/step
     python scripts/bench_multi30k.py --steps 600      # the full comparison -> benchmarks/multi30k_en_de.*
 
+`--data_dir`: a folder of multi30k's task-1 raw files (`train.{en,de}.gz`, `val.{en,de}.gz`, from
+https://github.com/multi30k/dataset, data/task1/raw); default: `../shared/data/multi30k` beside
+the clone.
+
 Both sides do the same thing:
 
 * data: multi30k train en->de (line-aligned .gz files), read once by `trainer.data.sources.load_raw_datasets`;
@@ -45,6 +49,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from make_sharded_corpus import multi30k_dir  # noqa: E402
 
 from models.config import ModelConfig  # noqa: E402
 from models.generate import SearchSettings  # noqa: E402
@@ -60,13 +67,12 @@ from trainer.eval.decode import translate  # noqa: E402
 from trainer.eval.metrics import compute_metrics  # noqa: E402
 from trainer.tokenizer.vocab import Tokenizer, load_or_train_tokenizer  # noqa: E402
 
-DATA = Path("/work/shared/data/multi30k")
 SRC, TGT = "en", "de"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=str(DATA))
+    p.add_argument("--data_dir", default=None, help="multi30k's folder (default: ../shared/data/multi30k)")
     p.add_argument("--work", default=str(ROOT / "outputs" / "bench_multi30k"))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "multi30k_en_de"))
     p.add_argument("--steps", type=int, default=600)
@@ -80,7 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro_rounds", type=int, default=3)
     p.add_argument("--micro_steps", type=int, default=10)
     p.add_argument("--note", default="", help="a line added to the report (e.g. which commit ran)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    files = [f"{split}.{lang}.gz" for split in ("train", "val") for lang in (SRC, TGT)]
+    args.data_dir = str(multi30k_dir(args.data_dir, files))
+    return args
 
 
 def uptime() -> str:
@@ -93,8 +102,8 @@ def uptime() -> str:
 def job_values(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Our trainer's config (flat TrainingArguments-style names); HF's arguments mirror it."""
     return {
-        "train_file": f"{args.data}/train.{{lang}}.gz",
-        "validation_file": f"{args.data}/val.{{lang}}.gz",
+        "train_file": f"{args.data_dir}/train.{{lang}}.gz",
+        "validation_file": f"{args.data_dir}/val.{{lang}}.gz",
         "source_lang": SRC,
         "target_lang": TGT,
         "max_eval_samples": args.eval_sentences,

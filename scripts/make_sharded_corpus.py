@@ -1,11 +1,14 @@
 """Write a sharded many-direction JSON-lines corpus of real text, for the data benchmark and tests.
 
     python scripts/make_sharded_corpus.py --out /tmp/corpus --pairs 1000000 [--directions 20]
-        [--shard_pairs 100000] [--gzip] [--seed 0]
+        [--shard_pairs 100000] [--gzip] [--seed 0] [--data_dir DIR | --data_dir builtin]
 
-Texts are multi30k sentences (en, de, fr, cs: ../shared/data/multi30k) and a fifth pseudo-language
-`xx` (the English sentence with its words reversed), so 5 languages give up to 20 directions.
-A pair is one aligned multi30k sentence, joined to a second one a third of the time (longer pairs).
+Texts are multi30k sentences (en, de, fr, cs) and a fifth pseudo-language `xx` (the English
+sentence with its words reversed), so 5 languages give up to 20 directions. `--data_dir` is a
+folder of multi30k's task-1 raw files (`train.{en,de,fr,cs}.gz`; MULTI30K_SOURCE); by
+default the `../shared/data/multi30k` beside the clone. `--data_dir builtin` takes the sentences
+from the built-in corpus instead (trainer/data/corpus.py: numbers, dates, CLDR names; offline).
+A pair is one aligned sentence, joined to a second one a third of the time (longer pairs).
 Shards are `train-<src>-<tgt>-<k>.jsonl[.gz]`, the same number of pairs per direction, records
 `{"translation": {"<src>": ..., "<tgt>": ...}}`. Deterministic given the arguments.
 """
@@ -16,22 +19,66 @@ import argparse
 import gzip
 import itertools
 import json
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-# multi30k beside the clone (../shared/data), else the machine's copy
-_CANDIDATES = (
-    Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k",
-    Path("/work/shared/data/multi30k"),
-)
-DATA = next((p for p in _CANDIDATES if p.is_dir()), _CANDIDATES[0])
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # trainer.data.corpus, for --data_dir builtin, without an install
+BESIDE_CLONE = ROOT.parent / "shared" / "data" / "multi30k"  # where CI keeps a copy
+MULTI30K_SOURCE = "https://github.com/multi30k/dataset, data/task1/raw"
+BUILTIN = "builtin"
+BUILTIN_ITEMS = 5_000  # sentences per language when --data_dir builtin (multi30k has 29,000)
 LANGUAGES = ("en", "de", "fr", "cs", "xx")
 
 
-def sentences(data: Path = DATA) -> dict[str, list[str]]:
-    """Aligned sentences per language (multi30k train), `xx` derived from English."""
-    out = {lang: gzip.open(data / f"train.{lang}.gz", "rt").read().splitlines() for lang in LANGUAGES[:4]}
+def multi30k_dir(data_dir: str | None, files: Sequence[str], hint: str = "") -> Path:
+    """The multi30k folder a script reads: `data_dir`, else the copy beside the clone.
+
+    Args:
+        data_dir: the `--data_dir` value, or None for the default.
+        files: the file names the script needs there.
+        hint: appended to the error line (another way out, if the script has one).
+
+    Returns:
+        The folder.
+
+    Raises:
+        SystemExit: exit status 2, after one line naming the folder, the missing file and where
+            multi30k comes from.
+    """
+    path = Path(data_dir) if data_dir is not None else BESIDE_CLONE
+    missing = [name for name in files if not (path / name).is_file()]
+    if missing:
+        flag = (
+            f"--data_dir {data_dir}"
+            if data_dir is not None
+            else f"no --data_dir, and {path} (beside the clone)"
+        )
+        print(
+            f"{Path(sys.argv[0]).name}: {flag} has no {missing[0]}: get multi30k's files "
+            f"({MULTI30K_SOURCE}) and pass their folder as --data_dir{hint}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    return path
+
+
+def sentences(data: Path | str) -> dict[str, list[str]]:
+    """Aligned sentences per language (multi30k train, or the built-in corpus), `xx` from English."""
+    if str(data) == BUILTIN:
+        from trainer.data.corpus import SPLITS, build_builtin_corpus
+
+        corpus = build_builtin_corpus(LANGUAGES[:4], BUILTIN_ITEMS, seed=0)
+        records = [r for split in SPLITS for r in corpus[split]]
+        out = {lang: [r[lang] for r in records] for lang in LANGUAGES[:4]}
+    else:
+        out = {
+            lang: gzip.open(Path(data) / f"train.{lang}.gz", "rt").read().splitlines()
+            for lang in LANGUAGES[:4]
+        }
     out["xx"] = [" ".join(reversed(s.split())) for s in out["en"]]
     return out
 
@@ -43,9 +90,9 @@ def directions(n: int) -> list[tuple[str, str]]:
     return pairs[:n]
 
 
-def write_corpus(out: Path, pairs: int, n_directions: int = 20, shard_pairs: int = 100_000,
-                 compress: bool = False, seed: int = 0, data: Path = DATA) -> list[Path]:  # fmt: skip
-    """Write the corpus; returns the shard paths."""
+def write_corpus(out: Path, pairs: int, data: Path | str, n_directions: int = 20, shard_pairs: int = 100_000,
+                 compress: bool = False, seed: int = 0) -> list[Path]:  # fmt: skip
+    """Write the corpus from `data` (a multi30k folder, or `builtin`); returns the shard paths."""
     text = sentences(data)
     encoded = {lang: [json.dumps(s, ensure_ascii=False) for s in lines] for lang, lines in text.items()}
     n = len(text["en"])
@@ -83,8 +130,21 @@ def main() -> None:
     parser.add_argument("--shard_pairs", type=int, default=100_000)
     parser.add_argument("--gzip", action="store_true", help="write .jsonl.gz shards")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--data_dir", default=None,
+        help=f"multi30k's train.{{en,de,fr,cs}}.gz ({MULTI30K_SOURCE}); default: ../shared/data/multi30k "
+        f"beside the clone; '{BUILTIN}': the built-in corpus",
+    )  # fmt: skip
     args = parser.parse_args()
-    paths = write_corpus(Path(args.out), args.pairs, args.directions, args.shard_pairs, args.gzip, args.seed)
+    files = [f"train.{lang}.gz" for lang in LANGUAGES[:4]]
+    data = (
+        BUILTIN
+        if args.data_dir == BUILTIN
+        else multi30k_dir(args.data_dir, files, f" (or --data_dir {BUILTIN})")
+    )
+    paths = write_corpus(
+        Path(args.out), args.pairs, data, args.directions, args.shard_pairs, args.gzip, args.seed
+    )
     size = sum(p.stat().st_size for p in paths)
     print(f"{args.out}: {len(paths)} shard(s), {args.pairs} pairs, {size / 2**20:.0f} MiB")
 

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
+from tests.corpus_data import read_lines
 from tests.dist.harness import run_distributed
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
-DATA = Path("/work/shared/data/multi30k")
 
 
 def share_tokenization(rank: int, world: int, text_dir: str, out: str) -> dict[str, Any]:
@@ -84,15 +84,14 @@ def _balancing_fails_on_rank0(cfg: Any) -> str:
     return "no error"
 
 
-def test_rank0_tokenizes_the_others_load(tmp_path: Path) -> None:
+def test_rank0_tokenizes_the_others_load(tmp_path: Path, multi30k: Path) -> None:
     from trainer.tokenizer.vocab import train_tokenizer
 
     lines = {}
     for lang in ("de", "en"):
-        with gzip.open(DATA / f"train.{lang}.gz", "rt", encoding="utf-8") as f:
-            lines[lang] = [line for _, line in zip(range(800), f)]
+        lines[lang] = read_lines(multi30k, "train", lang, 800)
         with gzip.open(tmp_path / f"train.{lang}.gz", "wt", encoding="utf-8") as g:
-            g.writelines(lines[lang])
+            g.write("\n".join(lines[lang]) + "\n")
     texts = [t.strip() for v in lines.values() for t in v]
     train_tokenizer(texts, ["de", "en"], 600, seed=0).save(tmp_path / "tokenizer")
     r0, r1 = run_distributed(share_tokenization, 2, args=(str(tmp_path), str(tmp_path / "out")), timeout=240)

@@ -7,19 +7,18 @@ dataset without one would only have failed after training.
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.corpus_data import read_lines
 from tests.dist.harness import run_distributed
 from tests.dist.train_workers import base_config
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 
-DATA = Path("/work/shared/data/multi30k")
 SIZES = {"train": 400, "validation": 16, "test": 12}
 
 
@@ -41,13 +40,10 @@ def predict_run(rank: int, world: int, cfg: dict[str, Any], no_test: dict[str, A
     return {"predict": summary["predict"], "error": error}
 
 
-def _save_dataset(path: Path, splits: list[str]) -> None:
+def _save_dataset(path: Path, splits: list[str], text: Path) -> None:
     import datasets
 
-    lines: dict[str, list[str]] = {}
-    for lang in ("en", "de"):
-        with gzip.open(DATA / f"train.{lang}.gz", "rt", encoding="utf-8") as f:
-            lines[lang] = [line.strip() for _, line in zip(range(sum(SIZES.values())), f)]
+    lines = {lang: [t.strip() for t in read_lines(text, "train", lang, sum(SIZES.values()))] for lang in ("en", "de")}
     rows = [{"translation": {"en": en, "de": de}} for en, de in zip(lines["en"], lines["de"])]
     parts, start = {}, 0
     for split, n in SIZES.items():
@@ -56,9 +52,9 @@ def _save_dataset(path: Path, splits: list[str]) -> None:
     dd.save_to_disk(str(path))
 
 
-def test_do_predict_translates_the_test_split_of_a_saved_dataset(tmp_path: Path) -> None:
-    _save_dataset(tmp_path / "saved", ["train", "validation", "test"])
-    _save_dataset(tmp_path / "no_test", ["train", "validation"])
+def test_do_predict_translates_the_test_split_of_a_saved_dataset(tmp_path: Path, multi30k: Path) -> None:
+    _save_dataset(tmp_path / "saved", ["train", "validation", "test"], multi30k)
+    _save_dataset(tmp_path / "no_test", ["train", "validation"], multi30k)
     out = tmp_path / "run"
     cfg = base_config(
         str(tmp_path), output_dir=str(out), dataset_name=str(tmp_path / "saved"),

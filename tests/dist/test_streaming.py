@@ -1,6 +1,6 @@
 """Streaming data through the real trainer: the contracts of the map-style path still hold.
 
-On a sharded JSON-lines corpus of real text (multi30k, `scripts/make_sharded_corpus.py`) with
+On a sharded JSON-lines corpus of `multi30k`'s text (`scripts/make_sharded_corpus.py`) with
 `streaming: true`: one process (in-process reading), dp=2 and pp=2 x dp=2 (one data-loader worker
 per rank) train on the same global batches, so their losses match within 1e-5 relative (fp32,
 dropout 0); a run saved on dp=2 resumes on dp=1 and continues the uninterrupted run's losses; and a
@@ -31,12 +31,12 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
+def corpus(tmp_path_factory: pytest.TempPathFactory, multi30k: Path) -> str:
     sys.path.insert(0, str(ROOT / "scripts"))
     from make_sharded_corpus import write_corpus
 
     out = tmp_path_factory.mktemp("corpus")
-    write_corpus(out, 4000, n_directions=20, shard_pairs=100, compress=False)  # 200 shards, 2 per direction
+    write_corpus(out, 4000, multi30k, n_directions=20, shard_pairs=100, compress=False)  # 200 shards, 2 per direction
     return str(out / "train-*.jsonl")
 
 

@@ -1,4 +1,4 @@
-"""Data loading, filtering and mesh-independent global batches, on real multi30k text."""
+"""Data loading, filtering and mesh-independent global batches, on multi30k-layout text (`multi30k`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from models.m2m100 import IGNORE_INDEX
+from tests.corpus_data import read_lines
 from trainer.config.data_args import DataArguments
 from trainer.data.batching import BatchLayout, GlobalBatchSampler, eval_batches
 from trainer.data.sources import column_array, load_raw_datasets, load_test_pairs, training_texts
@@ -18,19 +19,13 @@ from trainer.data.tokenization import TranslationData, tokenize_datasets
 from trainer.errors import ConfigError, DataError
 from trainer.tokenizer.vocab import SentencePieceTokenizer, train_tokenizer
 
-DATA = Path("/work/shared/data/multi30k")
 LANGS = ["cs", "de", "en", "fr"]
 N = 1500
 
 
-def _lines(split: str, lang: str, n: int) -> list[str]:
-    with gzip.open(DATA / f"{split}.{lang}.gz", "rt", encoding="utf-8") as f:
-        return [line.rstrip("\n") for _, line in zip(range(n), f)]
-
-
 @pytest.fixture(scope="module")
-def corpus() -> dict[str, dict[str, list[str]]]:
-    return {split: {lang: _lines(split, lang, N if split == "train" else 200) for lang in LANGS}
+def corpus(multi30k: Path) -> dict[str, dict[str, list[str]]]:
+    return {split: {lang: read_lines(multi30k, split, lang, N if split == "train" else 200) for lang in LANGS}
             for split in ("train", "val")}  # fmt: skip
 
 

@@ -1,5 +1,5 @@
 """Tokenization cached on disk (memory-mapped Arrow, keyed by data + tokenizer + lengths) and
-tokenized by `preprocessing_num_workers` processes, on real multi30k text."""
+tokenized by `preprocessing_num_workers` processes, on multi30k-layout text (`multi30k`)."""
 
 from __future__ import annotations
 
@@ -10,24 +10,23 @@ from typing import Any
 import pytest
 
 import trainer.data.tokenization as data_module
+from tests.corpus_data import read_lines
 from trainer.config.data_args import DataArguments
 from trainer.data.sources import load_raw_datasets
 from trainer.data.tokenization import TranslationData, tokenize_datasets
 from trainer.tokenizer.vocab import SentencePieceTokenizer, train_tokenizer
 
-DATA = Path("/work/shared/data/multi30k")
 N = 1200
 
 
 @pytest.fixture(scope="module")
-def text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def text_dir(tmp_path_factory: pytest.TempPathFactory, multi30k: Path) -> Path:
     d = tmp_path_factory.mktemp("text")
     for lang in ("de", "en"):
-        with gzip.open(DATA / f"train.{lang}.gz", "rt", encoding="utf-8") as f:
-            lines = [line for _, line in zip(range(N), f)]
+        lines = read_lines(multi30k, "train", lang, N)
         for split, part in (("train", lines[:1000]), ("val", lines[1000:])):
             with gzip.open(d / f"{split}.{lang}.gz", "wt", encoding="utf-8") as g:
-                g.writelines(part)
+                g.write("\n".join(part) + "\n")
     return d
 
 

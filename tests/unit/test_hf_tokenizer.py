@@ -32,26 +32,21 @@ from models.config import ModelConfig
 from models.generate import generate
 from models.hf import load_hf_weights, load_into, read_hf_config
 from models.m2m100 import M2M100Translation, Seq2SeqBatch
+from tests.corpus_data import read_lines
 from tests.unit.test_export_errors import write_run
 from trainer.export import main as export_main
 from trainer.tokenizer.stock_m2m100 import run_layout, stock_codes
 from trainer.tokenizer.vocab import HFTokenizer, SentencePieceTokenizer, Tokenizer, lang_tag, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
-DATA = Path("/work/shared/data/multi30k")
 MAX_POSITIONS = 64  # write_run's model: the export's model_max_length
 TEXTS = ["A dog runs in the snow.", "Two men play football."]
 TARGETS = ["Ein Hund rennt im Schnee.", "Zwei Männer spielen Fußball."]
 
 
-def _lines(lang: str, n: int) -> list[str]:
-    with gzip.open(DATA / f"train.{lang}.gz", "rt", encoding="utf-8") as f:
-        return [line.rstrip("\n") for _, line in zip(range(n), f)]
-
-
 @pytest.fixture(scope="module")
-def corpus() -> list[str]:
-    return _lines("en", 400) + _lines("de", 400)
+def corpus(multi30k: Path) -> list[str]:
+    return read_lines(multi30k, "train", "en", 400) + read_lines(multi30k, "train", "de", 400)
 
 
 class Export(NamedTuple):
@@ -204,7 +199,7 @@ def test_export_imports_back_for_fine_tuning(exported: Export) -> None:
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_fine_tune_from_the_export(exported: Export, tmp_path: Path) -> None:
+def test_fine_tune_from_the_export(exported: Export, tmp_path: Path, multi30k: Path) -> None:
     """3 steps (one process) with the export as `model_name_or_path` and `tokenizer_name`: the
     loss falls, and the run's tokenizer keeps the export's ids (M2M100: `__de__` past the pieces)."""
     from tests.dist.harness import run_distributed
@@ -218,7 +213,7 @@ def test_fine_tune_from_the_export(exported: Export, tmp_path: Path) -> None:
     if e.src == "eng_Latn":  # the built-in corpus is en-de: the same text under NLLB codes
         for code, lang in ((e.src, "en"), (e.tgt, "de")):
             with gzip.open(tmp_path / f"train.{code}.gz", "wt", encoding="utf-8") as f:
-                f.write("\n".join(_lines(lang, 200)) + "\n")
+                f.write("\n".join(read_lines(multi30k, "train", lang, 200)) + "\n")
         base.update(dataset_name=None, train_file=str(tmp_path / "train.{lang}.gz"))
     (hist,) = run_distributed(train_cases, 1, (base, [{}]), timeout=240)[0]
     assert hist and len(hist) == 3 and all(loss == loss and loss > 0 for _, loss, _ in hist), hist
@@ -382,7 +377,9 @@ def test_stock_tokenizers_re_exported_load_in_both_majors(corpus: list[str], tmp
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_finetune_with_stock_tokenizers_and_nllb_files(corpus: list[str], tmp_path: Path) -> None:
+def test_finetune_with_stock_tokenizers_and_nllb_files(
+    corpus: list[str], tmp_path: Path, multi30k: Path
+) -> None:
     """One process, 3 steps each: an NllbTokenizer dir on `train.{eng_Latn,deu_Latn}.gz`, an
     M2M100Tokenizer dir on the built-in en-de corpus, and our own tokenizer trained on the NLLB files."""
     from tests.dist.harness import run_distributed
@@ -390,7 +387,7 @@ def test_finetune_with_stock_tokenizers_and_nllb_files(corpus: list[str], tmp_pa
 
     for code, lang in (("eng_Latn", "en"), ("deu_Latn", "de")):
         with gzip.open(tmp_path / f"train.{code}.gz", "wt", encoding="utf-8") as f:
-            f.write("\n".join(_lines(lang, 200)) + "\n")
+            f.write("\n".join(read_lines(multi30k, "train", lang, 200)) + "\n")
     nllb_dir = stock_nllb(corpus, tmp_path / "nllb")
     m2m_dir = stock_m2m100(corpus, tmp_path / "m2m")
     files = dict(

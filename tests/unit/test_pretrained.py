@@ -11,7 +11,6 @@ Regressions (issue 23):
 
 from __future__ import annotations
 
-import gzip
 import json
 import shutil
 import subprocess
@@ -22,6 +21,7 @@ import pytest
 from models.config import ModelConfig
 from models.hf_save import save_hf_model
 from models.m2m100 import M2M100Translation
+from tests.corpus_data import read_lines
 from tests.served import Served
 from trainer.config.parse import parse_config
 from trainer.config.pretrained import check_tokenizer_fits, pretrained_sources
@@ -31,7 +31,6 @@ from trainer.tokenizer.vocab import Tokenizer, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
-DATA = Path("/work/shared/data/multi30k")
 LANGS = ["de", "en"]
 REPO = "polyglot-test/tiny-m2m100"  # a hub name, present only in the cache the tests write
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -47,11 +46,8 @@ def _model_dir(path: Path, vocab_size: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    texts = []
-    for lang in LANGS:
-        with gzip.open(DATA / f"train.{lang}.gz", "rt", encoding="utf-8") as f:
-            texts += [line.strip() for _, line in zip(range(300), f)]
+def tok_dir(tmp_path_factory: pytest.TempPathFactory, multi30k: Path) -> Path:
+    texts = [line.strip() for lang in LANGS for line in read_lines(multi30k, "train", lang, 300)]
     path = tmp_path_factory.mktemp("tok")
     train_tokenizer(texts, LANGS, 200, seed=0).save(path)
     return path

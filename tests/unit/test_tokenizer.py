@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import gzip
 from pathlib import Path
 
 import pytest
 
+from tests.corpus_data import read_lines
 from trainer.errors import TokenizerError
 from trainer.tokenizer.vocab import HFTokenizer, SentencePieceTokenizer, Tokenizer, train_tokenizer
 
-DATA = Path("/work/shared/data/multi30k")
 LANGS = ["cs", "de", "en", "fr"]
 
 
-def _lines(split: str, lang: str, n: int) -> list[str]:
-    with gzip.open(DATA / f"{split}.{lang}.gz", "rt", encoding="utf-8") as f:
-        return [line.rstrip("\n") for _, line in zip(range(n), f)]
-
-
 @pytest.fixture(scope="module")
-def texts() -> list[str]:
-    return [t for lang in LANGS for t in _lines("train", lang, 1000)]
+def texts(multi30k: Path) -> list[str]:
+    return [t for lang in LANGS for t in read_lines(multi30k, "train", lang, 1000)]
 
 
 @pytest.fixture(scope="module", params=["unigram", "bpe"])
@@ -30,9 +24,9 @@ def tok(request: pytest.FixtureRequest, texts: list[str]) -> SentencePieceTokeni
 
 
 @pytest.fixture(scope="module")
-def val_texts() -> list[str]:
+def val_texts(multi30k: Path) -> list[str]:
     extra = ["  two  spaces ", "日本語", "Ｆｕｌｌ ＡＢＣ", "tab\there", "ﬁ Ⅻ", "a__x__b"]
-    return [t for lang in LANGS for t in _lines("val", lang, 300)] + extra
+    return [t for lang in LANGS for t in read_lines(multi30k, "val", lang, 300)] + extra
 
 
 def test_special_ids_and_tag_layout(tok: SentencePieceTokenizer) -> None:
@@ -68,7 +62,7 @@ def test_deterministic(texts: list[str], tok: SentencePieceTokenizer) -> None:
     assert again.model_proto == tok.model_proto
 
 
-def test_deterministic_across_processes_when_sampling() -> None:
+def test_deterministic_across_processes_when_sampling(multi30k: Path) -> None:
     """More texts than input_sentence_size: the sample is drawn by the seed, not by SentencePiece,
     whose own draw differed between processes (two runs of one config trained different pieces,
     so a streaming run and its restarted twin disagreed from step 1)."""
@@ -77,7 +71,7 @@ def test_deterministic_across_processes_when_sampling() -> None:
 
     code = (
         "import gzip, hashlib; from trainer.tokenizer.vocab import train_tokenizer; "
-        f"t = [l for x in {LANGS!r} for l in gzip.open('{DATA}/train.' + x + '.gz', 'rt').read().splitlines()[:600]]; "
+        f"t = [l for x in {LANGS!r} for l in gzip.open({str(multi30k)!r} + '/train.' + x + '.gz', 'rt').read().splitlines()[:600]]; "
         f"print(hashlib.md5(train_tokenizer(t, {LANGS!r}, 500, 'bpe', 1.0, 1000, 3).model_proto).hexdigest())"
     )
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
