@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import gzip
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.append(str(ROOT / "scripts"))  # after the packages: a script name shadows nothing
-from make_sharded_corpus import BESIDE_CLONE, MULTI30K_SOURCE  # noqa: E402
+from scripts.make_sharded_corpus import BESIDE_CLONE, MULTI30K_SOURCE
 
 ENV = "MULTI30K_DIR"
 GENERATE = "generate"

@@ -32,8 +32,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory, multi30k: Path) -> str:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from make_sharded_corpus import write_corpus
+    from scripts.make_sharded_corpus import write_corpus
 
     out = tmp_path_factory.mktemp("corpus")
     write_corpus(out, 4000, multi30k, n_directions=20, shard_pairs=100, compress=False)  # 200 shards, 2 per direction
