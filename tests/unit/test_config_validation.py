@@ -258,7 +258,7 @@ def test_entry_point_keeps_internal_tracebacks(internal: bool, monkeypatch, caps
     from parallel.errors import ParallelConfigError
     from trainer import train
 
-    def fail(cfg):  # type: ignore[no-untyped-def]
+    def fail(cfg, launcher=None):  # type: ignore[no-untyped-def]
         if internal:
             raise ValueError("an internal check failed")
         raise ParallelConfigError("tensor_parallel_size=3 does not divide 4 ranks; valid: 1, 2, 4")
