@@ -46,7 +46,8 @@ ONE_LINE: tuple[type[Exception], ...] = (*BAD_INPUT, DivergenceError, ckpt.Check
 
 def cli(argv: list[str] | None = None) -> int:
     """`main` with the exit statuses of the module docstring; anything not in ONE_LINE (an internal
-    ValueError included) propagates with its traceback (exit status 1)."""
+    ValueError included) propagates with its traceback (exit status 1). Ctrl-C during the steps is
+    `Preempted` (saved); before them (set-up, the evaluation before training) it is one line too."""
     try:
         main(argv)
     except Preempted as e:  # a committed checkpoint was written: requeue and resume (trainer/run/guard.py)
@@ -59,6 +60,12 @@ def cli(argv: list[str] | None = None) -> int:
         if isinstance(e, DivergenceError):
             return EXIT_DIVERGED
         return 1 if isinstance(e, ckpt.CheckpointWriteError) else 2
+    except KeyboardInterrupt:  # Ctrl-C before the loop's handlers (set-up) or after them: nothing to save
+        if os.environ.get("TRAINER_TRACEBACK"):
+            raise
+        print(f"interrupted: SIGINT outside the training steps, nothing saved now; committed checkpoints "
+              f"are kept (exit code {EXIT_INTERRUPTED})", file=sys.stderr)  # fmt: skip
+        return EXIT_INTERRUPTED
     return 0
 
 

@@ -156,6 +156,25 @@ def test_ctrl_c_exit_status_and_line() -> None:
     assert Preempted(7, signal.SIGTERM, "c").exit_code == Preempted(7, LAUNCHER_GONE, "c").exit_code == 75
 
 
+def test_ctrl_c_during_set_up_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Before the steps' handlers are in place (data, tokenizer, model) Ctrl-C is Python's
+    KeyboardInterrupt: one line and 130, not its traceback."""
+    from pathlib import Path
+
+    from trainer import train
+
+    def interrupted(cfg, launcher=None):  # type: ignore[no-untyped-def]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "run", interrupted)
+    for var in ("TRAINER_TRACEBACK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+    assert train.cli(["--config", str(tiny), "--output_dir", str(tmp_path / "out")]) == EXIT_INTERRUPTED
+    err = capsys.readouterr().err
+    assert err.startswith("interrupted: SIGINT outside the training steps") and err.count("\n") == 1, err
+
+
 def test_a_rank_learns_that_its_launcher_died() -> None:
     """The kernel signals a watched child when its parent dies, and `gone()` sees the new parent;
     the guard then reports LAUNCHER_GONE with the cause in words."""
