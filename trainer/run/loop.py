@@ -310,8 +310,7 @@ def preempt(ctx: RunContext, step: int, signum: int, guard: StepGuard) -> Preemp
     save(ctx, step)
     ctx.saver.wait()  # exit only once it is committed
     cause = guard.signals.cause(signum) if guard.signals is not None else None
-    err = Preempted(step, signum, str(ckpt.checkpoint_dir(ctx.out, step)), cause)
-    return err
+    return Preempted(step, signum, str(ckpt.checkpoint_dir(ctx.out, step)), cause)
 
 
 def finish_run(
