@@ -196,7 +196,8 @@ def demo_data_wait(root: Path, steps: int) -> list[dict[str, Any]]:
     ):  # fmt: skip
         args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "-m", "trainer.train",
                 "--config", "configs/demo.yaml", "--max_steps", str(steps), "--logging_steps", "10",
-                "--do_eval", "false", "--save_steps", "0", "--output_dir", str(root / "demo-run"), *extra]  # fmt: skip
+                "--do_eval", "false", "--save_steps", "0", "--output_dir", str(root / "demo-run"),
+                "--overwrite_output_dir", "true", *extra]  # fmt: skip
         env = {
             **os.environ,
             "OMP_NUM_THREADS": "1",

@@ -7,8 +7,10 @@ torchrun killed the workers in 0.6 s with no checkpoint and a torn one left behi
 
 One spawned 2-rank pp=2 group runs the trainer in-process through every scenario (the
 non-finite value or the signal is placed on one rank only, so the ranks' agreement is what
-is tested); two subprocesses check the exit codes through `python -m trainer.train` and
-torchrun.
+is tested); four launches at once check the exit codes and lines through `python -m
+trainer.train` and torchrun: divergence, SIGUSR1 to the workers, Ctrl-C to torchrun, and
+torchrun's agent SIGKILLed (issue 36: Ctrl-C gave 149 lines, 4 tracebacks and exit 1 and lost
+the steps since the last checkpoint; a killed agent's ranks trained on to the end).
 """
 
 from __future__ import annotations
@@ -106,7 +108,9 @@ def test_stop_policy_never_commits_non_finite_state(cases) -> None:
     assert steps == list(range(1, bad)) and bad >= 2
     run = tmp / "run-stop"
     committed = sorted(p.name for p in run.glob("checkpoint-*") if (p / "COMMITTED").is_file())
-    assert committed == [f"checkpoint-{s}" for s in range(1, bad)] and not (run / f"checkpoint-{bad}").exists()
+    assert (
+        committed == [f"checkpoint-{s}" for s in range(1, bad)] and not (run / f"checkpoint-{bad}").exists()
+    )
     assert all(_checkpoint_values_finite(run / c, tmp) for c in committed)
 
 
@@ -119,7 +123,12 @@ def test_a_non_finite_parameter_is_never_saved(cases) -> None:
 
 
 def _env() -> dict[str, str]:
-    env = {**os.environ, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+    }
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     return env
@@ -131,45 +140,141 @@ def _train_args(out: Path, *extra: str) -> list[str]:
             "--output_dir", str(out), *extra]  # fmt: skip
 
 
-def test_exit_codes_through_main_and_torchrun(tmp_path) -> None:
-    """`python -m trainer.train` with lr 1e6 exits 3 with one line naming the step; SIGUSR1 to
-    torchrun's workers (SLURM `--signal=USR1@N`) saves a committed checkpoint and both exit 75."""
-    diverge = subprocess.Popen(
-        [sys.executable, *_train_args(tmp_path / "nan", "--learning_rate", "1e6")],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    out = tmp_path / "usr1"
+TORCHRUN_JOBS = ("usr1", "ctrl_c", "agent_killed")  # what is done to each 2-rank job at its step 2
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    """Four launches at once: `python -m trainer.train` with lr 1e6 (diverges), and three torchrun
+    jobs on 2 ranks (pp=2) that, once they log step 2, get: SIGUSR1 to their workers (SLURM
+    `--signal=USR1@N`); Ctrl-C (SIGINT to torchrun's process group, as a terminal sends it); a
+    SIGKILL of torchrun's agent alone. Per launch: its exit status (None where it is not ours to
+    reap), its output, its output_dir, the worker pids and whether they were gone in time."""
+    tmp = tmp_path_factory.mktemp("launched")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    preempt = subprocess.Popen(
-        [*torchrun, *_train_args(out, "--pipeline_parallel_size", "2", "--max_steps", "500")],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    procs: dict[str, subprocess.Popen[str]] = {}
+    jobs: dict[str, dict[str, Any]] = {}
+
+    def start(name: str, cmd: list[str]) -> None:
+        jobs[name] = {"out": tmp / name, "log": tmp / f"{name}.log", "workers": []}
+        with jobs[name]["log"].open("w") as log:  # a file, not a pipe: no writer can block on it
+            procs[name] = subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env=_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+
+    start("diverge", [sys.executable, *_train_args(tmp / "diverge", "--learning_rate", "1e6")])
+    for name in TORCHRUN_JOBS:
+        start(
+            name, [*torchrun, *_train_args(tmp / name, "--pipeline_parallel_size", "2", "--max_steps", "500")]
+        )
     try:
-        deadline = time.monotonic() + 240
-        while not _logged_step(out / "metrics.jsonl", 2):
-            assert preempt.poll() is None and time.monotonic() < deadline, "torchrun ended or stalled"
+        waiting, deadline = list(TORCHRUN_JOBS), time.monotonic() + 240
+        while waiting:
+            for name in [n for n in waiting if _logged_step(jobs[n]["out"] / "metrics.jsonl", 2)]:
+                waiting.remove(name)
+                jobs[name]["agent"] = pid = procs[name].pid
+                jobs[name]["workers"] = workers = _children(pid)
+                assert len(workers) == 2, (name, workers)
+                if name == "usr1":
+                    for w in workers:
+                        os.kill(w, signal.SIGUSR1)
+                elif name == "ctrl_c":
+                    os.killpg(pid, signal.SIGINT)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+                jobs[name]["signalled"] = time.monotonic()
+            for name in waiting:
+                ended = procs[name].poll() is not None
+                assert not ended and time.monotonic() < deadline, f"{name}: torchrun ended or stalled"
             time.sleep(0.2)
-        workers = _children(preempt.pid)
-        assert len(workers) == 2, workers
-        for pid in workers:
-            os.kill(pid, signal.SIGUSR1)
-        log, _ = preempt.communicate(timeout=120)
-        _, err = diverge.communicate(timeout=240)
+        for name, proc in procs.items():
+            jobs[name]["code"] = proc.wait(timeout=240)
+        for name in TORCHRUN_JOBS:  # the workers, also those whose agent is gone
+            deadline = jobs[name]["signalled"] + 60
+            while any(_running(w) for w in jobs[name]["workers"]) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            jobs[name]["workers_gone_s"] = time.monotonic() - jobs[name]["signalled"]
+            jobs[name]["workers_left"] = [w for w in jobs[name]["workers"] if _running(w)]
     finally:
-        for proc in (preempt, diverge):
-            if proc.poll() is None:
-                proc.kill()
-    last = [ln for ln in err.strip().splitlines() if ln.strip()][-1]
-    assert diverge.returncode == 3, err[-3000:]
+        for name, proc in procs.items():
+            for pid in [*jobs[name]["workers"], proc.pid]:
+                if _running(pid):
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    for job in jobs.values():
+        job["text"] = job["log"].read_text()
+    return jobs
+
+
+def _committed(out: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if (p / "COMMITTED").is_file())
+
+
+def _last_logged(out: Path) -> int:
+    return max(json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines())
+
+
+def test_divergence_exits_3_with_one_line(launched) -> None:
+    """`python -m trainer.train` with lr 1e6 exits 3 with one line naming the step."""
+    job = launched["diverge"]
+    last = [ln for ln in job["text"].strip().splitlines() if ln.strip()][-1]
+    assert job["code"] == 3, job["text"][-3000:]
     assert last.startswith("error: DivergenceError: step ") and "non-finite loss" in last, last
-    assert preempt.returncode == 1, log[-3000:]  # torchrun reports failed workers with 1
+
+
+def test_sigusr1_to_torchrun_workers_saves_and_exits_75(launched) -> None:
+    """SIGUSR1 to torchrun's workers (SLURM `--signal=USR1@N`) saves a committed checkpoint and both exit 75."""
+    job = launched["usr1"]
+    log = job["text"]
+    assert job["code"] == 1, log[-3000:]  # torchrun reports failed workers with 1
     # The first worker to exit is the root cause; torchrun then SIGTERMs the other, which may
     # still be tearing down after its own save and exit with 75 or be ended by that signal.
     codes = [int(c) for c in re.findall(r"exitcode\s*: (-?\d+)", log)]
     root = log.split("Root Cause", 1)[-1]
     assert re.search(r"exitcode\s*: 75\b", root) and set(codes) <= {75, -15}, log[-3000:]
-    saved = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if (p / "COMMITTED").is_file())
+    saved = _committed(job["out"])
     assert len(saved) == 1 and saved[0] >= 2 and f"SIGUSR1 at step {saved[0]}" in log, (saved, log[-3000:])
+
+
+def test_ctrl_c_under_torchrun_saves_and_exits_130_in_a_few_lines(launched) -> None:
+    """Issue 36: Ctrl-C to torchrun gave 149 lines, 4 tracebacks (KeyboardInterrupt, gloo's
+    "Connection closed by peer"), exit 1, and lost the steps since the last save_steps checkpoint.
+    Now torchrun's SIGINT reaches the workers as a stop signal: one line, the step saved, 130."""
+    job = launched["ctrl_c"]
+    log = job["text"]
+    done = re.findall(r"^interrupted: SIGINT at step (\d+): saved (\S+); resume with "
+                      r"--resume_from_checkpoint latest \(exit code 130\)$", log, re.M)  # fmt: skip
+    assert len(done) == 2 and done[0] == done[1], log[-3000:]  # each rank's line, the same step
+    step = int(done[0][0])
+    assert _committed(job["out"]) == [step] and step == _last_logged(job["out"]) >= 2  # nothing lost
+    assert log.count("SIGINT: a checkpoint is saved at the next step boundary") == 1, log[-3000:]
+    # torchrun itself ends with its own SignalException traceback (torch's agent), status 1
+    assert log.count("Traceback") == 1 and "SignalException" in log and job["code"] == 1, log[-3000:]
+    assert "Connection closed by peer" not in log and "KeyboardInterrupt" not in log
+    after = log[log.index("death signal") :].splitlines()
+    assert len(after) <= 40, "\n".join(after)
+    assert not job["workers_left"], job
+
+
+def test_a_rank_whose_launcher_is_killed_saves_and_exits(launched) -> None:
+    """Issue 36: after `kill -9` of torchrun's agent alone, both ranks trained on to the end without
+    supervision. Now they see their parent gone at the next step, save it and exit 75."""
+    job = launched["agent_killed"]
+    log = job["text"]
+    assert job["code"] == -signal.SIGKILL  # the agent
+    assert not job["workers_left"], (job["workers_gone_s"], log[-3000:])
+    agent = re.escape(f"the launcher (torchrun agent, pid {job['agent']}) died")
+    done = re.findall(rf"^preempted: {agent} at step (\d+): saved \S+; .*\(exit code 75\)$", log, re.M)
+    assert len(done) == 2 and done[0] == done[1], log[-3000:]
+    step = int(done[0])
+    assert _committed(job["out"]) == [step] and step == _last_logged(job["out"]) >= 2
+    assert "Traceback" not in log, log[-3000:]
 
 
 def _logged_step(path: Path, step: int) -> bool:
@@ -185,5 +290,14 @@ def _logged_step(path: Path, step: int) -> bool:
 
 
 def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, timeout=30).stdout
     return [int(x) for x in out.split()]
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a dead worker of a killed agent is reaped by init, or waits as one)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

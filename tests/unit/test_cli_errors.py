@@ -40,7 +40,28 @@ CASES = {
         "holds no tokenizer files (tokenizer.json, tokenizer_config.json, sentencepiece.bpe.model, "
         "sentencepiece.model, polyglot_tokenizer.json): set tokenizer_name",
     ),
+    # issue 36: the shipped configs set overwrite_output_dir, so the same command run again deleted
+    # the earlier run (checkpoints 100-800); now it is refused, naming what is there and the ways on
+    "rerun": (
+        [],
+        "already exists and is not empty (checkpoint-100..800 (8 checkpoints), config.yaml, metrics.jsonl, "
+        "tokenizer/); nothing was written: continue that run with --resume_from_checkpoint latest; start "
+        "over with --overwrite_output_dir true",
+    ),
 }
+EARLIER_RUN = [
+    *(f"checkpoint-{s}/" for s in range(100, 900, 100)),
+    "tokenizer/",
+    "config.yaml",
+    "metrics.jsonl",
+]
+
+
+def _earlier_run(out: Path) -> list[str]:
+    """`out` as a finished run left it (EARLIER_RUN); its listing."""
+    for name in EARLIER_RUN:
+        (out / name).mkdir(parents=True) if name.endswith("/") else (out / name).write_text("earlier run\n")
+    return sorted(p.name for p in out.iterdir())
 
 
 def _bare_model(path: Path) -> Path:
@@ -62,6 +83,8 @@ def outcomes(served, tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
     bare = str(_bare_model(tmp_path_factory.mktemp("bare_model")))
     for name, (args, _) in CASES.items():
         out = tmp_path_factory.mktemp(name) / "out"
+        if name == "rerun":
+            _earlier_run(out)
         args = [a.replace("{bare_model}", bare) for a in args]
         cmd = served.cmd(
             "-m", "trainer.train", "--config", "configs/tiny.yaml", "--output_dir", str(out), *args
@@ -91,5 +114,9 @@ def test_bad_input_is_one_clear_line(outcomes, name: str) -> None:
     assert code == 2, err[-2000:]
     assert last.startswith("error: ") and expected in last, last
     assert "Traceback" not in err and "usage:" not in err
-    if name != "missing-file":  # found before the data is read: nothing written at all
+    if name == "rerun":  # the lock was taken and dropped; nothing else touched
+        assert sorted(p.name for p in out.iterdir() if p.name != ".lock") == _earlier_run(
+            out.parent / "again"
+        )
+    elif name != "missing-file":  # found before the data is read: nothing written at all
         assert not out.exists() or not any(out.iterdir())

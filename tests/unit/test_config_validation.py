@@ -203,6 +203,8 @@ def test_options_transformers_accepts_are_warned_about_naming_the_field() -> Non
 
 
 def test_shipped_configs_pass_their_own_checks_on_the_meshes_they_name() -> None:
+    """... and none sets overwrite_output_dir (issue 36: five did, so rerunning a shipped config
+    deleted the earlier run; DESIGN: nothing the user made is deleted unless asked for)."""
     from pathlib import Path
 
     from trainer.config.parse import parse_config
@@ -222,6 +224,7 @@ def test_shipped_configs_pass_their_own_checks_on_the_meshes_they_name() -> None
         cfg = parse_config(["--config", str(path)])
         validate_early(cfg, worlds.get(path.stem, 1))
         assert idle_option_warnings(cfg) == [], path.name
+        assert cfg.training.overwrite_output_dir is False, f"{path.name} sets overwrite_output_dir"
 
 
 def test_validation_raises_bad_input_types_internal_checks_do_not() -> None:
@@ -255,7 +258,7 @@ def test_entry_point_keeps_internal_tracebacks(internal: bool, monkeypatch, caps
     from parallel.errors import ParallelConfigError
     from trainer import train
 
-    def fail(cfg):  # type: ignore[no-untyped-def]
+    def fail(cfg, launcher=None):  # type: ignore[no-untyped-def]
         if internal:
             raise ValueError("an internal check failed")
         raise ParallelConfigError("tensor_parallel_size=3 does not divide 4 ranks; valid: 1, 2, 4")

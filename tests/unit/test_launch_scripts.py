@@ -8,6 +8,9 @@ and micro-batches. The launcher tests pin SIGUSR1 forwarding (torchrun dies on i
 default, orphaning the workers) and the per-attempt rendezvous store under restarts.
 Issue 30: the output directory held SLURM_JOB_ID, so a resubmitted job (new id) started from
 scratch beside the first one's checkpoints despite `--resume_from_checkpoint latest`.
+Issue 36: configs/demo.yaml set overwrite_output_dir, so `scripts/demo.sh` run twice deleted the
+first demo run; without it a second run would be refused, so the script gives it a directory of
+its own and says so.
 """
 
 from __future__ import annotations
@@ -193,3 +196,44 @@ def test_launcher_without_the_signal_flag_or_restarts(tmp_path: Path) -> None:
     argv, store = _run_launcher(tmp_path, with_signal_flag=False, max_restarts="0")
     assert "--signals-to-handle" not in argv  # an older torchrun would reject the flag
     assert store == "unset"
+
+
+def _run_demo(tmp_path: Path, *args: str) -> tuple[list[str], str]:
+    """scripts/demo.sh in a copy of the repository's layout whose set-up does nothing and whose
+    torchrun records its arguments: (the trainer's arguments, the script's stdout)."""
+    (tmp_path / "scripts").mkdir(exist_ok=True)
+    (tmp_path / "scripts/demo.sh").write_text((REPO / "scripts/demo.sh").read_text())
+    (tmp_path / "scripts/_setup_env.sh").write_text("true\n")
+    bin_dir, record = tmp_path / ".venv/bin", tmp_path / "argv.txt"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    (bin_dir / "activate").write_text(f'export PATH="{bin_dir}:$PATH"\n')
+    (bin_dir / "torchrun").write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {record}\n')
+    (bin_dir / "torchrun").chmod(0o755)
+    done = subprocess.run(
+        ["bash", str(tmp_path / "scripts/demo.sh"), *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    argv = record.read_text().splitlines()
+    return argv[argv.index("--config") + 2 :], done.stdout
+
+
+def test_demo_run_twice_keeps_the_first_run(tmp_path: Path) -> None:
+    assert _run_demo(tmp_path, "--max_steps", "2") == (["--max_steps", "2"], "")  # a fresh clone
+    (tmp_path / "outputs/demo").mkdir(parents=True)
+    (tmp_path / "outputs/demo/.lock").write_text("")
+    assert _run_demo(tmp_path)[0] == []  # only the lock of a run that was refused: nothing to keep
+    (tmp_path / "outputs/demo/checkpoint-400").mkdir()
+    (tmp_path / "outputs/demo-2").mkdir()  # empty: free
+    args, out = _run_demo(tmp_path, "--max_steps", "2")
+    assert args == ["--max_steps", "2", "--output_dir", "outputs/demo-2"]
+    assert out.startswith(
+        "scripts/demo.sh: outputs/demo holds an earlier demo run, kept; this run writes outputs/demo-2"
+    )
+    (tmp_path / "outputs/demo-2/metrics.jsonl").write_text("{}\n")
+    assert _run_demo(tmp_path)[0] == ["--output_dir", "outputs/demo-3"]
+    for named in (["--output_dir", "x"], ["--output-dir=x"], ["--overwrite_output_dir", "true"],
+                  ["--resume_from_checkpoint", "latest"]):  # fmt: skip
+        assert _run_demo(tmp_path, *named) == (named, ""), named  # the user's choice stands

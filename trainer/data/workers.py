@@ -9,18 +9,21 @@ every worker the snapshot with a new generation number; chunks of an older gener
 A worker's failure (bad data above `max_bad_record_fraction`, an unreadable shard) reaches the
 training process as the same exception; a worker that dies is named with its exit code. Every
 rank reads the same data, so every rank fails at the same step: no collective is left waiting.
+A worker ignores the signals that stop a run (its rank saves and exits, then tells it to) and dies
+with its rank (`trainer.lifetime.ParentWatch`).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import queue
+import signal
 import traceback
 from typing import Any
 
 from trainer.data.stream import Chunk, ChunkReader, Snapshot, StreamSpec, owned_lanes
 from trainer.errors import BadInputError, ConfigError
+from trainer.lifetime import ParentWatch, ignore_stop_signals
 
 _POLL_S = 0.2
 
@@ -134,30 +137,16 @@ class WorkerChunks:
         self.procs = []
 
 
-def _die_with_parent() -> int:
-    """Linux: SIGKILL this worker when its training process dies (a rank killed with SIGKILL never
-    stops its children); elsewhere the loop's parent check does. Returns the parent's pid."""
-    import ctypes
-    import signal
-    import sys
-
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    return os.getppid()
-
-
 def _worker_main(w: int, num_workers: int, spec: StreamSpec, tokenizer: Any, commands: Any, out: Any) -> None:
     """A worker: wait for a start, then read its lanes' chunks into `out` until told otherwise."""
-    parent = _die_with_parent()
+    ignore_stop_signals()  # Ctrl-C reaches the whole process group, SLURM every process: the rank decides
+    parent = ParentWatch(signal.SIGKILL)  # a rank killed with SIGKILL never stops its children
     reader: ChunkReader | None = None
     generation = 0
     owned = owned_lanes(spec, w, num_workers)
     pending: tuple[int, str, Any] | None = None
     while True:
-        if os.getppid() != parent:  # orphaned: the training process is gone
+        if parent.gone():  # orphaned where the kernel's signal did not come (not Linux, or a race)
             return
         try:
             idle = reader is None and pending is None

@@ -1,4 +1,4 @@
-"""The step guard: divergence (`nan_policy`) and preemption (SIGTERM / SIGUSR1), agreed by every rank.
+"""The step guard: divergence (`nan_policy`) and preemption (stop signals, Ctrl-C), agreed by every rank.
 
 One optimizer step (trainer/run/step.py::train_step):
 
@@ -30,12 +30,15 @@ it neither counts towards nor resets the consecutive non-finite skips (as Megatr
 the HF Trainer treat fp16 overflows). A non-finite *loss* is divergence even under fp16
 and follows nan_policy.
 
-Preemption: the handler only records the signal number. At the next step's check every
-rank learns it; the step completes, a committed checkpoint of it is written and
-`Preempted` is raised: exit code 75 (EX_TEMPFAIL of sysexits.h, "temporary failure,
-retry later": distinct from 1 = crash, 2 = bad input, 3 = diverged, and from 128+N =
-killed by signal N, so a launcher can requeue on it). See docs/checkpoints.md for
-torchrun and SLURM.
+Preemption: the handler only records the signal number (SIGTERM, SIGUSR1, SIGINT, SIGHUP:
+trainer/lifetime.py). At the next step's check every rank learns it; the step completes, a
+committed checkpoint of it is written and `Preempted` is raised: exit code 75 (EX_TEMPFAIL of
+sysexits.h, "temporary failure, retry later": distinct from 1 = crash, 2 = bad input,
+3 = diverged, and from 128+N = killed by signal N, so a launcher can requeue on it). Ctrl-C
+(SIGINT) takes the same path but ends with 130, as a shell reports an interrupted program: the
+user stopped it, nothing should requeue it; a second Ctrl-C stops at once, unsaved. A rank whose
+torchrun agent died (SIGKILLed: it cannot forward anything) sees LAUNCHER_GONE and takes the
+path too. See docs/checkpoints.md for torchrun and SLURM.
 
 `assert_finite_state` is the last line of defence: no checkpoint with a non-finite
 parameter or optimizer moment is ever written.
@@ -44,7 +47,9 @@ parameter or optimizer moment is ever written.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 import threading
 from dataclasses import dataclass
 from types import FrameType, TracebackType
@@ -56,12 +61,13 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from trainer.config.checks import NAN_POLICIES
+from trainer.lifetime import LAUNCHER_GONE, STOP_SIGNALS, ParentWatch
 
 logger = logging.getLogger("trainer")
 
 EXIT_DIVERGED = 3
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: a shell's status for a process ended by Ctrl-C (trainer/train.py)
 
 
 class DivergenceError(RuntimeError):
@@ -69,43 +75,129 @@ class DivergenceError(RuntimeError):
 
 
 class Preempted(Exception):
-    """A preemption signal arrived; a committed checkpoint of `step` was written."""
+    """A stop signal arrived; a committed checkpoint of `step` was written. `exit_code`: EXIT_INTERRUPTED
+    for SIGINT (Ctrl-C), else EXIT_PREEMPTED."""
 
-    def __init__(self, step: int, signum: int, checkpoint: str) -> None:
-        name = signal.Signals(signum).name
+    def __init__(self, step: int, signum: int, checkpoint: str, cause: str | None = None) -> None:
+        self.exit_code = EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
         super().__init__(
-            f"{name} at step {step}: saved {checkpoint}; resume with "
-            f"--resume_from_checkpoint latest (exit code {EXIT_PREEMPTED})"
+            f"{cause or signal.Signals(signum).name} at step {step}: saved {checkpoint}; resume with "
+            f"--resume_from_checkpoint latest (exit code {self.exit_code})"
         )
         self.step, self.signum, self.checkpoint = step, signum, checkpoint
 
 
 class PreemptionSignals:
-    """A context manager: SIGTERM and SIGUSR1 set `received` (and do nothing else) while inside.
+    """A context manager: STOP_SIGNALS set `received` (and do nothing else) while inside.
 
-    The previous handlers come back on exit. Outside the main thread (where Python
-    cannot install handlers) it does nothing and `received` stays 0.
+    Ctrl-C: the first SIGINT is announced in one line (`announce`); a second one, or a SIGTERM after
+    it (torchrun's agent answers a second Ctrl-C with SIGTERM to its workers), ends the process at
+    once, unsaved, with one line and EXIT_INTERRUPTED. A thread reading the signal wakeup fd does
+    that, so it works while the main thread waits in a collective (where Python handlers cannot
+    run). SIGINT and SIGHUP ignored when inside begins (`nohup`, a script's background job) stay
+    ignored. `launcher`: the torchrun agent's watch (trainer/lifetime.py): once it is gone,
+    `pending()` reports LAUNCHER_GONE. The previous handlers and wakeup fd come back on exit.
+    Outside the main thread (where Python cannot install handlers) it does nothing and `received`
+    stays 0.
     """
 
-    def __init__(self, signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS) -> None:
-        self.signals, self.received = signals, 0
+    def __init__(
+        self,
+        signals: tuple[signal.Signals, ...] = STOP_SIGNALS,
+        launcher: ParentWatch | None = None,
+        announce: bool = True,
+    ) -> None:
+        self.signals, self.received, self.launcher, self.announce = signals, 0, launcher, announce
         self._previous: dict[signal.Signals, Any] = {}
+        self._wakeup: tuple[socket.socket, socket.socket, int] | None = None
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
-        self.received = signum  # no work here: the training loop acts on it at the next step boundary
+        self.received = self.received or signum  # no work here: the loop acts at the next step boundary
+
+    def pending(self) -> int:
+        """The signal to act on at this step boundary (0: none); LAUNCHER_GONE once the launcher died."""
+        if not self.received and self.launcher is not None and self.launcher.gone():
+            self.received = LAUNCHER_GONE
+        return self.received
+
+    def cause(self, signum: int) -> str:
+        """`signum` in words for the exit line: its name, or that the launcher died."""
+        if signum == LAUNCHER_GONE and self.launcher is not None and self.launcher.gone():
+            return f"the launcher (torchrun agent, pid {self.launcher.pid}) died"
+        return signal.Signals(signum).name
 
     def __enter__(self) -> PreemptionSignals:
-        if threading.current_thread() is threading.main_thread():
-            for s in self.signals:
-                self._previous[s] = signal.signal(s, self._handler)
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for s in self.signals:
+            if s in (signal.SIGINT, signal.SIGHUP) and signal.getsignal(s) == signal.SIG_IGN:
+                continue
+            self._previous[s] = signal.signal(s, self._handler)
+        if signal.SIGINT in self._previous:
+            ours, theirs = socket.socketpair()
+            theirs.setblocking(False)
+            self._wakeup = (ours, theirs, signal.set_wakeup_fd(theirs.fileno(), warn_on_full_buffer=False))
+            _WAKEUP_FDS.add(theirs.fileno())
+            threading.Thread(target=self._watch_interrupts, args=(ours,), name="ctrl-c", daemon=True).start()
         return self
+
+    def _watch_interrupts(self, sock: socket.socket) -> None:
+        """The wakeup fd's reader: one byte per signal delivered (0 from __exit__: stop)."""
+        interrupted = False
+        while data := sock.recv(64):
+            for signum in data:
+                if signum == 0:
+                    sock.close()
+                    return
+                if interrupted and signum in (signal.SIGINT, signal.SIGTERM):
+                    if self.announce:
+                        os.write(2, _ABORTED.encode())
+                    os._exit(EXIT_INTERRUPTED)
+                if signum == signal.SIGINT and not interrupted:
+                    interrupted = True
+                    if self.announce:
+                        os.write(2, _INTERRUPTED.encode())
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        for s, previous in self._previous.items():
-            signal.signal(s, previous)
+        if self._wakeup is not None:
+            ours, theirs, previous = self._wakeup
+            signal.set_wakeup_fd(previous)
+            _WAKEUP_FDS.discard(theirs.fileno())
+            theirs.setblocking(True)
+            theirs.send(b"\0")  # the reader stops (and closes its end)
+            theirs.close()
+            self._wakeup = None
+        for s, previous_handler in self._previous.items():
+            signal.signal(s, previous_handler)
         self._previous.clear()
+
+
+_WAKEUP_FDS: set[int] = set()  # the wakeup fds a PreemptionSignals of this process has set
+
+
+def _forget_wakeup_fd_in_child() -> None:
+    """A process forked while a PreemptionSignals is active must not write its own signals into the
+    parent's wakeup fd (its Ctrl-C would count as the parent's second)."""
+    if _WAKEUP_FDS:
+        try:
+            previous = signal.set_wakeup_fd(-1)
+            if previous not in _WAKEUP_FDS:
+                signal.set_wakeup_fd(previous)
+        except ValueError:
+            pass
+
+
+os.register_at_fork(after_in_child=_forget_wakeup_fd_in_child)
+_INTERRUPTED = (
+    "SIGINT: a checkpoint is saved at the next step boundary, then the run exits; "
+    "Ctrl-C again stops at once without saving\n"
+)
+_ABORTED = (
+    f"interrupted again: stopped at once without saving (exit code {EXIT_INTERRUPTED}); resume from "
+    "the last committed checkpoint with --resume_from_checkpoint latest\n"
+)
 
 
 @dataclass
@@ -149,7 +241,7 @@ class StepGuard:
         self.consecutive = 0
 
     def _signum(self) -> int:
-        return self.signals.received if self.signals is not None else 0
+        return self.signals.pending() if self.signals is not None else 0
 
     def _agree(self, flags: Tensor) -> list[float]:
         """MAX over the world group (in place), then the one read (collective when the world has > 1 rank)."""

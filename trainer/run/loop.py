@@ -27,6 +27,7 @@ from trainer.config.schema import JobConfig
 from trainer.data.batching import eval_batches
 from trainer.eval.predict import predict_test_set
 from trainer.eval.runner import Evaluator
+from trainer.lifetime import ParentWatch
 from trainer.progress import PROGRESS_LOGGER
 from trainer.run.flops import peak_flops, step_flops
 from trainer.run.guard import (
@@ -50,8 +51,11 @@ from trainer.run.tracking import Tracker
 logger = logging.getLogger("trainer")
 
 
-def run(cfg: JobConfig) -> dict[str, Any]:
+def run(cfg: JobConfig, launcher: ParentWatch | None = None) -> dict[str, Any]:
     """Train with an initialised default process group (collective); returns the run summary.
+
+    `launcher`: torchrun's agent, watched from the rank's start (trainer/lifetime.py): once it is
+    gone the rank saves at the next step boundary and exits (trainer.run.guard).
 
     On the logging rank the summary also holds `history`, every row written to metrics.jsonl.
 
@@ -71,12 +75,12 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     with claim_output_dir(cfg.training, dist.get_rank()) as out:
         ctx = setup_run(cfg, dims, out, resume)
         try:
-            return _run(ctx, cfg)
+            return _run(ctx, cfg, launcher)
         finally:
             ctx.sampler.close()  # a stream's worker processes
 
 
-def _run(ctx: RunContext, cfg: JobConfig) -> dict[str, Any]:
+def _run(ctx: RunContext, cfg: JobConfig, launcher: ParentWatch | None) -> dict[str, Any]:
     """`run` from the set-up on: resume, the evaluation before, the loop and the end."""
     step = resume_state(ctx)
     tracker = build_tracker(ctx, step)
@@ -87,9 +91,10 @@ def _run(ctx: RunContext, cfg: JobConfig) -> dict[str, Any]:
         tracker.log({"step": step, **before})
         tracker.draw_curves(step)
     args = cfg.training
-    # SIGTERM/SIGUSR1 from here on: save at the next step boundary (trainer/run/guard.py). A signal
-    # during the final eval and save is not acted on: the run completes and exits 0.
-    with PreemptionSignals() as signals:
+    # Stop signals (SIGTERM, SIGUSR1, SIGINT, SIGHUP) from here on: save at the next step boundary
+    # (trainer/run/guard.py). A signal during the final eval and save is not acted on: the run
+    # completes and exits 0.
+    with PreemptionSignals(launcher=launcher, announce=dist.get_rank() == 0) as signals:
         guard = StepGuard(args.nan_policy, args.nan_max_consecutive_skips, ctx.pm.device, signals)
         try:
             totals = train_loop(ctx, tracker, evaluator, step, guard) if args.do_train else LoopTotals(step)
@@ -183,7 +188,7 @@ def train_loop(
             if png:
                 tracker.log_image(step, "pipeline_timeline", png)
         if st.preempt_signal:
-            raise preempt(ctx, step, st.preempt_signal)
+            raise preempt(ctx, step, st.preempt_signal, guard)
         if maybe_eval_and_save(ctx, tracker, evaluator, step, guard, totals):
             totals.early_stopped = True
             logger.info("early stopping at step %d: %s", step, ctx.best.state_dict())
@@ -271,7 +276,7 @@ def maybe_eval_and_save(
         evaluate_at(ctx, tracker, evaluator, step, totals)
         signum = guard.preemption_agreed()
         if signum:
-            raise preempt(ctx, step, signum)
+            raise preempt(ctx, step, signum, guard)
     if interval_due(args.save_strategy, args.save_steps, step, ctx.steps_per_epoch):
         save(ctx, step)
         totals.last_save = step
@@ -300,13 +305,12 @@ def evaluate_at(
     return metrics
 
 
-def preempt(ctx: RunContext, step: int, signum: int) -> Preempted:
+def preempt(ctx: RunContext, step: int, signum: int, guard: StepGuard) -> Preempted:
     """Checkpoint `step` (collective) and return the `Preempted` for the caller to raise."""
     save(ctx, step)
     ctx.saver.wait()  # exit only once it is committed
-    err = Preempted(step, signum, str(ckpt.checkpoint_dir(ctx.out, step)))
-    logger.warning("preempted: %s", err)
-    return err
+    cause = guard.signals.cause(signum) if guard.signals is not None else None
+    return Preempted(step, signum, str(ckpt.checkpoint_dir(ctx.out, step)), cause)
 
 
 def finish_run(

@@ -16,7 +16,10 @@ that share the directory over NFS.
 
 Fresh start. A run is fresh when it has no `resume_from_checkpoint` and is not a
 torchrun restart (TORCHELASTIC_RESTART_COUNT unset or 0). A fresh run refuses a
-non-empty directory unless `overwrite_output_dir`; with it, the earlier run's outputs
+non-empty directory unless `overwrite_output_dir` (off by default, as in `transformers`, and set
+by no shipped config: rerunning a command never deletes its earlier run), in one line naming
+what is there (`checkpoint-100..800 (8 checkpoints)`, ...) and the ways on: resume, overwrite,
+another directory. With `overwrite_output_dir`, the earlier run's outputs
 (RUN_OUTPUTS and every `checkpoint-<step>/`) are moved aside into `EARLIER_RUN/` (a rename,
 before anything else is written), so `resume_from_checkpoint: latest` can never pick another
 run's checkpoint, and nothing is lost until this run has a checkpoint of its own: they are
@@ -157,10 +160,7 @@ def prepare_fresh_start(out: Path, args: TrainingArguments) -> None:
     if not present and not (out / EARLIER_RUN).exists():
         return
     if not args.overwrite_output_dir:
-        raise ConfigError(
-            f"output_dir={str(out)!r} is not empty; set overwrite_output_dir or "
-            f"resume_from_checkpoint (e.g. 'latest')"
-        )
+        raise ConfigError(_refusal(out, present))
     from trainer.checkpoint.commit import is_complete
 
     ours = sorted(p for p in present if _is_run_output(p))
@@ -182,6 +182,32 @@ def prepare_fresh_start(out: Path, args: TrainingArguments) -> None:
     names = ", ".join(p.name for p in ours)
     logger.info("overwrite_output_dir: moved the earlier run's outputs (%s) to %s; they are removed when "
                 "this run commits its first checkpoint", names, held)  # fmt: skip
+
+
+def _refusal(out: Path, present: list[Path]) -> str:
+    """The one line that refuses a fresh run on `out`: what is there, and the ways on (as the HF
+    Trainer's "Output directory ... already exists and is not empty", with the contents named)."""
+    steps = sorted(int(p.name.split("-")[1]) for p in present if _CKPT_RE.match(p.name) and p.is_dir())
+    others = sorted(p.name + ("/" if p.is_dir() else "") for p in present if not _CKPT_RE.match(p.name))
+    if (out / EARLIER_RUN).exists():
+        others.insert(0, f"{EARLIER_RUN}/ (a run moved aside by overwrite_output_dir)")
+    what = []
+    if steps:
+        n = len(steps)
+        what.append(
+            f"checkpoint-{steps[0]}" if n == 1 else f"checkpoint-{steps[0]}..{steps[-1]} ({n} checkpoints)"
+        )
+    what += others[:4] + ([f"{len(others) - 4} more"] if len(others) > 4 else [])
+    ways = ["continue that run with --resume_from_checkpoint latest"] if steps else []
+    ways += [
+        "start over with --overwrite_output_dir true (a run's outputs are moved aside, then deleted once "
+        "this run commits a checkpoint)",
+        "choose another --output_dir",
+    ]
+    return (
+        f"output_dir={str(out)!r} already exists and is not empty ({', '.join(what)}); nothing was "
+        f"written: {'; '.join(ways[:-1])}; or {ways[-1]}"
+    )
 
 
 def _is_run_output(p: Path) -> bool:
