@@ -118,6 +118,10 @@ def test_fsdp_with_layerdrop_is_refused_before_anything_runs() -> None:
         (1, {"data_parallel_sharding": "fsdp"}, r"^data_parallel_sharding='fsdp' does nothing with data_parallel_size=1 \(data_parallel_size=-1 inferred"),
         (2, {"data_parallel_sharding": "zero1", "pipeline_parallel_size": 2}, r"^data_parallel_sharding='zero1' does nothing with data_parallel_size=1"),
         (2, {"virtual_pipeline_stages": 3}, r"^virtual_pipeline_stages=3 does nothing with pipeline_schedule='1f1b'"),
+        # issue 36: 2 was the default, so the planner's `--pipeline_schedule zero_bubble --virtual_pipeline_stages 2`
+        # passed, though docs/training.md says it is refused
+        (2, {"virtual_pipeline_stages": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "zero_bubble"},
+         r"^virtual_pipeline_stages=2 does nothing with pipeline_schedule='zero_bubble'"),
         (2, {"partition_method": "time"}, r"^partition_method='time' does nothing with one pipeline stage"),
         (2, {"fp16_initial_scale": 1024.0}, r"^fp16_initial_scale=1024\.0 does nothing without fp16=True"),
         (2, {"early_stopping_threshold": 0.1}, r"^early_stopping_threshold=0\.1 does nothing without early_stopping_patience"),

@@ -367,3 +367,44 @@ def test_resume_true_resumes_from_the_newest_checkpoint(tmp_path: Path) -> None:
         assert resolve_resume(spec, tmp_path) == tmp_path / "checkpoint-4"
     assert TrainingArguments(resume_from_checkpoint=False).resume_from_checkpoint is None  # type: ignore[arg-type]
     assert load_config_dict({"resume_from_checkpoint": True}).training.resume_from_checkpoint == "latest"
+
+
+@pytest.mark.parametrize(
+    "flag,hint",
+    [
+        # issue 36: fairseq's names and typos got no hint, where HF names did
+        ("--max-update", r"max-update: use max_steps \(fairseq's --max-update\)"),
+        ("--max-tokens", r"max-tokens: use max_tokens_per_microbatch"),
+        ("--update-freq", r"update-freq: use gradient_accumulation_steps"),
+        ("--save-dir", r"save-dir: use output_dir"),
+        ("--lr", r"lr: use learning_rate"),
+        ("--max_stpes", r"max_stpes: did you mean max_steps\?"),
+        ("--learnign-rate", r"learnign-rate: did you mean learning_rate\?"),
+    ],
+)
+def test_fairseq_names_and_near_misses_get_a_hint(tmp_path: Path, flag: str, hint: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^unknown flag\(s\) \['{flag}'\] \({hint}.*\); see --help") as err:
+        parse_config(["--config", TINY, flag, "3"])
+    assert "\n" not in str(err.value)
+    key = flag[2:]
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{key}: 3\n")
+    with pytest.raises(ConfigError, match=rf"^unknown config key\(s\) \['{key}'\] \({hint}"):
+        parse_config(["--config", str(path)])
+
+
+def test_no_hint_for_a_name_near_nothing() -> None:
+    with pytest.raises(ConfigError, match=r"^unknown flag\(s\) \['--frobnicate'\]; see --help"):
+        parse_config(["--config", TINY, "--frobnicate", "1"])
+
+
+def test_null_unsets_an_earlier_flag_too(tmp_path: Path) -> None:
+    """The last flag of a field wins, as argparse takes repeated flags: `--field null` after the user's
+    `--field 4` (the planner appends its layout's flags after them) unset only the file's value."""
+    args = ["--config", TINY, "--pipeline_schedule", "interleaved_1f1b", "--virtual_pipeline_stages", "4"]
+    assert parse_config(args).parallel.virtual_pipeline_stages == 4
+    assert parse_config([*args, "--virtual_pipeline_stages", "null"]).parallel.virtual_pipeline_stages is None
+    assert parse_config([*args, "--virtual-pipeline-stages=null", "--virtual_pipeline_stages", "8"]).parallel.virtual_pipeline_stages == 8
+    pairs = ["--language_pairs", "en-fr", "fr-en", "--language_pairs", "null", "--source_lang", "en", "--target_lang", "de"]
+    cfg = parse_config(["--config", TINY, *pairs])
+    assert cfg.data.directions() == [("en", "de")]

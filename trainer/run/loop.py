@@ -5,8 +5,8 @@ run              resume point (checked) -> validate -> claim output dir (lock, f
                  (every evaluation row is logged to the console and redraws curves.png)
 train_loop       per step: train_step (guarded) -> log_row -> timeline (once) -> preempted? save + exit
                  -> maybe_eval_and_save (eval/save strategies, best model, early stop: trainer.run.strategies)
-finish_run       final eval -> checkpoint -> best model loaded -> do_predict (trainer.eval.predict)
-                 -> run_summary.json
+finish_run       final eval -> checkpoint -> best model loaded -> do_predict (trainer.eval.predict,
+                 its scores on the console) -> run_summary.json
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from trainer.data.batching import eval_batches
 from trainer.eval.predict import predict_test_set
 from trainer.eval.runner import Evaluator
 from trainer.progress import PROGRESS_LOGGER
+from trainer.run.console import predict_line
 from trainer.run.flops import peak_flops, step_flops
 from trainer.run.guard import (
     DivergenceError,
@@ -332,6 +333,8 @@ def finish_run(
     if args.do_train and args.load_best_model_at_end and ctx.best.best_metrics is not None:
         after = ctx.best.best_metrics  # the model the run ends with
     predicted = predict_test_set(ctx) if args.do_predict else {}
+    if predicted:  # the logging rank's scores; the files are predict_results.json and predictions_*.txt
+        tracker.say(f"{predict_line(predicted)} | {ctx.out / 'predict_results.json'}")
     summary = run_summary(ctx, totals, before, after)
     summary["memory"] = gather_memory(ctx.startup_peak_host_bytes, train_host, ctx.pm.device)
     summary["predict"] = {k: v for k, v in predicted.items() if k.startswith("predict_")}

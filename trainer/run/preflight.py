@@ -152,8 +152,7 @@ def refuse_idle_options(cfg: JobConfig, dims: ParallelDims) -> None:
             f"{inferred}: there is no replica to shard over; set data_parallel_sharding: none, or "
             "data_parallel_size > 1"
         )
-    stages_default = _default(type(par), "virtual_pipeline_stages")
-    if par.pipeline_schedule != "interleaved_1f1b" and par.virtual_pipeline_stages != stages_default:
+    if par.pipeline_schedule != "interleaved_1f1b" and par.virtual_pipeline_stages is not None:
         raise ConfigError(
             f"virtual_pipeline_stages={par.virtual_pipeline_stages} does nothing with pipeline_schedule="
             f"{par.pipeline_schedule!r}: only interleaved_1f1b takes it (zbv always places 2 stages per "
