@@ -383,7 +383,9 @@ def test_resume_true_resumes_from_the_newest_checkpoint(tmp_path: Path) -> None:
     ],
 )
 def test_fairseq_names_and_near_misses_get_a_hint(tmp_path: Path, flag: str, hint: str) -> None:
-    with pytest.raises(ConfigError, match=rf"^unknown flag\(s\) \['{flag}'\] \({hint}.*\); see --help") as err:
+    with pytest.raises(
+        ConfigError, match=rf"^unknown flag\(s\) \['{flag}'\] \({hint}.*\); see --help"
+    ) as err:
         parse_config(["--config", TINY, flag, "3"])
     assert "\n" not in str(err.value)
     key = flag[2:]
@@ -404,7 +406,22 @@ def test_null_unsets_an_earlier_flag_too(tmp_path: Path) -> None:
     args = ["--config", TINY, "--pipeline_schedule", "interleaved_1f1b", "--virtual_pipeline_stages", "4"]
     assert parse_config(args).parallel.virtual_pipeline_stages == 4
     assert parse_config([*args, "--virtual_pipeline_stages", "null"]).parallel.virtual_pipeline_stages is None
-    assert parse_config([*args, "--virtual-pipeline-stages=null", "--virtual_pipeline_stages", "8"]).parallel.virtual_pipeline_stages == 8
-    pairs = ["--language_pairs", "en-fr", "fr-en", "--language_pairs", "null", "--source_lang", "en", "--target_lang", "de"]
+    assert (
+        parse_config(
+            [*args, "--virtual-pipeline-stages=null", "--virtual_pipeline_stages", "8"]
+        ).parallel.virtual_pipeline_stages
+        == 8
+    )
+    pairs = [
+        "--language_pairs",
+        "en-fr",
+        "fr-en",
+        "--language_pairs",
+        "null",
+        "--source_lang",
+        "en",
+        "--target_lang",
+        "de",
+    ]
     cfg = parse_config(["--config", TINY, *pairs])
     assert cfg.data.directions() == [("en", "de")]

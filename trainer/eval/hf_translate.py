@@ -137,7 +137,9 @@ def check_model_dir(path: str | Path) -> None:
         raise TranslateError(str(pass_a_checkpoint(p, "--model")))
     if (p / "trainer_state.json").is_file() or found:
         ckpt = found[-1] if found else p
-        what = f"a run directory; its latest complete checkpoint is {ckpt}" if found else "a training checkpoint"
+        what = (
+            f"a run directory; its latest complete checkpoint is {ckpt}" if found else "a training checkpoint"
+        )
         raise TranslateError(
             f"--model {str(path)!r} is {what}, not a Hugging Face directory: export it first: python -m "
             f"trainer.export --checkpoint {ckpt} --output {ckpt.parent / 'hf_export'}, then --model "
