@@ -34,7 +34,7 @@ CASES = {
     "negative-lr": (["--learning_rate", "-1"], "learning_rate=-1.0 must be >= 0"),  # was: late, in AdamW
     "balance": (["--partition_method", "3,3"], "balance [3, 3]"),
     "missing-file": (
-        ["--dataset_name", "", "--train_file", "/nonexistent/train.jsonl"],
+        ["--dataset_name", "", "--train_file", "/nonexistent/train.jsonl", "--do_eval", "false"],
         "/nonexistent/train.jsonl",
     ),
     # issue 23: a model directory with weights and config only exited 0, training a new tokenizer
