@@ -336,13 +336,13 @@ def test_file_values_of_a_compatible_type_are_taken(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "given,resolved",
-    [("True", "latest"), ("true", "latest"), ("yes", "latest"), ("latest", "latest"),
+    [("True", "true"), ("true", "true"), ("yes", "true"), ("latest", "latest"),
      ("False", None), ("false", None), ("runs/x/checkpoint-4", "runs/x/checkpoint-4")],
 )  # fmt: skip
 def test_resume_from_checkpoint_takes_the_hf_bool(tmp_path: Path, given: str, resolved: str | None) -> None:
     """Regression: `--resume_from_checkpoint True` (the HF Trainer's bool: the last checkpoint in
     output_dir) failed "resume_from_checkpoint='True' is not a directory"; in YAML (`true`) a TypeError
-    traceback. True means 'latest', False no resume."""
+    traceback. True means the newest checkpoint (kept apart from 'latest': it must exist), False no resume."""
     cfg = parse_config(["--config", TINY, "--resume_from_checkpoint", given])
     assert cfg.training.resume_from_checkpoint == resolved
     word = given.lower() if given.lower() in ("true", "false", "yes") else repr(given)
@@ -366,7 +366,44 @@ def test_resume_true_resumes_from_the_newest_checkpoint(tmp_path: Path) -> None:
         ).resume_from_checkpoint  # type: ignore[arg-type]
         assert resolve_resume(spec, tmp_path) == tmp_path / "checkpoint-4"
     assert TrainingArguments(resume_from_checkpoint=False).resume_from_checkpoint is None  # type: ignore[arg-type]
-    assert load_config_dict({"resume_from_checkpoint": True}).training.resume_from_checkpoint == "latest"
+    assert load_config_dict({"resume_from_checkpoint": True}).training.resume_from_checkpoint == "true"
+
+
+def test_resume_true_without_a_checkpoint_is_refused_latest_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36: `--resume_from_checkpoint latest` (or true) into an output_dir with no checkpoint (a
+    mistyped one) trained from step 0 in silence. true, the HF Trainer's bool, is refused as HF refuses
+    it ("No valid checkpoint found in output directory"); latest, which restarts under torchrun
+    --max-restarts and SLURM requeues use (their first attempt has no checkpoint yet), warns in one line."""
+    import logging
+
+    from trainer.checkpoint.dcp import resolve_resume
+    from trainer.run.state import log_start
+
+    empty = tmp_path / "outputs" / "demo"
+    with pytest.raises(ConfigError, match=rf"^resume_from_checkpoint=true: no valid checkpoint found in output_dir "
+                                          rf"'{empty}' \(true, as in the HF Trainer, needs one\)"):  # fmt: skip
+        resolve_resume("true", empty)
+    assert resolve_resume("latest", empty) is None
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        log_start("latest", None, str(empty))
+        log_start(None, None, str(empty))  # no resume asked: nothing to say
+        log_start("latest", empty / "checkpoint-4", str(empty))  # resumed as asked: set-up logs it
+    assert [r.getMessage() for r in caplog.records] == [
+        f"resume_from_checkpoint=latest: no committed checkpoint in output_dir '{empty}': training starts from step 0"
+    ]
+    caplog.clear()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        log_start("latest", None, str(empty))
+    assert (
+        caplog.records[0]
+        .getMessage()
+        .startswith("restart 1 of 3: resume_from_checkpoint=latest: no committed")
+    )
 
 
 @pytest.mark.parametrize(

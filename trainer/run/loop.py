@@ -41,7 +41,7 @@ from trainer.run.moe_load import load_line
 from trainer.run.outdir import claim_output_dir
 from trainer.run.preflight import idle_option_warnings, validate_early
 from trainer.run.setup import RunContext, setup_run
-from trainer.run.state import load_best_model, mesh_sizes, resume_state, save
+from trainer.run.state import load_best_model, log_start, mesh_sizes, resume_state, save
 from trainer.run.step import LogWindow, StepStats, bubble_stats, train_step
 from trainer.run.strategies import interval_due, tracks_best
 from trainer.run.summary import LoopTotals, print_summary, run_summary
@@ -56,7 +56,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
 
     On the logging rank the summary also holds `history`, every row written to metrics.jsonl.
 
-        find_resume -> validate_early -> claim_output_dir -> setup_run -> resume_state -> tracker, evaluator
+        find_resume (log_start) -> validate_early -> claim_output_dir -> setup_run -> resume_state -> tracker, evaluator
         -> [eval before] -> train_loop -> finish_run
 
     Rank 0 holds output_dir's lock until this returns or raises (trainer.run.outdir).
@@ -65,6 +65,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     # Before the claim: a mismatch with the checkpoint's run writes nothing. A resume takes the
     # architecture from the checkpoint (model_name_or_path is not read again: it may be gone).
     resume = find_resume(cfg, parallel_dims(cfg.parallel, world).validate())  # the mesh alone
+    log_start(cfg.training.resume_from_checkpoint, resume.path if resume else None, cfg.training.output_dir)
     dims = validate_early(cfg, world, arch=resume.model_config(cfg) if resume else None)
     if dist.get_rank() == 0:
         for line in idle_option_warnings(cfg):
