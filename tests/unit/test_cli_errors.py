@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow  # twelve trainer processes start (imports dominate): ~25 s on 2 cores
+pytestmark = pytest.mark.slow  # thirteen trainer processes start (imports dominate): ~25 s on 2 cores
 
 CASES = {
     "unknown-flag": (["--foo", "1"], "unknown flag(s) ['--foo']"),
@@ -37,6 +37,11 @@ CASES = {
         ["--dataset_name", "", "--train_file", "/nonexistent/train.jsonl", "--do_eval", "false"],
         "/nonexistent/train.jsonl",
     ),
+    # issue 36: failed after config.yaml, tokenizer/ and the data cache were written, with a 49-line trace
+    "wandb-not-installed": (
+        ["--report_to", "wandb"],
+        "report_to=['wandb']: the wandb package is not installed",
+    ),
     # issue 23: a model directory with weights and config only exited 0, training a new tokenizer
     "pretrained-without-tokenizer": (
         ["--model_name_or_path", "{bare_model}"],
@@ -44,6 +49,15 @@ CASES = {
         "sentencepiece.model, polyglot_tokenizer.json): set tokenizer_name",
     ),
 }
+
+
+# Cases run as `python -m trainer.train` in an interpreter where a package cannot be imported (a
+# sys.modules entry of None: how Python blocks an import, as if the package were not installed).
+WITHOUT = {"wandb-not-installed": "wandb"}
+WITHOUT_CODE = (
+    "import runpy, sys; sys.modules[{name!r}] = None; sys.argv[0] = 'trainer.train'; "
+    "runpy.run_module('trainer.train', run_name='__main__', alter_sys=True)"
+)
 
 
 def _bare_model(path: Path) -> Path:
@@ -67,10 +81,10 @@ def outcomes(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
     for name, (args, _) in CASES.items():
         out = tmp_path_factory.mktemp(name) / "out"
         args = [a.replace("{bare_model}", bare) for a in args]
+        run = ["-c", WITHOUT_CODE.format(name=WITHOUT[name])] if name in WITHOUT else ["-m", "trainer.train"]
         cmd = [
             sys.executable,
-            "-m",
-            "trainer.train",
+            *run,
             "--config",
             "configs/tiny.yaml",
             "--output_dir",

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from parallel.parallelize import ParallelModel
 from trainer.checkpoint import dcp as ckpt
 from trainer.checkpoint.resume import find_resume
+from trainer.config.checks import check_trackers
 from trainer.config.dims import parallel_dims
 from trainer.config.schema import JobConfig
 from trainer.data.batching import eval_batches
@@ -67,6 +68,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     resume = find_resume(cfg, parallel_dims(cfg.parallel, world).validate())  # the mesh alone
     log_start(cfg.training.resume_from_checkpoint, resume.path if resume else None, cfg.training.output_dir)
     dims = validate_early(cfg, world, arch=resume.model_config(cfg) if resume else None)
+    check_trackers(cfg.training.report_to)  # W&B / TensorBoard installed: refused here, not after set-up
     if dist.get_rank() == 0:
         for line in idle_option_warnings(cfg):
             logger.warning("config: %s", line)
