@@ -106,7 +106,9 @@ def test_stop_policy_never_commits_non_finite_state(cases) -> None:
     assert steps == list(range(1, bad)) and bad >= 2
     run = tmp / "run-stop"
     committed = sorted(p.name for p in run.glob("checkpoint-*") if (p / "COMMITTED").is_file())
-    assert committed == [f"checkpoint-{s}" for s in range(1, bad)] and not (run / f"checkpoint-{bad}").exists()
+    assert (
+        committed == [f"checkpoint-{s}" for s in range(1, bad)] and not (run / f"checkpoint-{bad}").exists()
+    )
     assert all(_checkpoint_values_finite(run / c, tmp) for c in committed)
 
 
@@ -119,7 +121,12 @@ def test_a_non_finite_parameter_is_never_saved(cases) -> None:
 
 
 def _env() -> dict[str, str]:
-    env = {**os.environ, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+    }
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     return env
@@ -133,7 +140,9 @@ def _train_args(out: Path, *extra: str) -> list[str]:
 
 def test_exit_codes_through_main_and_torchrun(tmp_path) -> None:
     """`python -m trainer.train` with lr 1e6 exits 3 with one line naming the step; SIGUSR1 to
-    torchrun's workers (SLURM `--signal=USR1@N`) saves a committed checkpoint and both exit 75."""
+    torchrun's workers (SLURM `--signal=USR1@N`) saves a committed checkpoint and both exit 75; a
+    config error under torchrun is printed once and torchrun's summary names it, one failure listed
+    (issue 36: each rank printed it, and the summary listed every rank with a link as the cause)."""
     diverge = subprocess.Popen(
         [sys.executable, *_train_args(tmp_path / "nan", "--learning_rate", "1e6")],
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -144,7 +153,12 @@ def test_exit_codes_through_main_and_torchrun(tmp_path) -> None:
         [*torchrun, *_train_args(out, "--pipeline_parallel_size", "2", "--max_steps", "500")],
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+    bad = subprocess.Popen(
+        [*torchrun, *_train_args(tmp_path / "bad", "--max_steps", "0")],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
     try:
+        bad_log, _ = bad.communicate(timeout=240)
         deadline = time.monotonic() + 240
         while not _logged_step(out / "metrics.jsonl", 2):
             assert preempt.poll() is None and time.monotonic() < deadline, "torchrun ended or stalled"
@@ -156,9 +170,13 @@ def test_exit_codes_through_main_and_torchrun(tmp_path) -> None:
         log, _ = preempt.communicate(timeout=120)
         _, err = diverge.communicate(timeout=240)
     finally:
-        for proc in (preempt, diverge):
+        for proc in (preempt, diverge, bad):
             if proc.poll() is None:
                 proc.kill()
+    line = "error: ConfigError: max_steps=0 must be >= 1, or -1 to train num_train_epochs"
+    assert bad.returncode == 1 and bad_log.count(line) == 2, bad_log  # printed by rank 0, and in the summary
+    assert f"traceback : {line}" in bad_log and "<NO_OTHER_FAILURES>" in bad_log, bad_log
+    assert bad_log.startswith(line) and not (tmp_path / "bad").exists(), bad_log
     last = [ln for ln in err.strip().splitlines() if ln.strip()][-1]
     assert diverge.returncode == 3, err[-3000:]
     assert last.startswith("error: DivergenceError: step ") and "non-finite loss" in last, last
