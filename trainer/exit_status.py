@@ -2,30 +2,31 @@
 checkpoint write): the line printed once, the exit status, and, under torchrun, what torchrun shows.
 
 Outside torchrun every process prints its line. Under torchrun (its agent sets TORCHELASTIC_RUN_ID)
-a config error is met by every rank alike, and torchrun itself adds a ChildFailedError summary
-(~30 lines) listing every worker that exited non-zero. torch 2.13's agent
-(`torch/distributed/elastic`) prints that summary, and retries the group up to `--max-restarts`
-times, for *any* non-zero exit: no exit status or error-file field makes a failure final (its
-`errorTraits` "retryability" is written but never read; only a worker stuck in D-state disables
-restarts). What a worker can do, and `fail_in_one_line` does:
+a config error is met by every rank alike, and torchrun adds a ChildFailedError summary listing
+every worker that exited non-zero (8 lines each) with a link to its docs as the cause. torch 2.13's
+agent (`torch/distributed/elastic`) prints that summary, and retries the group up to
+`--max-restarts` times, for *any* non-zero exit: no exit status or error-file field makes a failure
+final (`errorTraits` "retryability" is written, never read; only a worker stuck in D-state turns
+restarts off). What the workers can do, through torchrun's per-worker error files
+(TORCHELASTIC_ERROR_FILE, `.../attempt_<n>/<local rank>/error.json`), `fail_in_one_line` does:
 
-    every failing rank    writes its line into torchrun's error file (TORCHELASTIC_ERROR_FILE, the
-                          JSON `torch.distributed.elastic.multiprocessing.errors.ErrorHandler`
-                          writes), so the summary shows the cause instead of a link to the docs
-    local rank 0          waits (up to GRACE_S) until the node's other workers have met an error too
-                          (their error files exist: they wait as below, rather than being killed
-                          mid-way by the agent and listed as failures), prints the line and exits
-                          with the status
-    other local ranks     wait up to GRACE_S for the agent's SIGTERM, which comes as soon as a
-                          worker of the node failed (local rank 0, with the same error), and exit 0
-                          on it: the summary lists one failure, not one per rank. No SIGTERM within
-                          GRACE_S: the error is this rank's own; it prints it and exits with the status
+    every failing rank    writes its line into its error file as the JSON that
+                          `torch.distributed.elastic.multiprocessing.errors.ErrorHandler` writes:
+                          the summary then shows the line as the failure's cause
+    local rank 0          waits (at most GRACE_S) until the node's other workers have written theirs,
+                          so that they are waiting for the agent as below rather than killed on their
+                          way there (listed as failures, -15); prints the line; exits with the status
+    other local ranks     wait for the agent's SIGTERM, which comes once local rank 0 has exited, and
+                          exit 0 on it: the summary lists one failure, not one per rank. They wait while
+                          local rank 0's error file says it meets an error too (at most GRACE_S more
+                          than it does); without it after GRACE_S, the error is the rank's own: it
+                          prints it and exits with the status
 
-torchrun's own exit status is then 1 (it never forwards a worker's); what it prints besides is its
-own: a "Sending process ... closing signal SIGTERM" line per other worker, the failure, a note that
-its parent has no error file, and the ChildFailedError traceback with the summary (about 34 lines
-in all for 2 ranks, 36 for 4, against 42 and 60 before). Under `--max-restarts N` all of it comes
-once per attempt: a config error is retried N times (each attempt fails within its imports).
+torchrun's own exit status is 1 whatever the workers' (it never forwards one). It still prints its
+own lines: "Sending process ... closing signal SIGTERM" per other worker, the failure, a note that
+it has no error file of its own to copy the cause into, and the ChildFailedError traceback with the
+summary. Under `--max-restarts N` all of it comes once per attempt. TRAINER_EXIT_GRACE_S sets
+GRACE_S (ranks that reach the error further apart than that, on a loaded host, each print it).
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-GRACE_S = 20.0  # how long a rank other than local rank 0 waits for the agent's SIGTERM
+GRACE_S = float(os.environ.get("TRAINER_EXIT_GRACE_S", "30"))
 
 
 def under_torchrun() -> bool:
@@ -53,10 +55,12 @@ def fail_in_one_line(line: str, status: int, grace_s: float = GRACE_S) -> int:
         print(line, file=sys.stderr, flush=True)
         return status
     write_error_file(line)
-    if os.environ.get("LOCAL_RANK", "0") != "0":
-        wait_for_the_agent(grace_s)  # returns only if no SIGTERM came
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    others = sibling_error_files(local_rank)
+    if local_rank == 0:
+        wait_until(lambda: all(p.exists() for p in others), grace_s)
     else:
-        wait_for_the_others(grace_s)
+        wait_for_the_agent(others, grace_s)  # returns only if no SIGTERM came
     print(line, file=sys.stderr, flush=True)
     return status
 
@@ -74,27 +78,33 @@ def write_error_file(line: str) -> None:
         with open(path, "w") as f:
             json.dump(data, f)
     except OSError:
-        pass  # the line is still printed or the summary names the exit status
+        pass  # the line is still printed; the summary then names the exit status only
 
 
-def wait_for_the_others(grace_s: float) -> None:
-    """Local rank 0: sleep until the node's other workers have written their error files (torchrun's
-    layout: .../attempt_<n>/<local rank>/error.json), at most `grace_s` seconds; at once where the
-    layout is not that."""
+def sibling_error_files(local_rank: int) -> list[Path]:
+    """The other local ranks' error files for local rank 0, local rank 0's for the others ([] where the
+    path is not torchrun's `.../attempt_<n>/<local rank>/error.json`)."""
     own = Path(os.environ.get("TORCHELASTIC_ERROR_FILE", ""))
-    if own.parent.name != "0":
-        return
-    others = [
-        own.parent.parent / str(k) / own.name for k in range(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    ]
-    deadline = time.monotonic() + grace_s
-    while not all(p.exists() for p in others) and time.monotonic() < deadline:
+    if own.parent.name != str(local_rank):
+        return []
+    ranks = range(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) if local_rank == 0 else [0]
+    return [own.parent.parent / str(k) / own.name for k in ranks]
+
+
+def wait_until(done: Callable[[], bool], timeout_s: float) -> bool:
+    """Poll `done` every 50 ms for at most `timeout_s` seconds; whether it came true."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.05)
+    return True
 
 
-def wait_for_the_agent(grace_s: float) -> None:
-    """Sleep up to `grace_s` seconds; on SIGTERM (the agent stopping the group because another worker
-    failed) exit 0 at once, so that this worker is not listed as a failure of its own."""
+def wait_for_the_agent(rank0_error: list[Path], grace_s: float) -> None:
+    """Wait for the agent's SIGTERM (it stops the group once a worker failed) and exit 0 on it, so that
+    this worker is not listed as a failure of its own: for `grace_s` seconds, then as long again once
+    local rank 0's error file (`rank0_error`) exists, since local rank 0 then leaves within `grace_s`."""
 
     def stopped(signum: int, frame: FrameType | None) -> None:
         sys.stdout.flush()
@@ -103,6 +113,7 @@ def wait_for_the_agent(grace_s: float) -> None:
 
     previous = signal.signal(signal.SIGTERM, stopped)
     try:
-        time.sleep(grace_s)
+        if wait_until(lambda: any(p.exists() for p in rank0_error), grace_s):
+            time.sleep(2 * grace_s)
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -69,31 +69,51 @@ def test_local_rank_0_waits_until_the_others_met_it_too(tmp_path: Path, monkeypa
 
 
 def _worker(tmp_path: Path, grace_s: float) -> tuple[subprocess.Popen[str], Path]:
-    """A process in local rank 1's place meeting the error (it imports trainer.exit_status only)."""
-    error_file = tmp_path / "error.json"
+    """A process in local rank 1's place meeting the error (it imports trainer.exit_status only), with
+    torchrun's layout of error files: tmp_path/attempt_0/<local rank>/error.json."""
+    error_file = tmp_path / "attempt_0" / "1" / "error.json"
+    error_file.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHELASTIC_RUN_ID": "run", "LOCAL_RANK": "1",
-           "TORCHELASTIC_ERROR_FILE": str(error_file)}  # fmt: skip
+           "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_ERROR_FILE": str(error_file)}  # fmt: skip
     code = f"import sys; from trainer.exit_status import fail_in_one_line; sys.exit(fail_in_one_line({LINE!r}, 2, {grace_s}))"
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
     return proc, error_file
+
+
+def _stop_when_waiting(proc: subprocess.Popen[str], after_s: float = 0.0) -> None:
+    """SIGTERM `proc`, as torchrun's agent does, `after_s` seconds after it set its handler."""
+    deadline = time.monotonic() + 30
+    while not _catches_sigterm(proc.pid):  # the agent's SIGTERM may come from here on
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+    time.sleep(after_s)
+    proc.send_signal(signal.SIGTERM)
 
 
 def test_other_ranks_leave_quietly_when_the_agent_stops_them(tmp_path: Path) -> None:
     """torchrun SIGTERMs the other workers once local rank 0 failed: they exit 0 then (not listed as
     failures of their own) and print nothing."""
     proc, error_file = _worker(tmp_path, grace_s=60)
-    deadline = time.monotonic() + 30
-    while not _catches_sigterm(proc.pid):  # the agent's SIGTERM may come from here on
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
+    _stop_when_waiting(proc)
     _, err = proc.communicate(timeout=30)
     assert (proc.returncode, err) == (0, "")
     assert LINE in error_file.read_text()
 
 
+def test_other_ranks_wait_past_the_grace_while_local_rank_0_fails_too(tmp_path: Path) -> None:
+    """Local rank 0 met the error too (its error file is there) but waits for its slower siblings:
+    the others keep waiting for the agent past their own grace, not printing the line themselves."""
+    (tmp_path / "attempt_0" / "0").mkdir(parents=True)
+    (tmp_path / "attempt_0" / "0" / "error.json").write_text("{}")
+    proc, _ = _worker(tmp_path, grace_s=0.3)
+    _stop_when_waiting(proc, after_s=0.4)
+    _, err = proc.communicate(timeout=30)
+    assert (proc.returncode, err) == (0, "")
+
+
 def test_a_rank_of_its_own_error_prints_it_after_the_grace(tmp_path: Path) -> None:
-    """No SIGTERM within the grace: the error was this rank's alone; it prints it and fails."""
+    """Local rank 0 wrote no error file within the grace: the error was this rank's alone; it prints
+    it and fails."""
     proc, _ = _worker(tmp_path, grace_s=0.3)
     _, err = proc.communicate(timeout=30)
     assert (proc.returncode, err) == (2, LINE + "\n")

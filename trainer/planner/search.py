@@ -259,13 +259,13 @@ class TrainerCheck:
         c = self.cfg
         values = layout_fields(layout, c.parallel.sequence_parallel)
         values["partition_method"] = "uniform"
-        sections = {
-            name: replace(
+
+        def take(section: Any) -> Any:  # the section with its fields in `values` replaced
+            return replace(
                 section, **{k: v for k, v in values.items() if k in {f.name for f in fields(section)}}
             )
-            for name, section in (("parallel", c.parallel), ("training", c.training), ("data", c.data))
-        }
-        return replace(c, **sections)
+
+        return replace(c, parallel=take(c.parallel), training=take(c.training), data=take(c.data))
 
 
 def _own_cut(cfg: JobConfig, world: int) -> tuple[int, int, int, int, bool]:
