@@ -33,23 +33,27 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from transformers import HfArgumentParser
-
+from trainer.config.flags import build_parser, parse_dataclasses
 from trainer.errors import BAD_INPUT
 from trainer.eval.hf_translate import utf8
 from trainer.eval.scoring import EvaluateArguments, RankError, run
 
 
 def parse_args(argv: Sequence[str] | None) -> EvaluateArguments:
-    parser = HfArgumentParser(EvaluateArguments)  # type: ignore[arg-type]
-    (args,) = parser.parse_args_into_dataclasses(args=None if argv is None else list(argv))
+    """The flags as `EvaluateArguments`.
+
+    Raises:
+        ConfigError: an unknown flag (with a hint), a bad value or a missing one, in one line.
+    """
+    parser = build_parser([EvaluateArguments], description=__doc__.splitlines()[0] if __doc__ else None)
+    (args,) = parse_dataclasses(parser, list(sys.argv[1:] if argv is None else argv))
     return args
 
 
 def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 bad input, reported on stderr in one line)."""
-    args = parse_args(argv)
     try:
+        args = parse_args(argv)
         run(args, stdout or utf8(sys.stdout))
     except BAD_INPUT as e:
         if isinstance(e, RankError) or os.environ.get("RANK", "0") == "0":

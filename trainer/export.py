@@ -35,29 +35,32 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from transformers import HfArgumentParser
-
-from models.hf import CheckpointMismatchError
-from trainer.checkpoint.hf_export import ExportArguments, ExportError, export
-from trainer.errors import TokenizerError
+from trainer.checkpoint.hf_export import ExportArguments, export
+from trainer.config.flags import build_parser, parse_dataclasses
+from trainer.errors import BAD_INPUT
 
 
 def parse_args(argv: Sequence[str] | None) -> ExportArguments:
-    parser = HfArgumentParser(ExportArguments)  # type: ignore[arg-type]
-    (args,) = parser.parse_args_into_dataclasses(args=None if argv is None else list(argv))
+    """The flags as `ExportArguments`.
+
+    Raises:
+        ConfigError: an unknown flag (with a hint), a bad value or a missing one, in one line.
+    """
+    parser = build_parser([ExportArguments], description=__doc__.splitlines()[0] if __doc__ else None)
+    (args,) = parse_dataclasses(parser, list(sys.argv[1:] if argv is None else argv))
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 bad input, reported on stderr in one line)."""
-    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     try:
+        args = parse_args(argv)
         out = export(args)
-    except (ExportError, CheckpointMismatchError, TokenizerError) as e:
+    except BAD_INPUT as e:  # ExportError, ConfigError (flags), CheckpointMismatchError, TokenizerError, ...
         print(f"trainer.export: error: {e}", file=sys.stderr)
         return 2
     print(f"exported {args.checkpoint} -> {out}", flush=True)

@@ -5,7 +5,8 @@ group and calls `trainer.run.loop.run`; the pieces live under trainer/run/ (set-
 the step, the guard), trainer/data/, trainer/checkpoint/ and trainer/eval/.
 Exit status: 0 done, 2 bad input (`trainer.errors.BAD_INPUT`, one line), 3 diverged, 1 a failed checkpoint
 write (one line) or an internal error (its traceback), EXIT_PREEMPTED preempted, EXIT_INTERRUPTED
-after Ctrl-C (saved, or stopped at once by a second one; trainer/run/guard.py).
+after Ctrl-C (saved, or stopped at once by a second one; trainer/run/guard.py). Under torchrun a
+one-line error is printed once per node and names the cause in torchrun's summary (`trainer.exit_status`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from parallel.mesh import init_distributed
 from trainer.checkpoint import dcp as ckpt
 from trainer.config.parse import parse_config
 from trainer.errors import BAD_INPUT
+from trainer.exit_status import fail_in_one_line
 from trainer.lifetime import ParentWatch
 from trainer.run.guard import EXIT_DIVERGED, EXIT_INTERRUPTED, DivergenceError, Preempted
 from trainer.run.loop import run
@@ -56,10 +58,13 @@ def cli(argv: list[str] | None = None) -> int:
     except ONE_LINE as e:
         if os.environ.get("TRAINER_TRACEBACK"):
             raise
-        print(f"error: {type(e).__name__}: {e} (TRAINER_TRACEBACK=1 for the traceback)", file=sys.stderr)
-        if isinstance(e, DivergenceError):
-            return EXIT_DIVERGED
-        return 1 if isinstance(e, ckpt.CheckpointWriteError) else 2
+        status = 2
+        if isinstance(e, DivergenceError | ckpt.CheckpointWriteError):
+            status = EXIT_DIVERGED if isinstance(e, DivergenceError) else 1
+        # once per node under torchrun, its summary naming the cause (trainer.exit_status)
+        return fail_in_one_line(
+            f"error: {type(e).__name__}: {e} (TRAINER_TRACEBACK=1 for the traceback)", status
+        )
     except KeyboardInterrupt:  # Ctrl-C before the loop's handlers (set-up) or after them: nothing to save
         if os.environ.get("TRAINER_TRACEBACK"):
             raise

@@ -40,16 +40,20 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from transformers import HfArgumentParser
-
 from models.hf import CheckpointMismatchError
-from trainer.errors import TokenizerError
+from trainer.config.flags import build_parser, parse_dataclasses
+from trainer.errors import ConfigError, TokenizerError
 from trainer.eval.hf_translate import RankError, TranslateArguments, TranslateError, run, utf8
 
 
 def parse_args(argv: Sequence[str] | None) -> TranslateArguments:
-    parser = HfArgumentParser(TranslateArguments)  # type: ignore[arg-type]
-    (args,) = parser.parse_args_into_dataclasses(args=None if argv is None else list(argv))
+    """The flags as `TranslateArguments`.
+
+    Raises:
+        ConfigError: an unknown flag (with a hint), a bad value or a missing one, in one line.
+    """
+    parser = build_parser([TranslateArguments], description=__doc__.splitlines()[0] if __doc__ else None)
+    (args,) = parse_dataclasses(parser, list(sys.argv[1:] if argv is None else argv))
     return args
 
 
@@ -59,13 +63,13 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
     Under torchrun an error every rank meets alike (flags, files, languages) is printed by
     rank 0 only; a `RankError` by the rank that met it.
     """
-    args = parse_args(argv)
     rank0 = os.environ.get("RANK", "0") == "0"  # the others say nothing but their errors
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     try:
+        args = parse_args(argv)
         run(args, stdin or utf8(sys.stdin), stdout or utf8(sys.stdout))
-    except (TranslateError, CheckpointMismatchError, TokenizerError) as e:
+    except (ConfigError, TranslateError, CheckpointMismatchError, TokenizerError) as e:
         if isinstance(e, RankError) or os.environ.get("RANK", "0") == "0":
             print(f"trainer.translate: error: {e}", file=sys.stderr)
         return 2

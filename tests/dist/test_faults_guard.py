@@ -122,12 +122,13 @@ def test_a_non_finite_parameter_is_never_saved(cases) -> None:
     assert not any((tmp / "run-refuse").glob("checkpoint-*"))
 
 
-def _env() -> dict[str, str]:
+def _env(**extra: str) -> dict[str, str]:
     env = {
         **os.environ,
         "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
         "PYTHONPATH": str(ROOT),
         "OMP_NUM_THREADS": "1",
+        **extra,
     }
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
@@ -145,23 +146,25 @@ TORCHRUN_JOBS = ("usr1", "ctrl_c", "agent_killed")  # what is done to each 2-ran
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict[str, dict[str, Any]]:
-    """Four launches at once: `python -m trainer.train` with lr 1e6 (diverges), and three torchrun
-    jobs on 2 ranks (pp=2) that, once they log step 2, get: SIGUSR1 to their workers (SLURM
-    `--signal=USR1@N`); Ctrl-C (SIGINT to torchrun's process group, as a terminal sends it); a
-    SIGKILL of torchrun's agent alone. Per launch: its exit status (None where it is not ours to
-    reap), its output, its output_dir, the worker pids and whether they were gone in time."""
+    """Five launches at once: `python -m trainer.train` with lr 1e6 (diverges); a torchrun job of 2
+    ranks with a config error; and three torchrun jobs on 2 ranks (pp=2) that, once they log step 2,
+    get: SIGUSR1 to their workers (SLURM `--signal=USR1@N`); Ctrl-C (SIGINT to torchrun's process
+    group, as a terminal sends it); a SIGKILL of torchrun's agent alone. Per launch: its exit status
+    (None where it is not ours to reap), its output, its output_dir, the worker pids and whether
+    they were gone in time. Real interpreters, not tests/served.py's: the tests look at the process
+    tree (the agent's children, a dead agent)."""
     tmp = tmp_path_factory.mktemp("launched")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     procs: dict[str, subprocess.Popen[str]] = {}
     jobs: dict[str, dict[str, Any]] = {}
 
-    def start(name: str, cmd: list[str]) -> None:
+    def start(name: str, cmd: list[str], **env: str) -> None:
         jobs[name] = {"out": tmp / name, "log": tmp / f"{name}.log", "workers": []}
         with jobs[name]["log"].open("w") as log:  # a file, not a pipe: no writer can block on it
             procs[name] = subprocess.Popen(
                 cmd,
                 cwd=ROOT,
-                env=_env(),
+                env=_env(**env),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -169,6 +172,8 @@ def launched(tmp_path_factory) -> dict[str, dict[str, Any]]:
             )
 
     start("diverge", [sys.executable, *_train_args(tmp / "diverge", "--learning_rate", "1e6")])
+    # the grace covers ranks that reach the error far apart on a loaded host
+    start("bad", [*torchrun, *_train_args(tmp / "bad", "--max_steps", "0")], TRAINER_EXIT_GRACE_S="120")
     for name in TORCHRUN_JOBS:
         start(
             name, [*torchrun, *_train_args(tmp / name, "--pipeline_parallel_size", "2", "--max_steps", "500")]
@@ -218,6 +223,16 @@ def _committed(out: Path) -> list[int]:
 
 def _last_logged(out: Path) -> int:
     return max(json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines())
+
+
+def test_config_error_under_torchrun_is_one_line_once(launched) -> None:
+    """A config error under torchrun is printed once and torchrun's summary names it, one failure
+    listed (issue 36: each rank printed it, and the summary listed every rank with a link as the cause)."""
+    job = launched["bad"]
+    log, line = job["text"], "error: ConfigError: max_steps=0 must be >= 1, or -1 to train num_train_epochs"
+    assert job["code"] == 1 and log.count(line) == 2, log  # printed by rank 0, and in the summary
+    assert f"traceback : {line}" in log and "<NO_OTHER_FAILURES>" in log, log
+    assert log.startswith(line) and not job["out"].exists(), log
 
 
 def test_divergence_exits_3_with_one_line(launched) -> None:

@@ -32,12 +32,14 @@ ROOT = Path(__file__).resolve().parents[2]
 VALIDATION = "configs/data/en-de_sample/validation.jsonl"
 
 
-def _train(served: Served, out: Path, *flags: str) -> None:
+def _train(served: Served, out: Path, *flags: str) -> str:
+    """Run the config; returns what it printed on stderr (the log and the console lines)."""
     cmd = [served.python, "-m", "trainer.train", "--config", "configs/run_translation_style.yaml",
            "--output_dir", str(out), *flags]  # fmt: skip
     env = served.environ()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stderr
 
 
 @pytest.mark.dist
@@ -49,7 +51,7 @@ def test_run_translation_style_config_end_to_end(served: Served, tmp_path: Path)
     decisions = ["--metric_for_best_model", "eval_loss", "--greater_is_better", "true",
                  "--early_stopping_patience", "1", "--early_stopping_threshold", "1e9",
                  "--save_total_limit", "1", "--test_file", VALIDATION, "--max_predict_samples", "16"]  # fmt: skip
-    _train(served, out, *tiny, *decisions)
+    log = _train(served, out, *tiny, *decisions)
 
     summary = json.loads((out / "run_summary.json").read_text())
     evals = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").open()) if "eval_loss" in r}
@@ -69,6 +71,10 @@ def test_run_translation_style_config_end_to_end(served: Served, tmp_path: Path)
     lines = (out / "predictions_en-de.txt").read_text().splitlines()
     assert len(lines) == results["predict_samples"]["en-de"] == 16  # max_predict_samples caps it
     assert (out / "generated_predictions.txt").read_text() == (out / "predictions_en-de.txt").read_text()
+    # issue 36: the scores reached predict_results.json only; now a console line like the evaluations'
+    line = f"predict (test) | loss {results['predict_loss']:.4f} | bleu {results['predict_bleu']:.2f} | chrF"
+    assert line in log and f"| {out / 'predict_results.json'}" in log, log[-3000:]
+    assert "data skipped: {" not in log  # issue 36: a line of zero counters (none were dropped here)
 
     # do_train=false: evaluate and predict a given checkpoint (here the best one), write no checkpoint
     only = tmp_path / "predict_only"

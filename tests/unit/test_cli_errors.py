@@ -31,8 +31,13 @@ CASES = {
     "negative-lr": (["--learning_rate", "-1"], "learning_rate=-1.0 must be >= 0"),  # was: late, in AdamW
     "balance": (["--partition_method", "3,3"], "balance [3, 3]"),
     "missing-file": (
-        ["--dataset_name", "", "--train_file", "/nonexistent/train.jsonl"],
+        ["--dataset_name", "", "--train_file", "/nonexistent/train.jsonl", "--do_eval", "false"],
         "/nonexistent/train.jsonl",
+    ),
+    # issue 36: failed after config.yaml, tokenizer/ and the data cache were written, with a 49-line trace
+    "wandb-not-installed": (
+        ["--report_to", "wandb"],
+        "report_to=['wandb']: the wandb package is not installed",
     ),
     # issue 23: a model directory with weights and config only exited 0, training a new tokenizer
     "pretrained-without-tokenizer": (
@@ -64,6 +69,15 @@ def _earlier_run(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir())
 
 
+# Cases run as `python -m trainer.train` in an interpreter where a package cannot be imported (a
+# sys.modules entry of None: how Python blocks an import, as if the package were not installed).
+WITHOUT = {"wandb-not-installed": "wandb"}
+WITHOUT_CODE = (
+    "import runpy, sys; sys.modules[{name!r}] = None; sys.argv[0] = 'trainer.train'; "
+    "runpy.run_module('trainer.train', run_name='__main__', alter_sys=True)"
+)
+
+
 def _bare_model(path: Path) -> Path:
     """A Hugging Face M2M100 directory with weights and config only (no tokenizer files)."""
     from models.config import ModelConfig
@@ -86,9 +100,8 @@ def outcomes(served, tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
         if name == "rerun":
             _earlier_run(out)
         args = [a.replace("{bare_model}", bare) for a in args]
-        cmd = served.cmd(
-            "-m", "trainer.train", "--config", "configs/tiny.yaml", "--output_dir", str(out), *args
-        )
+        run = ["-c", WITHOUT_CODE.format(name=WITHOUT[name])] if name in WITHOUT else ["-m", "trainer.train"]
+        cmd = served.cmd(*run, "--config", "configs/tiny.yaml", "--output_dir", str(out), *args)
         procs[name] = (
             subprocess.Popen(
                 cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

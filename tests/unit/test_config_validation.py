@@ -118,6 +118,10 @@ def test_fsdp_with_layerdrop_is_refused_before_anything_runs() -> None:
         (1, {"data_parallel_sharding": "fsdp"}, r"^data_parallel_sharding='fsdp' does nothing with data_parallel_size=1 \(data_parallel_size=-1 inferred"),
         (2, {"data_parallel_sharding": "zero1", "pipeline_parallel_size": 2}, r"^data_parallel_sharding='zero1' does nothing with data_parallel_size=1"),
         (2, {"virtual_pipeline_stages": 3}, r"^virtual_pipeline_stages=3 does nothing with pipeline_schedule='1f1b'"),
+        # issue 36: 2 was the default, so the planner's `--pipeline_schedule zero_bubble --virtual_pipeline_stages 2`
+        # passed, though docs/training.md says it is refused
+        (2, {"virtual_pipeline_stages": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "zero_bubble"},
+         r"^virtual_pipeline_stages=2 does nothing with pipeline_schedule='zero_bubble'"),
         (2, {"partition_method": "time"}, r"^partition_method='time' does nothing with one pipeline stage"),
         (2, {"fp16_initial_scale": 1024.0}, r"^fp16_initial_scale=1024\.0 does nothing without fp16=True"),
         (2, {"early_stopping_threshold": 0.1}, r"^early_stopping_threshold=0\.1 does nothing without early_stopping_patience"),
@@ -286,3 +290,59 @@ def test_rehearsal_table_names_every_shipped_config() -> None:
     section = page.split("## Every shipped config, rehearsed", 1)[1].split("\n## ", 1)[0]
     missing = [p.stem for p in sorted((root / "configs").glob("*.yaml")) if f"\n| {p.stem} |" not in section]
     assert not missing, f"docs/development.md rehearsal table lacks {missing}"
+
+
+SAMPLE = "configs/data/en-de_sample"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ([], r"^do_eval=True needs validation data, but train_file='configs/data/en-de_sample/train\.jsonl' comes "
+             r"with none: set validation_file .*; or train without evaluating: --do_eval false$"),
+        (["--do_eval", "false", "--eval_steps", "2"], r"^eval_strategy='steps' with eval_steps=2 needs validation "
+             r"data.*: --eval_strategy no$"),
+        (["--do_eval", "false", "--eval_strategy", "epoch", "--save_strategy", "epoch", "--load_best_model_at_end", "true"],
+         r"^eval_strategy='epoch' and load_best_model_at_end=True need validation data.*: --eval_strategy no, "
+         r"no load_best_model_at_end$"),
+    ],
+)  # fmt: skip
+def test_evaluations_without_validation_data_are_refused_naming_the_way_out(
+    flags: list[str], message: str
+) -> None:
+    """Issue 36: `--train_file` with no validation data and `--do_eval true --eval_steps 2` exited 0 with
+    no eval row (the only trace: `validation {}` in the log); with load_best_model_at_end the error
+    did not name the cause. run_translation.py refuses it: "--do_eval requires a validation dataset"."""
+    from trainer.config.parse import parse_config
+    from trainer.run.preflight import validate_early
+
+    tiny = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
+    data = ["--config", tiny, "--dataset_name", "null", "--train_file", f"{SAMPLE}/train.jsonl",
+            "--language_pairs", "en-de", "de-en"]  # fmt: skip
+    with pytest.raises(ConfigError, match=message):
+        validate_early(parse_config([*data, *flags]), world=1)
+    validate_early(parse_config([*data, *flags, "--validation_file", f"{SAMPLE}/validation.jsonl"]), world=1)
+    validate_early(
+        parse_config([*data, "--do_eval", "false", "--streaming", "true", "--max_steps", "2"]), world=1
+    )
+    validate_early(
+        parse_config(["--config", tiny, *flags]), world=1
+    )  # the builtin corpus has a validation split
+
+
+def test_a_dataset_without_a_validation_split_is_refused_once_read() -> None:
+    """A dataset_name's splits are known once it is read: `setup_data` refuses there, before the
+    tokenizer is written (tests/dist/test_predict_dataset.py reads such a dataset for do_predict)."""
+    from trainer.config.parse import load_config_dict
+    from trainer.data.sources import RawDatasets
+    from trainer.errors import DataError
+    from trainer.run.data import require_eval_data
+
+    cfg = load_config_dict({"dataset_name": "data/saved", "language_pairs": ["en-de"]})
+    with pytest.raises(DataError, match=r"^do_eval=True needs validation data, but dataset_name='data/saved' "
+                                        r"has no validation, dev or test split: set validation_file"):  # fmt: skip
+        require_eval_data(cfg, RawDatasets([], {}, {}))
+    require_eval_data(cfg, RawDatasets([], {"en-de": []}, {}))
+    require_eval_data(
+        load_config_dict({"dataset_name": "data/saved", "do_eval": False}), RawDatasets([], {}, {})
+    )

@@ -411,3 +411,32 @@ def test_training_texts_are_distinct(data: TranslationData, text_dir: Path) -> N
     args = _args(train_file=str(text_dir / "train.{lang}.gz"), language_pairs=["en-de", "de-en"])
     texts = list(training_texts(load_raw_datasets(args, 0).train))
     assert len(texts) == len(set(texts)) <= 2 * N
+
+
+def test_setup_logs_only_the_nonzero_skip_counts(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 36: every run logged `data skipped: {...}` with every counter of every split and direction,
+    ~1,000 characters of zeros; now only the counts that are not 0, and nothing when all are."""
+    import logging
+
+    from models.config import ModelConfig
+    from parallel.mesh import ParallelDims
+    from trainer.config.parse import load_config_dict
+    from trainer.run.setup import record_setup
+
+    zeros = {"unreadable_line": 0, "missing_side": 0, "empty_text": 0, "truncated_source": 0}
+    skipped = {
+        "train": {**zeros, "missing_side": 3},
+        **{f"validation:{d}": dict(zeros) for d in ("en-de", "de-en")},
+    }
+    mc = ModelConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                     decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32)  # fmt: skip
+    cfg, dims = load_config_dict({"output_dir": str(tmp_path)}), ParallelDims(1, 1, 1, 1)
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        record_setup(cfg, tmp_path, dims, mc, "one stage", skipped)
+        record_setup(cfg, tmp_path, dims, mc, "one stage", {k: dict(zeros) for k in skipped})
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("model: ")]
+    size = f"{mc.num_parameters() / 1e6:.2f}M"
+    assert lines == [
+        f"model: {size} parameters; data skipped: {{'train': {{'missing_side': 3}}}}",
+        f"model: {size} parameters",
+    ]

@@ -347,3 +347,72 @@ def test_vocab_padding_rows_are_cut(run_dir: Path, tmp_path: Path) -> None:
         assert main(["--checkpoint", str(run / "checkpoint-3"), "--output", str(outs[-1])]) == 0
     plain, cut = (load_file(str(o / "model.safetensors")) for o in outs)
     assert plain.keys() == cut.keys() and all(torch.equal(plain[k], cut[k]) for k in plain)
+
+
+def test_a_run_directory_names_its_latest_complete_checkpoint(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 36: `trainer.export --checkpoint outputs/demo` (the run directory) said "no COMMITTED marker
+    ... complete ones beside it: []"; `trainer.translate --model outputs/demo/checkpoint-400` failed with a
+    cut-off AutoTokenizer message. Each now names what to pass, in one line."""
+    from trainer import evaluate, translate
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    shutil.copytree(run / "checkpoint-3", run / "checkpoint-1")
+    (run / "checkpoint-5").mkdir()  # a save that did not finish: never the one to pass
+    latest = run / "checkpoint-3"
+    assert main(["--checkpoint", str(run), "--output", str(tmp_path / "hf")]) == 2
+    assert _error_line(capsys) == (
+        f"trainer.export: error: --checkpoint '{run}' is a run directory, not a checkpoint; its latest "
+        f"complete checkpoint is {latest} (complete: checkpoint-1, checkpoint-3): pass --checkpoint {latest}"
+    )
+    data = tmp_path / "data"
+    data.mkdir()
+    for lang in LANGS:
+        (data / f"{lang}.txt").write_text("hello\n")
+    flores = ["--data_dir", str(data), "--file_pattern", "{lang}.txt", "--directions", "en-de"]
+    assert evaluate.main(["--model", str(run), *flores]) == 2
+    assert _error_line(capsys).startswith(
+        f"trainer.evaluate: error: --model '{run}' is a run directory, not a"
+    )
+    hf = run / "hf_export"
+    for model, what in (
+        (latest, "a training checkpoint"),
+        (run, f"a run directory; its latest complete checkpoint is {latest}"),
+    ):
+        assert translate.main(["--model", str(model), "--source_lang", "en", "--target_lang", "de"]) == 2
+        assert _error_line(capsys) == (
+            f"trainer.translate: error: --model '{model}' is {what}, not a Hugging Face directory: export it "
+            f"first: python -m trainer.export --checkpoint {latest} --output {hf}, then --model {hf} (or score "
+            f"it as it is: python -m trainer.evaluate --model {latest} ...)"
+        )
+    for step in (1, 3):
+        (run / f"checkpoint-{step}" / COMMIT_MARKER).unlink()
+    assert main(["--checkpoint", str(run), "--output", str(tmp_path / "hf")]) == 2
+    assert "is a run directory with no complete checkpoint" in _error_line(capsys)
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(
+    ("tool", "args", "message"),
+    [
+        ("export", ["--checkpoint", "c"], "the following arguments are required: --output"),
+        ("export", ["--checkpoint", "c", "--output", "o", "--num_beams", "four"], "num_beams='four' is not an integer"),
+        ("export", ["--checkpoint", "c", "--output", "o", "--num_beam", "4"],
+         "unknown flag(s) ['--num_beam'] (num_beam: did you mean num_beams?); see --help for valid flags"),
+        ("translate", ["--model", "m", "--source_lang", "en", "--target_lang", "de", "--batch_size", "1.5"],
+         "batch_size='1.5' is not an integer"),
+        ("evaluate", ["--model", "m", "--data_dir", "d", "--languages", "en", "de", "--num_beams", "x"],
+         "num_beams='x' is not an integer"),
+    ],
+)  # fmt: skip
+def test_a_bad_flag_is_one_line_not_a_usage_block(
+    tool: str, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 36: export, translate and evaluate printed argparse's usage block (and `python -m
+    trainer.plan` too: tests/unit/test_plan.py) for a bad value, where trainer.train says one line."""
+    import importlib
+
+    assert importlib.import_module(f"trainer.{tool}").main(args) == 2
+    assert _error_line(capsys) == f"trainer.{tool}: error: {message}"

@@ -336,13 +336,13 @@ def test_file_values_of_a_compatible_type_are_taken(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "given,resolved",
-    [("True", "latest"), ("true", "latest"), ("yes", "latest"), ("latest", "latest"),
+    [("True", "true"), ("true", "true"), ("yes", "true"), ("latest", "latest"),
      ("False", None), ("false", None), ("runs/x/checkpoint-4", "runs/x/checkpoint-4")],
 )  # fmt: skip
 def test_resume_from_checkpoint_takes_the_hf_bool(tmp_path: Path, given: str, resolved: str | None) -> None:
     """Regression: `--resume_from_checkpoint True` (the HF Trainer's bool: the last checkpoint in
     output_dir) failed "resume_from_checkpoint='True' is not a directory"; in YAML (`true`) a TypeError
-    traceback. True means 'latest', False no resume."""
+    traceback. True means the newest checkpoint (kept apart from 'latest': it must exist), False no resume."""
     cfg = parse_config(["--config", TINY, "--resume_from_checkpoint", given])
     assert cfg.training.resume_from_checkpoint == resolved
     word = given.lower() if given.lower() in ("true", "false", "yes") else repr(given)
@@ -366,4 +366,99 @@ def test_resume_true_resumes_from_the_newest_checkpoint(tmp_path: Path) -> None:
         ).resume_from_checkpoint  # type: ignore[arg-type]
         assert resolve_resume(spec, tmp_path) == tmp_path / "checkpoint-4"
     assert TrainingArguments(resume_from_checkpoint=False).resume_from_checkpoint is None  # type: ignore[arg-type]
-    assert load_config_dict({"resume_from_checkpoint": True}).training.resume_from_checkpoint == "latest"
+    assert load_config_dict({"resume_from_checkpoint": True}).training.resume_from_checkpoint == "true"
+
+
+def test_resume_true_without_a_checkpoint_is_refused_latest_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36: `--resume_from_checkpoint latest` (or true) into an output_dir with no checkpoint (a
+    mistyped one) trained from step 0 in silence. true, the HF Trainer's bool, is refused as HF refuses
+    it ("No valid checkpoint found in output directory"); latest, which restarts under torchrun
+    --max-restarts and SLURM requeues use (their first attempt has no checkpoint yet), warns in one line."""
+    import logging
+
+    from trainer.checkpoint.dcp import resolve_resume
+    from trainer.run.state import log_start
+
+    empty = tmp_path / "outputs" / "demo"
+    with pytest.raises(ConfigError, match=rf"^resume_from_checkpoint=true: no valid checkpoint found in output_dir "
+                                          rf"'{empty}' \(true, as in the HF Trainer, needs one\)"):  # fmt: skip
+        resolve_resume("true", empty)
+    assert resolve_resume("latest", empty) is None
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        log_start("latest", None, str(empty))
+        log_start(None, None, str(empty))  # no resume asked: nothing to say
+        log_start("latest", empty / "checkpoint-4", str(empty))  # resumed as asked: set-up logs it
+    assert [r.getMessage() for r in caplog.records] == [
+        f"resume_from_checkpoint=latest: no committed checkpoint in output_dir '{empty}': training starts from step 0"
+    ]
+    caplog.clear()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        log_start("latest", None, str(empty))
+    assert (
+        caplog.records[0]
+        .getMessage()
+        .startswith("restart 1 of 3: resume_from_checkpoint=latest: no committed")
+    )
+
+
+@pytest.mark.parametrize(
+    "flag,hint",
+    [
+        # issue 36: fairseq's names and typos got no hint, where HF names did
+        ("--max-update", r"max-update: use max_steps \(fairseq's --max-update\)"),
+        ("--max-tokens", r"max-tokens: use max_tokens_per_microbatch"),
+        ("--update-freq", r"update-freq: use gradient_accumulation_steps"),
+        ("--save-dir", r"save-dir: use output_dir"),
+        ("--lr", r"lr: use learning_rate"),
+        ("--max_stpes", r"max_stpes: did you mean max_steps\?"),
+        ("--learnign-rate", r"learnign-rate: did you mean learning_rate\?"),
+    ],
+)
+def test_fairseq_names_and_near_misses_get_a_hint(tmp_path: Path, flag: str, hint: str) -> None:
+    with pytest.raises(
+        ConfigError, match=rf"^unknown flag\(s\) \['{flag}'\] \({hint}.*\); see --help"
+    ) as err:
+        parse_config(["--config", TINY, flag, "3"])
+    assert "\n" not in str(err.value)
+    key = flag[2:]
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{key}: 3\n")
+    with pytest.raises(ConfigError, match=rf"^unknown config key\(s\) \['{key}'\] \({hint}"):
+        parse_config(["--config", str(path)])
+
+
+def test_no_hint_for_a_name_near_nothing() -> None:
+    with pytest.raises(ConfigError, match=r"^unknown flag\(s\) \['--frobnicate'\]; see --help"):
+        parse_config(["--config", TINY, "--frobnicate", "1"])
+
+
+def test_null_unsets_an_earlier_flag_too(tmp_path: Path) -> None:
+    """The last flag of a field wins, as argparse takes repeated flags: `--field null` after the user's
+    `--field 4` (the planner appends its layout's flags after them) unset only the file's value."""
+    args = ["--config", TINY, "--pipeline_schedule", "interleaved_1f1b", "--virtual_pipeline_stages", "4"]
+    assert parse_config(args).parallel.virtual_pipeline_stages == 4
+    assert parse_config([*args, "--virtual_pipeline_stages", "null"]).parallel.virtual_pipeline_stages is None
+    assert (
+        parse_config(
+            [*args, "--virtual-pipeline-stages=null", "--virtual_pipeline_stages", "8"]
+        ).parallel.virtual_pipeline_stages
+        == 8
+    )
+    pairs = [
+        "--language_pairs",
+        "en-fr",
+        "fr-en",
+        "--language_pairs",
+        "null",
+        "--source_lang",
+        "en",
+        "--target_lang",
+        "de",
+    ]
+    cfg = parse_config(["--config", TINY, *pairs])
+    assert cfg.data.directions() == [("en", "de")]

@@ -18,11 +18,12 @@ from models.m2m100 import BlockKind, M2M100Translation
 from parallel.pipeline.plan import make_plan
 from trainer import plan as planner
 from trainer.config.parse import parse_config
-from trainer.planner import space
+from trainer.errors import ConfigError
+from trainer.planner import search, space
 from trainer.planner.blocks import Shape, block_param_counts, measure_kind_costs
 from trainer.planner.cost import CostContext, block_costs, layout_stage_costs, predict_step
 from trainer.planner.hardware import LinkModel, device_spec
-from trainer.planner.layout import Layout
+from trainer.planner.layout import Layout, layout_args
 from trainer.run.preflight import validate_early
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,6 +83,10 @@ def test_plan_json_ranks_valid_candidates(tiny_plan: dict) -> None:
     assert dp2 == {"none", "zero1", "fsdp"}
     for r in rows:
         assert r["args"][r["args"].index("--data_parallel_sharding") + 1] == r["layout"]["sharding"]
+        # issue 36: every row carried --virtual_pipeline_stages 2, zero_bubble's and 1f1b's too, which the
+        # trainer now refuses (docs/training.md); only interleaved_1f1b's flags set it
+        assert ("--virtual_pipeline_stages" in r["args"]) == (r["layout"]["schedule"] == "interleaved_1f1b")
+    assert {"zero_bubble", "interleaved_1f1b"} <= {r["layout"]["schedule"] for r in rows}
     # interleaved 1F1B needs m % p == 0: the trainer's own check dropped those, with its message
     reasons = [x["reason"] for x in tiny_plan["rejected"]]
     assert any("trainer rejects it" in x and "multiple of pipeline_parallel_size" in x for x in reasons)
@@ -161,10 +166,15 @@ def test_device_table_errors_name_the_valid_choices() -> None:
     assert device_spec("H100", bf16=True).peak_flops == 989e12
     with pytest.raises(ValueError, match=r"unknown device 'B300'.*'A100', 'H100', 'H200'"):
         device_spec("B300", bf16=True)
-    with pytest.raises(SystemExit):
+    # one ConfigError line each (the entry point: exit 2), not argparse's usage block and SystemExit (issue 36)
+    with pytest.raises(ConfigError, match=r"^--gpus_per_node=3 must be >= 1 and divide --world_size=8$"):
         planner.parse_args(["--config", TINY, "--world_size", "8", "--gpus_per_node", "3"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match=r"^--remat \['sometimes'\] unknown; choose from \['none'"):
         planner.parse_args(["--config", TINY, "--world_size", "2", "--remat", "sometimes"])
+    with pytest.raises(ConfigError, match=r"^world_size='two' is not an integer$"):
+        planner.parse_args(["--config", TINY, "--world_size", "two"])
+    with pytest.raises(ConfigError, match=r"^the following arguments are required: --world_size$"):
+        planner.parse_args(["--config", TINY])
 
 
 def test_memory_limit_drops_layouts_with_the_reason(tmp_path: Path) -> None:
@@ -393,3 +403,34 @@ def test_plan_announces_its_phases_and_counts_the_work(
     err = capsys.readouterr().err
     assert re.search(rf"plan: cost layouts: 100%\|\S+\| {pairs}/{pairs} .*mesh=pp=", err), err[-2000:]
     assert re.search(r"plan: simulate: 100%\|\S+\| (\d+)/\1 ", err), err[-2000:]
+
+
+def test_layout_flags_unset_the_configs_virtual_stages_for_other_schedules() -> None:
+    """A job on interleaved_1f1b v=4 planned onto zero_bubble: its flags unset the config's
+    virtual_pipeline_stages (`null`), which the trainer would refuse with zero_bubble, and they pass
+    the trainer's own checks (the planner's TrainerCheck reads the same `layout_fields`)."""
+    base = ["--config", TINY, "--pipeline_parallel_size", "2", "--pipeline_schedule", "interleaved_1f1b",
+            "--virtual_pipeline_stages", "4", "--num_microbatches", "2"]  # fmt: skip
+    job = parse_config(list(base))
+    for schedule, v, flag in (("zero_bubble", 1, "null"), ("interleaved_1f1b", 2, "2"), ("1f1b", 1, "null")):
+        layout = Layout(2, 1, 1, 2, 1, 8, schedule, v, "none", "uniform")
+        args = layout_args(layout, base, job.parallel)
+        assert args[len(base) :].count("--virtual_pipeline_stages") == 1
+        assert args[args.index("--virtual_pipeline_stages", len(base)) + 1] == flag
+        cfg = parse_config(args)
+        assert (cfg.parallel.pipeline_schedule, cfg.parallel.virtual_stages) == (schedule, v)
+        validate_early(cfg, world=2)
+        assert search.TrainerCheck(job, 2)(layout) == ""
+    with pytest.raises(
+        ConfigError, match=r"^virtual_pipeline_stages=2 does nothing with pipeline_schedule='zero_bubble'"
+    ):
+        validate_early(
+            parse_config(
+                [*base[:-4], "--pipeline_schedule", "zero_bubble", "--virtual_pipeline_stages", "2"]
+            ),
+            2,
+        )
+    tiny = parse_config(["--config", TINY])  # a config that sets none: no flag at all for zero_bubble
+    assert "--virtual_pipeline_stages" not in layout_args(
+        Layout(2, 1, 1, 2, 1, 8, "zero_bubble", 1, "none", "uniform"), [], tiny.parallel
+    )

@@ -16,6 +16,7 @@ from models.config import ModelConfig
 from models.m2m100 import M2M100Translation
 from parallel.dp.reduce import DEFAULT_BUCKET_BYTES
 from parallel.pipeline.simulate import StageCosts
+from trainer.errors import ConfigError
 from trainer.planner import blocks, search
 from trainer.planner.blocks import Shape, block_param_counts, measure_kind_costs
 from trainer.planner.cost import CostContext, predict_step
@@ -157,7 +158,7 @@ def test_sharding_is_searched_where_dp_is_above_one_and_written_as_a_flag() -> N
     layout = Layout(1, 1, 4, 1, 1, 2, "1f1b", 1, "none", "uniform", (N_BLOCKS,), sharding="zero1")
     args = layout_args(layout, ["--config", "c.yaml"])
     assert args[args.index("--data_parallel_sharding") + 1] == "zero1"
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match=r"^--sharding \['zero3'\] unknown"):
         parse_args(["--config", "c.yaml", "--world_size", "4", "--sharding", "zero3"])
 
 

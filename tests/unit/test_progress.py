@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from trainer.progress import PROGRESS_LOGGER, Progress, format_duration
-from trainer.run.console import eval_line, train_line
+from trainer.run.console import eval_line, predict_line, train_line
 from trainer.run.curves import read_rows, render_curves
 from trainer.run.tracking import Tracker
 
@@ -46,6 +46,15 @@ def test_eval_line_is_compact_and_shortens_many_directions() -> None:
     assert "| chrF++ 10.50 |" in eval_line({**EVAL, "eval_chrf++": 10.5})
     many = {"step": 9, "eval_bleu": 5.0, **{f"eval_bleu_l{i}-en": float(i) for i in range(20)}}
     assert eval_line(many).endswith("bleu min 0.0 (l0-en) median 9.5 max 19.0 (l19-en) over 20 directions")
+
+
+def test_predict_line_is_the_eval_line_of_the_test_scores() -> None:
+    """Issue 36: do_predict's scores reached predict_results.json only, never the console; the run
+    now prints this line (tests/dist/test_run_translation_style.py sees it in a run's log)."""
+    result = {k.replace("eval_", "predict_", 1): v for k, v in EVAL.items() if k != "step"}
+    assert predict_line({**result, "predict_samples": {"en-de": 12}, "skipped": {}}) == (
+        "predict (test) | loss 6.2000 | bleu 0.84 | chrF 12.31 | bleu en-de 0.5 de-en 1.2"
+    )
 
 
 def test_tracker_without_bar_logs_every_training_row(

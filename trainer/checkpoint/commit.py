@@ -95,6 +95,35 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def run_directory(path: str | Path) -> list[Path] | None:
+    """When `path` is a run's output_dir (it holds `checkpoint-<step>/` directories) rather than one
+    checkpoint: its complete checkpoints, oldest first (none where no save finished); else None.
+    The tools that take one checkpoint (export, evaluate, translate) name the one to pass with it."""
+    root = Path(path)
+    if not root.is_dir() or is_complete(root) or not any(_CKPT_RE.match(p.name) for p in root.iterdir()):
+        return None
+    return list_checkpoints(root)
+
+
+def pass_a_checkpoint(path: str | Path, flag: str) -> str | None:
+    """`--checkpoint 'outputs/demo' is a run directory, not a checkpoint; its latest complete checkpoint
+    is outputs/demo/checkpoint-400: pass --checkpoint outputs/demo/checkpoint-400` (None: `path` is
+    not a run directory)."""
+    found = run_directory(path)
+    if found is None:
+        return None
+    if not found:
+        return (
+            f"{flag} {str(path)!r} is a run directory with no complete checkpoint: no checkpoint-<step>/ "
+            f"in it has its {COMMIT_MARKER} marker (their saves did not finish)"
+        )
+    others = f" (complete: {', '.join(p.name for p in found)})" if len(found) > 1 else ""
+    return (
+        f"{flag} {str(path)!r} is a run directory, not a checkpoint; its latest complete checkpoint is "
+        f"{found[-1]}{others}: pass {flag} {found[-1]}"
+    )
+
+
 def read_marker(root: Path) -> FileRecords | None:
     """The marker's file records; None for a marker written before checksums ("ok").
 

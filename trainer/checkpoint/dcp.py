@@ -55,6 +55,7 @@ from trainer.checkpoint.commit import (
     write_marker,
 )
 from trainer.checkpoint.write_failure import describe_write_failure, failed_here
+from trainer.errors import ConfigError
 from trainer.run.outdir import discard_earlier_run
 
 logger = logging.getLogger("trainer")
@@ -172,8 +173,9 @@ def resolve_resume(spec: str | None, output_dir: str | Path) -> Path | None:
 
     Args:
         spec: None or "" (start fresh), "latest" (the newest committed checkpoint in
-            `output_dir` that verifies; a damaged newer one is skipped with a warning),
-            or a checkpoint directory.
+            `output_dir` that verifies; a damaged newer one is skipped with a warning; none: None),
+            "true" (the HF Trainer's True: as "latest", but there must be one), or a checkpoint
+            directory.
         output_dir: the run's output directory.
 
     Returns:
@@ -181,12 +183,14 @@ def resolve_resume(spec: str | None, output_dir: str | Path) -> Path | None:
 
     Raises:
         FileNotFoundError: the named checkpoint does not exist or is incomplete.
-        CheckpointCorruptError: the named checkpoint, or every committed one for "latest",
+        ConfigError: "true" and no committed checkpoint in `output_dir` (HF: "No valid checkpoint
+            found in output directory").
+        CheckpointCorruptError: the named checkpoint, or every committed one for "latest" / "true",
             is damaged (the message names the file and expected vs found checksum).
     """
     if spec is None or spec == "":
         return None
-    if spec == "latest":
+    if spec in ("latest", "true"):
         found = _agreed(list_checkpoints(output_dir))
         problems = []
         for cand in reversed(found):
@@ -195,11 +199,17 @@ def resolve_resume(spec: str | None, output_dir: str | Path) -> Path | None:
                 return cand
             problems.append(problem)
             if _rank() == 0:
-                logger.warning("resume_from_checkpoint=latest: skipping it, %s", problem)
+                logger.warning("resume_from_checkpoint=%s: skipping it, %s", spec, problem)
         if found:
             raise CheckpointCorruptError(
-                f"resume_from_checkpoint=latest: every committed checkpoint in {output_dir} is damaged "
+                f"resume_from_checkpoint={spec}: every committed checkpoint in {output_dir} is damaged "
                 f"({[p.name for p in found]}); the newest: {problems[0]}"
+            )
+        if spec == "true":
+            raise ConfigError(
+                f"resume_from_checkpoint=true: no valid checkpoint found in output_dir {str(output_dir)!r} "
+                "(true, as in the HF Trainer, needs one); give the checkpoint's directory, or 'latest' to "
+                "start from step 0 where there is none"
             )
         return None
     path = Path(spec)

@@ -33,7 +33,13 @@ from models.hf_save import (
 )
 from models.m2m100 import M2M100Translation
 from models.moe import expert_param_name, is_expert_param
-from trainer.checkpoint.commit import COMMIT_MARKER, is_complete, list_checkpoints, verify_checkpoint
+from trainer.checkpoint.commit import (
+    COMMIT_MARKER,
+    is_complete,
+    list_checkpoints,
+    pass_a_checkpoint,
+    verify_checkpoint,
+)
 from trainer.checkpoint.directions import RECORD_KEY, run_directions
 from trainer.errors import BadInputError
 from trainer.progress import Progress, format_bytes
@@ -92,14 +98,17 @@ def check_checkpoint(path: str | Path) -> Path:
     """The checkpoint directory, if it exists, its save finished and its files match the marker.
 
     Raises:
-        ExportError: missing, not a directory, without `COMMITTED`, without trainer_state.json,
-            or damaged (a file's size or checksum differs from the marker's record).
+        ExportError: missing, not a directory, a run directory (naming its latest complete checkpoint),
+            without `COMMITTED`, without trainer_state.json, or damaged (a file's size or checksum differs from the marker's record).
     """
     p = Path(path)
     if not p.is_dir():
         raise ExportError(
             f"--checkpoint {str(path)!r} is not a directory; expected OUTPUT_DIR/checkpoint-<step>"
         )
+    run_dir = pass_a_checkpoint(p, "--checkpoint")  # the run's output_dir, not one of its checkpoints
+    if run_dir is not None:
+        raise ExportError(run_dir)
     if not is_complete(p):
         valid = [str(c) for c in list_checkpoints(p.parent)]
         raise ExportError(

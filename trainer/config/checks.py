@@ -65,9 +65,7 @@ def resolve_report_to(value: Any) -> list[str]:
     if names in ([], ["none"]):
         return []
     if names == ["all"]:
-        import importlib.util
-
-        return [n for n in REPORT_CHOICES if importlib.util.find_spec(n) is not None]
+        return [n for n in REPORT_CHOICES if installed(n)]
     for name in names:
         if name not in REPORT_CHOICES:
             raise ConfigError(
@@ -75,3 +73,30 @@ def resolve_report_to(value: Any) -> list[str]:
                 f"'all' or 'none'"
             )
     return list(dict.fromkeys(names))
+
+
+def installed(package: str) -> bool:
+    """Whether `package` can be imported here (found on the path; a `sys.modules` entry of None, how
+    Python marks a package blocked from import, counts as absent). Cheap: nothing is imported."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a broken parent package; a module whose __spec__ is None
+        return False
+
+
+def check_trackers(report_to: list[str]) -> None:
+    """Every `report_to` backend's package is installed: checked before anything is written (the
+    tracker is built after config.yaml, the tokenizer and the data cache), on every rank alike.
+
+    Raises:
+        ConfigError: `report_to=['wandb']: the wandb package is not installed: pip install wandb (or
+            pip install -e '.[wandb]'), or set report_to: none`.
+    """
+    for name in report_to:
+        if not installed(name):
+            raise ConfigError(
+                f"report_to={report_to}: the {name} package is not installed: pip install {name} (or pip "
+                f"install -e '.[{name}]'), or set report_to: none"
+            )

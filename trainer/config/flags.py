@@ -9,17 +9,21 @@ bad value is a one-line `ConfigError` naming the field, the value and the type i
 
 `build_parser` makes the `HfArgumentParser` (its `--name` / `--name-with-dashes` options, `--no_*` for
 bools that default to true) with each value's conversion checked (`FieldKind`); `argparse`'s own
-errors (`expected one argument`) come back as `argparse.ArgumentError`, which `parse_config` turns
-into a `ConfigError` (`argument_error`). Values from the file that YAML already typed are checked
-here too (`check_file_value`): `max_steps: 2.5` trained 3 steps before.
+errors (`expected one argument`, a missing required flag) become one `ConfigError` instead of a usage
+block and exit (`one_line`, `argument_error`), and `parse_dataclasses` reads the flags with unknown ones
+named, each with a hint where one fits (`hints`: another trainer's name for one of ours, a dashed
+key, a near miss such as `--max_stpes`). Every entry point parses its flags this way
+(`trainer.train`, `.plan`, `.export`, `.translate`, `.evaluate`). Values from the file that YAML
+already typed are checked here too (`check_file_value`): `max_steps: 2.5` trained 3 steps before.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -59,13 +63,15 @@ def field_kinds(sections: Sequence[type]) -> dict[str, FieldKind]:
     return out
 
 
-def build_parser(sections: Sequence[type], usage: str, description: str) -> HfArgumentParser:
+def build_parser(
+    sections: Sequence[type], usage: str | None = None, description: str | None = None
+) -> HfArgumentParser:
     """The `HfArgumentParser` of `sections`, raising `argparse.ArgumentError` instead of exiting,
-    with each int / float / bool value's conversion naming the field and the type (`_checked`),
+    with each int / float / bool value's conversion naming the field and the type (`checked`),
     and a bare flag meaning true for `bool | None` fields too (HF gives them no `nargs='?'`)."""
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser(sections, usage=usage, description=description, exit_on_error=False)  # type: ignore[arg-type]
+    parser = one_line(HfArgumentParser(sections, usage=usage, description=description))  # type: ignore[arg-type]
     kinds = field_kinds(sections)
     for action in parser._actions:
         kind = kinds.get(action.dest)
@@ -74,8 +80,70 @@ def build_parser(sections: Sequence[type], usage: str, description: str) -> HfAr
         if kind.base == "bool" and action.nargs is None:
             action.nargs, action.const = "?", True
         if kind.base in CONVERT and callable(action.type):
-            action.type = _checked(action.dest, kind.base, action.type)
+            action.type = checked(action.dest, kind.base, action.type)
     return parser
+
+
+P = typing.TypeVar("P", bound=argparse.ArgumentParser)
+
+
+def one_line(parser: P) -> P:
+    """`parser`, raising instead of printing its usage block and exiting: a bad value or a missing
+    argument as `argparse.ArgumentError` (`exit_on_error=False`; `argument_error` makes it one
+    line), what argparse reports through `error()` itself (a missing required flag in Python 3.11,
+    the checks a caller makes with `parser.error`) as a `ConfigError`. `--help` still prints and exits."""
+
+    def error(message: str) -> typing.NoReturn:
+        raise ConfigError(message)
+
+    parser.exit_on_error = False
+    parser.error = error  # type: ignore[method-assign]
+    return parser
+
+
+def parse_dataclasses(
+    parser: HfArgumentParser, argv: list[str], renames: Mapping[str, str] | None = None
+) -> tuple[Any, ...]:
+    """`parser.parse_args_into_dataclasses(argv)` (a `build_parser` parser) with every failure one
+    `ConfigError`: an unknown flag named with `hints` (`renames`: other trainers' names for ours),
+    a bad value by `argument_error`, a dataclass's own check as it raised it.
+
+    Raises:
+        ConfigError: `unknown flag(s) ['--max_stpes'] (max_stpes: did you mean max_steps?); see --help ...`.
+    """
+    flags = [a.split("=", 1)[0] for a in argv if a.startswith("--") and a != "--"]
+    spelled = options(parser)
+    bad = sorted({f for f in flags if f not in spelled})
+    if bad:
+        known = sorted({dest for dest in spelled.values() if dest != "help"})
+        raise ConfigError(
+            f"unknown flag(s) {bad}{hints([b[2:] for b in bad], known, renames or {})}; see --help for valid flags"
+        )
+    try:
+        return tuple(parser.parse_args_into_dataclasses(args=argv))
+    except argparse.ArgumentError as e:
+        raise argument_error(e) from None
+    except ConfigError:
+        raise
+    except ValueError as e:  # "Some specified arguments are not used" (a stray positional), a field's check
+        raise ConfigError(str(e)) from None
+
+
+def hints(names: Sequence[str], known: Collection[str], renames: Mapping[str, str]) -> str:
+    """` (a: use X; b: write max_steps; c: did you mean max_steps?)` for the unknown `names`, either
+    spelling (`max-update` is `max_update`): another trainer's name for one of ours (`renames`: name
+    -> what to use), a known field spelled with dashes where only underscores are taken (file keys),
+    or a near miss of a known field (difflib); "" where none fits."""
+    out = []
+    for n in names:
+        under = n.replace("-", "_")
+        if under in renames:
+            out.append(f"{n}: use {renames[under]}")
+        elif under in known and under != n:
+            out.append(f"{n}: write {under}")
+        elif close := difflib.get_close_matches(under, list(known), n=1, cutoff=0.8):
+            out.append(f"{n}: did you mean {close[0]}?")
+    return f" ({'; '.join(out)})" if out else ""
 
 
 def options(parser: argparse.ArgumentParser) -> dict[str, str]:
@@ -120,24 +188,32 @@ def take_nulls(argv: list[str], valued: dict[str, str]) -> set[str]:
     """Remove `--field null` / `--field=null` (either spelling) from `argv` (in place); returns the fields.
 
     argparse would read "null" as the string "null" (or fail on a number); on the command line it
-    means: unset what the config file set, as `field: null` would in the file.
+    means: unset what the config file set, as `field: null` would in the file, and what a flag
+    before it set (the last flag of a field wins, as argparse takes repeated flags: the planner
+    writes `--virtual_pipeline_stages null` after the user's flags).
 
     Args:
         argv: the flags (changed in place).
         valued: option string -> field, for the options that take a value.
     """
     out: set[str] = set()
+    kept: list[tuple[str | None, list[str]]] = []  # (the field of a valued option or None, its tokens)
     i = 0
     while i < len(argv):
         name, eq, value = argv[i].partition("=")
-        if name in valued and eq and value == "null":
-            out.add(valued[name])
-            del argv[i]
-        elif name in valued and not eq and i + 1 < len(argv) and argv[i + 1] == "null":
-            out.add(valued[name])
-            del argv[i : i + 2]
+        field = valued.get(name)
+        n = 1
+        while not eq and field is not None and i + n < len(argv) and not argv[i + n].startswith("--"):
+            n += 1  # its value(s): a list field takes several
+        tokens = argv[i : i + n]
+        i += n
+        given = value if eq else tokens[1] if n == 2 else None
+        if field is not None and given == "null":
+            out.add(field)
+            kept = [k for k in kept if k[0] != field]
         else:
-            i += 1
+            kept.append((field, tokens))
+    argv[:] = [t for _, tokens in kept for t in tokens]
     return out
 
 
@@ -200,7 +276,7 @@ def _float(value: Any) -> float | None:
         return None
 
 
-def _checked(name: str, base: str, convert: Callable[[str], Any]) -> Callable[[str], Any]:
+def checked(name: str, base: str, convert: Callable[[str], Any]) -> Callable[[str], Any]:
     """`convert` whose failure says `_not_a` (argparse reports an ArgumentTypeError's text as it is)."""
 
     def parse(text: str) -> Any:

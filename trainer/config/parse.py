@@ -1,13 +1,13 @@
 """Parsing the job config: `--config FILE` (YAML or JSON) plus flag overrides, by `HfArgumentParser`.
 
-Unknown keys (file or flag) are an error naming the key, with a hint where it is an HF
-Trainer name we spell differently (`HF_NAME_HINTS`); `--field null` unsets a value the file set.
+Unknown keys (file or flag) are an error naming the key, with a hint where it is an HF Trainer or
+fairseq name we spell differently (`HF_NAME_HINTS`, `FAIRSEQ_NAME_HINTS`) or a near miss of one of
+ours (`--max_stpes`: did you mean max_steps?); `--field null` unsets a value the file set.
 The flags' spellings and value types: `trainer.config.flags`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import fields
@@ -17,11 +17,12 @@ from typing import Any
 import yaml
 
 from trainer.config.flags import (
-    argument_error,
     build_parser,
     check_file_value,
     field_kinds,
+    hints,
     options,
+    parse_dataclasses,
     take_config,
     take_nulls,
     takes_value,
@@ -62,6 +63,38 @@ HF_NAME_HINTS: dict[str, str] = {
     "val_max_target_length": "generation_max_length (decoding) / max_target_length (data)",
 }
 
+# fairseq-train / fairseq-generate flags (`--max-update` is looked up as max_update), with our field.
+FAIRSEQ_NAME_HINTS: dict[str, str] = {
+    "max_update": "max_steps (fairseq's --max-update)",
+    "total_num_update": "max_steps (fairseq's --total-num-update)",
+    "max_epoch": "num_train_epochs (fairseq's --max-epoch)",
+    "max_tokens": "max_tokens_per_microbatch (fairseq's --max-tokens; here the tokens of one micro-batch)",
+    "max_sentences": "per_device_train_batch_size (fairseq's --max-sentences)",
+    "batch_size": "per_device_train_batch_size (fairseq's --batch-size)",
+    "update_freq": "gradient_accumulation_steps (fairseq's --update-freq)",
+    "save_dir": "output_dir (fairseq's --save-dir)",
+    "lr": "learning_rate (fairseq's --lr)",
+    "warmup_updates": "warmup_steps (fairseq's --warmup-updates)",
+    "lr_scheduler": "lr_scheduler_type (fairseq's --lr-scheduler)",
+    "clip_norm": "max_grad_norm (fairseq's --clip-norm)",
+    "adam_betas": "adam_beta1 and adam_beta2 (fairseq's --adam-betas)",
+    "adam_eps": "adam_epsilon (fairseq's --adam-eps)",
+    "label_smoothing": "label_smoothing_factor (fairseq's --label-smoothing)",
+    "lang_pairs": "language_pairs (fairseq's --lang-pairs)",
+    "log_interval": "logging_steps (fairseq's --log-interval)",
+    "save_interval_updates": "save_steps (fairseq's --save-interval-updates)",
+    "validate_interval_updates": "eval_steps (fairseq's --validate-interval-updates)",
+    "keep_interval_updates": "save_total_limit (fairseq's --keep-interval-updates)",
+    "patience": "early_stopping_patience (fairseq's --patience)",
+    "best_checkpoint_metric": "metric_for_best_model (fairseq's --best-checkpoint-metric)",
+    "restore_file": "resume_from_checkpoint (fairseq's --restore-file)",
+    "beam": "generation_num_beams (fairseq's --beam)",
+    "checkpoint_activations": "activation_checkpointing (fairseq's --checkpoint-activations)",
+    "tensorboard_logdir": "report_to: tensorboard (events in output_dir/runs)",
+    "num_workers": "dataloader_num_workers (streaming) or preprocessing_num_workers",
+}
+OTHER_NAMES = {**HF_NAME_HINTS, **FAIRSEQ_NAME_HINTS}
+
 
 def _read_file(path: str) -> dict[str, Any]:
     p = Path(path)
@@ -100,7 +133,8 @@ def parse_config(argv: list[str] | None = None) -> JobConfig:
     unknown = sorted(set(file_values) - known)
     if unknown:
         raise ConfigError(
-            f"unknown config key(s) {unknown}{_hints(unknown)}; see `python -m trainer.train --help` for valid keys"
+            f"unknown config key(s) {unknown}{hints(unknown, known, OTHER_NAMES)}; see `python -m trainer.train "
+            "--help` for valid keys"
         )
     kinds = field_kinds(SECTIONS)
     file_values = {
@@ -113,16 +147,7 @@ def parse_config(argv: list[str] | None = None) -> JobConfig:
     for name in [k for k, v in file_values.items() if v is None and not kinds[k].optional]:
         del file_values[name]  # null on a field that cannot be None: unset, its default applies
     parser.set_defaults(**file_values)
-    flags = [a.split("=", 1)[0] for a in argv if a.startswith("--") and a != "--"]
-    bad = sorted({f for f in flags if f not in spelled})
-    if bad:
-        raise ConfigError(f"unknown flag(s) {bad}{_hints([b[2:] for b in bad])}; see --help for valid flags")
-    try:
-        model, data, parallel, training = parser.parse_args_into_dataclasses(args=argv)
-    except argparse.ArgumentError as e:
-        raise argument_error(e) from None
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    model, data, parallel, training = parse_dataclasses(parser, argv, OTHER_NAMES)
     return JobConfig(model, data, parallel, training)
 
 
@@ -139,20 +164,6 @@ DESCRIPTION = (
 )
 
 
-def _hints(names: list[str]) -> str:
-    """`; use X for Y` for the unknown names that are HF Trainer names we spell differently
-    (either spelling: `per-gpu-train-batch-size` too), or a file key with dashes."""
-    known = {f.name for cls in SECTIONS for f in fields(cls)}
-    hints = []
-    for n in names:
-        under = n.replace("-", "_")
-        if under in HF_NAME_HINTS:
-            hints.append(f"{n}: use {HF_NAME_HINTS[under]}")
-        elif under in known and under != n:
-            hints.append(f"{n}: write {under}")
-    return f" ({'; '.join(hints)})" if hints else ""
-
-
 def _as_default(value: Any) -> Any:
     # Explicit partition lists in YAML ([5, 4, 4, 5]) are carried as the string form.
     if isinstance(value, list) and all(isinstance(x, int) for x in value):
@@ -165,7 +176,7 @@ def load_config_dict(values: dict[str, Any]) -> JobConfig:
     known = {f.name for cls in SECTIONS for f in fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ConfigError(f"unknown config key(s) {unknown}{_hints(unknown)}")
+        raise ConfigError(f"unknown config key(s) {unknown}{hints(unknown, known, OTHER_NAMES)}")
     parts: list[Any] = []
     for cls in SECTIONS:
         names = {f.name for f in fields(cls)}

@@ -205,6 +205,9 @@ class ModelArguments:
             raise ConfigError(str(e)) from None
 
 
+DEFAULT_VIRTUAL_STAGES = 2  # interleaved_1f1b's stages per rank when virtual_pipeline_stages is unset
+
+
 @dataclass
 class ParallelArguments:
     """The (pp, dp, tp) mesh and the pipeline engine's knobs."""
@@ -225,8 +228,12 @@ class ParallelArguments:
     )
     num_microbatches: int = field(default=1, metadata={"help": "Micro-batches per pipeline flush."})
     pipeline_schedule: str = field(default="1f1b", metadata={"help": f"One of {list(SCHEDULE_CHOICES)}."})
-    virtual_pipeline_stages: int = field(
-        default=2, metadata={"help": "Stages per rank for interleaved_1f1b."}
+    virtual_pipeline_stages: int | None = field(
+        default=None,
+        metadata={
+            "help": f"Stages per rank for interleaved_1f1b (unset: {DEFAULT_VIRTUAL_STAGES}); refused with "
+            "any other schedule, where it would do nothing (zbv always places 2 stages per rank)."
+        },
     )
     activation_checkpointing: str = field(default="none", metadata={"help": f"One of {list(REMAT_CHOICES)}."})
     partition_method: str = field(
@@ -273,9 +280,9 @@ class ParallelArguments:
             "tensor_parallel_size",
             "expert_parallel_size",
             "num_microbatches",
-            "virtual_pipeline_stages",
         )
         check_range(self, names, 1)
+        check_range(self, ("virtual_pipeline_stages",), 1, optional=True)
         check_range(self, ("dist_timeout_s",), 1)
         if not math.isfinite(self.hang_warning_s):  # any finite value: negative = no warning
             raise ConfigError(
@@ -292,9 +299,10 @@ class ParallelArguments:
 
     @property
     def virtual_stages(self) -> int:
-        """Stages per pp rank: virtual_pipeline_stages for interleaved_1f1b, 2 for zbv (its V), else 1."""
+        """Stages per pp rank: virtual_pipeline_stages for interleaved_1f1b (unset: DEFAULT_VIRTUAL_STAGES),
+        2 for zbv (its V), else 1."""
         if self.pipeline_schedule == "interleaved_1f1b":
-            return self.virtual_pipeline_stages
+            return self.virtual_pipeline_stages or DEFAULT_VIRTUAL_STAGES
         return 2 if self.pipeline_schedule == "zbv" else 1
 
 

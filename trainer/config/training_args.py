@@ -151,8 +151,10 @@ class TrainingArguments:
     resume_from_checkpoint: str | None = field(
         default=None,
         metadata={
-            "help": "A checkpoint directory, or 'latest' for the newest in output_dir; true (the HF "
-            "Trainer's bool: True, yes) means 'latest', false means no resume."
+            "help": "A checkpoint directory, or 'latest' for the newest in output_dir (none there: a "
+            "warning, and training starts from step 0, as a first attempt under torchrun --max-restarts or "
+            "a SLURM requeue does); true (the HF Trainer's bool: True, yes) the newest too, but refused "
+            "when output_dir has none, as in the HF Trainer; false means no resume."
         },
     )
     seed: int = field(default=42, metadata={"help": "Seed for init, data order and dropout."})
@@ -272,28 +274,29 @@ class TrainingArguments:
 
 
 # `resume_from_checkpoint` words that mean the HF Trainer's bool (`trainer.train(resume_from_checkpoint=True)`:
-# the last checkpoint in output_dir), as YAML 1.1 and `string_to_bool` read them.
-RESUME_LATEST_WORDS = ("true", "yes", "on")
+# the last checkpoint in output_dir, an error where there is none), as YAML 1.1 and `string_to_bool` read them.
+RESUME_TRUE_WORDS = ("true", "yes", "on")
 RESUME_NONE_WORDS = ("false", "no", "off", "")
 
 
 def resume_spec(value: object) -> str | None:
     """`resume_from_checkpoint` as `trainer.checkpoint.dcp.resolve_resume` takes it: the HF bool form
-    (True / "True" / "yes": the newest checkpoint in output_dir) is "latest", False / "false" is None;
-    a directory or "latest" as given.
+    (True / "True" / "yes") is "true" (the newest checkpoint in output_dir, which must exist), False /
+    "false" is None; a directory or "latest" (the newest, or step 0 where there is none) as given.
+    "true" and "latest" stay apart: only "latest" may find nothing.
 
     Raises:
         ConfigError: a value that is neither text nor a bool.
     """
     if value is None or isinstance(value, bool):
-        return "latest" if value else None
+        return "true" if value else None
     if not isinstance(value, str):
         raise ConfigError(
             f"resume_from_checkpoint={value!r} is not valid: a checkpoint directory, 'latest' "
-            "(or true: the newest checkpoint in output_dir), or false"
+            "(the newest checkpoint in output_dir, if any), true (the newest, which must exist), or false"
         )
-    if value.strip().lower() in RESUME_LATEST_WORDS:
-        return "latest"
+    if value.strip().lower() in RESUME_TRUE_WORDS:
+        return "true"
     return None if value.strip().lower() in RESUME_NONE_WORDS else value
 
 

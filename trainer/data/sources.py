@@ -173,6 +173,13 @@ def _bucket(skipped: dict[str, dict[str, int]], split: str) -> dict[str, int]:
     return skipped.setdefault(split, {UNREADABLE: 0, **dict.fromkeys(SKIP_REASONS, 0)})
 
 
+def nonzero_skips(skipped: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """`skipped` with only its non-zero counters (splits with none left out): what the log shows.
+    run_summary.json keeps every counter; a line of zeros for each of many directions says nothing."""
+    out = {split: {k: v for k, v in counts.items() if v} for split, counts in skipped.items()}
+    return {split: counts for split, counts in out.items() if counts}
+
+
 def _pairs_batch(
     batch: dict[str, list[Any]], directions: Sequence[Direction], every_line: bool = False
 ) -> dict[str, list[Any]]:

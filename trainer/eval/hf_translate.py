@@ -20,6 +20,7 @@ import torch
 from models.hf import CheckpointMismatchError, read_hf_config
 from models.m2m100 import M2M100Translation
 from parallel.materialize import materialize, pretrained_fill
+from trainer.checkpoint.commit import pass_a_checkpoint, run_directory
 from trainer.checkpoint.directions import model_directions, untrained_warning
 from trainer.errors import BadInputError
 from trainer.eval.decode import translate, without_blanks
@@ -117,15 +118,33 @@ def pick_device(name: str) -> torch.device:
 
 
 def check_model_dir(path: str | Path) -> None:
-    """Fail early and clearly on a wrong `--model`.
+    """Fail early and clearly on a wrong `--model`: a training checkpoint (or a run directory of
+    them) is named as one, with the command that exports it, before the tokenizer files are looked
+    for (AutoTokenizer's own message there was cut off and named neither).
 
     Raises:
-        TranslateError: `path` is not a directory.
+        TranslateError: `path` is not a directory, or a training checkpoint / run directory.
     """
-    if not Path(path).is_dir():
+    p = Path(path)
+    if not p.is_dir():
         raise TranslateError(
             f"--model {str(path)!r} is not a directory; expected an exported Hugging Face model directory "
             "(config.json, model.safetensors, tokenizer files)"
+        )
+    if (p / "config.json").is_file():
+        return
+    found = run_directory(p)
+    if found == []:
+        raise TranslateError(str(pass_a_checkpoint(p, "--model")))
+    if (p / "trainer_state.json").is_file() or found:
+        ckpt = found[-1] if found else p
+        what = (
+            f"a run directory; its latest complete checkpoint is {ckpt}" if found else "a training checkpoint"
+        )
+        raise TranslateError(
+            f"--model {str(path)!r} is {what}, not a Hugging Face directory: export it first: python -m "
+            f"trainer.export --checkpoint {ckpt} --output {ckpt.parent / 'hf_export'}, then --model "
+            f"{ckpt.parent / 'hf_export'} (or score it as it is: python -m trainer.evaluate --model {ckpt} ...)"
         )
 
 

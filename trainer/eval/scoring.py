@@ -233,6 +233,7 @@ def model_source(args: EvaluateArguments) -> tuple[Path | None, ModelConfig, Pat
         EvaluateError: neither an HF directory nor a complete checkpoint of this trainer.
         CheckpointMismatchError: an HF directory without a usable config.json.
     """
+    from trainer.checkpoint.commit import pass_a_checkpoint
     from trainer.checkpoint.hf_export import (
         ExportError,
         check_checkpoint,
@@ -241,6 +242,9 @@ def model_source(args: EvaluateArguments) -> tuple[Path | None, ModelConfig, Pat
     )
 
     path = Path(args.model)
+    run_dir = pass_a_checkpoint(path, "--model")
+    if run_dir is not None:
+        raise EvaluateError(run_dir)
     if (path / "trainer_state.json").is_file():
         try:
             ckpt = check_checkpoint(path)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -127,16 +127,16 @@ def fit(
 
 
 def calibrate(
-    pending: Sequence[Pending], base_args: list[str], opts: PlanOptions, root: Path
+    pending: Sequence[Pending], to_args: Callable[[Layout], list[str]], opts: PlanOptions, root: Path
 ) -> dict[Family, Calibration]:
-    """Run each family's calibration layout with trainer.train and fit it (module docstring)."""
-    from trainer.planner.layout import layout_args
+    """Run each family's calibration layout with trainer.train (its flags: `to_args`, the planner's
+    `layout_args` over the job's) and fit it (module docstring)."""
     from trainer.planner.report import run_candidate
 
     out: dict[Family, Calibration] = {}
     chosen = calibration_layouts(pending)
     for i, (fam, (_, layout, sc, ctx)) in enumerate(chosen.items()):
-        args = layout_args(layout, base_args, ctx.sequence_parallel)
+        args = to_args(layout)
         run_dir = root / f"calibrate_pp{fam[0]}_tp{fam[1]}_dp{fam[2]}_{layout.schedule}"
         logger.info(
             "calibration run %d/%d: pp=%d tp=%d dp=%d %s, %d steps -> %s", i + 1, len(chosen), *fam[:3],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from trainer.config.flags import argument_error, checked, one_line
 from trainer.planner.space import REMAT_SPACE, SCHEDULE_SPACE, SHARDING_SPACE
 
 DESCRIPTION = (
@@ -59,8 +60,12 @@ def _names(text: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None) -> tuple[PlanOptions, list[str]]:
-    """The planner's flags, and the rest (config overrides, as trainer.train takes them)."""
-    ap = argparse.ArgumentParser(prog="python -m trainer.plan", description=DESCRIPTION)
+    """The planner's flags, and the rest (config overrides, as trainer.train takes them).
+
+    Raises:
+        ConfigError: a missing or bad planner flag, in one line (no usage block: `one_line`).
+    """
+    ap = one_line(argparse.ArgumentParser(prog="python -m trainer.plan", description=DESCRIPTION))
     ap.add_argument("--config", required=True, help="The job's YAML/JSON config (as for trainer.train).")
     ap.add_argument("--world_size", type=int, required=True, help="Ranks (processes / GPUs) in all.")
     ap.add_argument("--gpus_per_node", type=int, default=None, help="Ranks per node; default: one node.")
@@ -101,7 +106,13 @@ def parse_args(argv: list[str] | None) -> tuple[PlanOptions, list[str]]:
     ap.add_argument("--link_gbps", type=float, default=None, help="Skip the link measurement: GB/s.")
     ap.add_argument("--link_latency_us", type=float, default=50.0)
     ap.add_argument("--inter_node_gbps", type=float, default=None)
-    opts, rest = ap.parse_known_args(argv)
+    for action in ap._actions:  # `--top ten`: "top='ten' is not an integer", as trainer.train says it
+        if action.type in (int, float):
+            action.type = checked(action.dest, action.type.__name__, action.type)  # type: ignore[union-attr]
+    try:
+        opts, rest = ap.parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise argument_error(e) from None
     for name in (
         "world_size",
         "top",

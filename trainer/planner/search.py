@@ -7,7 +7,8 @@ from __future__ import annotations
 import heapq
 import logging
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import fields, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from trainer.planner.cost import (
     predict_step,
 )
 from trainer.planner.hardware import GIB, DeviceSpec, LinkModel, device_spec
-from trainer.planner.layout import Family, Layout, describe, layout_args
+from trainer.planner.layout import Family, Layout, describe, layout_args, layout_fields
 from trainer.planner.measure import CostSource, measure_link, measure_optimizer_s_per_param, measure_overheads
 from trainer.planner.memory import HOST_BASELINE_BYTES
 from trainer.planner.options import PlanOptions
@@ -91,14 +92,15 @@ def plan(cfg: JobConfig, base_args: list[str], opts: PlanOptions) -> dict[str, A
         logger.info("phase 3/5: calibrating with short trainer.train runs (one per mesh and backward kind)")
     else:
         logger.info("phase 3/5: no calibration runs (%s)", why_not)
-    fits = calibrate(pending, base_args, opts, run_root(opts, "calibrate")) if calibrating else {}
+    to_args = partial(layout_args, base=base_args, job=cfg.parallel)
+    fits = calibrate(pending, to_args, opts, run_root(opts, "calibrate")) if calibrating else {}
     candidates, pruned = _simulate_best(apply(pending, fits), memory_gib, opts, rejected)
     logger.info("phase 5/5: the config's own layout and the top %d candidates' flags", opts.top)
     for c in candidates[: opts.top]:  # the printed rows: their flags through the trainer's own parser
-        c.args = layout_args(c.layout, base_args, cfg.parallel.sequence_parallel)
+        c.args = to_args(c.layout)
         check_args(c.args, world)
     for c in candidates[opts.top :]:
-        c.args = layout_args(c.layout, base_args, cfg.parallel.sequence_parallel)
+        c.args = to_args(c.layout)
     own = own_layout(cfg, base_args, source, ctx, world, gpn, fits)
     result = build_report(cfg, opts, device, link, memory_gib, candidates, rejected, pruned, own)
     result["calibration"] = calibration_rows(fits) if calibrating else why_not
@@ -252,18 +254,18 @@ class TrainerCheck:
         return ""
 
     def _config(self, layout: Layout) -> JobConfig:
+        """The job's config with `layout_fields` (what `layout_args` writes as flags) in place, its
+        balance left to `validate_balance` (the partition is checked apart, per balance)."""
         c = self.cfg
-        parallel = replace(
-            c.parallel, pipeline_parallel_size=layout.pp, tensor_parallel_size=layout.tp,
-            data_parallel_size=layout.dp, num_microbatches=layout.m, pipeline_schedule=layout.schedule,
-            virtual_pipeline_stages=max(layout.v, 2), partition_method="uniform",
-            data_parallel_sharding=layout.sharding, expert_parallel_size=layout.ep,
-            sequence_parallel=c.parallel.sequence_parallel and layout.tp > 1,
-        )  # fmt: skip
-        b = c.training.per_device_train_batch_size if layout.token_mode else layout.microbatch
-        training = replace(c.training, gradient_accumulation_steps=layout.g, per_device_train_batch_size=b)
-        data = replace(c.data, max_tokens_per_microbatch=layout.microbatch) if layout.token_mode else c.data
-        return replace(c, parallel=parallel, training=training, data=data)
+        values = layout_fields(layout, c.parallel.sequence_parallel)
+        values["partition_method"] = "uniform"
+
+        def take(section: Any) -> Any:  # the section with its fields in `values` replaced
+            return replace(
+                section, **{k: v for k, v in values.items() if k in {f.name for f in fields(section)}}
+            )
+
+        return replace(c, parallel=take(c.parallel), training=take(c.training), data=take(c.data))
 
 
 def _own_cut(cfg: JobConfig, world: int) -> tuple[int, int, int, int, bool]:

@@ -5,9 +5,11 @@
                  `data_time_s` included), then the ETA
     eval_line    one line per evaluation: loss, BLEU, chrF, chrF++ (where present), and
                  BLEU per direction in a short form (a list, or min/median/max for many)
+    predict_line the same for do_predict's scores (predict_results.json), once at the end
 
     2025-01-01 12:00:00 INFO trainer.progress: step 40/200 | loss 6.1234 | lr 1.00e-03 | grad_norm 1.52 | tokens/s 10320 | step 0.214 s | data 0.002 s | eta 0:00:35
     2025-01-01 12:00:03 INFO trainer.progress: eval step 40 | loss 6.2010 | bleu 0.84 | chrF 12.31 | bleu en-de 0.5 de-en 1.2
+    2025-01-01 12:09:41 INFO trainer.progress: predict (test) | loss 5.9001 | bleu 1.02 | chrF 13.05 | bleu en-de 0.7 de-en 1.3
 
 Both are written from whatever keys a row has, so a key another part adds to the rows
 (listed in `TRAIN_KEYS` or named `eval_*`) shows up without a change here, and a row
@@ -81,15 +83,27 @@ def train_line(row: dict[str, Any], max_steps: int, eta_s: float | None) -> str:
 
 def eval_line(row: dict[str, Any]) -> str:
     """`eval step s | loss ... | bleu ... | chrF ... | bleu <per direction>` from an evaluation row."""
-    parts = [f"eval step {row['step']}"]
+    return score_line(f"eval step {row['step']}", row, "eval_")
+
+
+def predict_line(result: dict[str, Any]) -> str:
+    """`predict (test) | loss ... | bleu ... | bleu <per direction>` from do_predict's results
+    (`predict_loss`, `predict_bleu`, `predict_bleu_en-de`, ... as predict_results.json holds them)."""
+    return score_line("predict (test)", result, "predict_")
+
+
+def score_line(head: str, row: dict[str, Any], prefix: str) -> str:
+    """`head | loss ... | bleu ... | chrF ... | bleu <per direction>` from the `prefix` keys of `row`
+    (`EVAL_KEYS` with `eval_` replaced by `prefix`)."""
+    parts = [head]
     for key, label, digits in EVAL_KEYS:
-        v = _number(row, key)
+        v = _number(row, prefix + key[len("eval_") :])
         if v is not None:
             parts.append(f"{label} {v:.{digits}f}")
     per_direction = {
-        k[len("eval_bleu_") :]: v
+        k[len(prefix) + len("bleu_") :]: v
         for k in row
-        if k.startswith("eval_bleu_") and (v := _number(row, k)) is not None
+        if k.startswith(f"{prefix}bleu_") and (v := _number(row, k)) is not None
     }
     if per_direction:
         parts.append(direction_summary("bleu", per_direction))

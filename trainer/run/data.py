@@ -34,6 +34,8 @@ from trainer.data.sources import (
 )
 from trainer.data.stream import StreamSpec
 from trainer.data.tokenization import TranslationData, tokenize_datasets
+from trainer.errors import DataError
+from trainer.run.preflight import evaluations_asked, no_eval_data
 from trainer.run.rank0 import on_rank0
 from trainer.tokenizer.vocab import Tokenizer, load_or_train_tokenizer
 
@@ -60,15 +62,31 @@ def setup_data(cfg: JobConfig, out: Path, rank: int, resume: ResumePoint | None)
 
         spec, expected = stream_spec(open_corpus(d), d, seed)
         raw = load_raw_datasets(d, seed)  # validation only
+        require_eval_data(cfg, raw)
         test_raw = load_test_pairs(d, seed) if cfg.training.do_predict else None
         tok = setup_tokenizer(
             cfg, lambda: sample_texts(spec, expected, d.spm_input_sentence_size, seed), out, rank, resume
         )
         return RunData(tok, tokenize_datasets(raw, tok, d), test_raw, (spec, expected))
     raw = load_raw_datasets(d, seed)
+    require_eval_data(cfg, raw)
     test_raw = load_test_pairs(d, seed) if cfg.training.do_predict else None
     tok = setup_tokenizer(cfg, lambda: training_texts(raw.train), out, rank, resume)
     return RunData(tok, tokenize_shared(cfg, raw, tok, out, rank), test_raw)
+
+
+def require_eval_data(cfg: JobConfig, raw: RawDatasets) -> None:
+    """A dataset_name without a validation (or dev, or test) split cannot serve the evaluations the
+    config asks for (a train_file without validation_file is refused before: `check_eval_data`).
+    Every rank reads the same splits, so every rank raises alike, before the tokenizer is written.
+
+    Raises:
+        DataError: evaluations asked and no validation pairs.
+    """
+    asked = evaluations_asked(cfg.training)
+    if asked and not raw.validation:
+        source = f"dataset_name={cfg.data.dataset_name!r} has no validation, dev or test split"
+        raise DataError(no_eval_data(asked, source))
 
 
 def setup_tokenizer(

@@ -5,8 +5,8 @@ run              resume point (checked) -> validate -> claim output dir (lock, f
                  (every evaluation row is logged to the console and redraws curves.png)
 train_loop       per step: train_step (guarded) -> log_row -> timeline (once) -> preempted? save + exit
                  -> maybe_eval_and_save (eval/save strategies, best model, early stop: trainer.run.strategies)
-finish_run       final eval -> checkpoint -> best model loaded -> do_predict (trainer.eval.predict)
-                 -> run_summary.json
+finish_run       final eval -> checkpoint -> best model loaded -> do_predict (trainer.eval.predict,
+                 its scores on the console) -> run_summary.json
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch.distributed as dist
 from parallel.parallelize import ParallelModel
 from trainer.checkpoint import dcp as ckpt
 from trainer.checkpoint.resume import find_resume
+from trainer.config.checks import check_trackers
 from trainer.config.dims import parallel_dims
 from trainer.config.schema import JobConfig
 from trainer.data.batching import eval_batches
@@ -29,6 +30,7 @@ from trainer.eval.predict import predict_test_set
 from trainer.eval.runner import Evaluator
 from trainer.lifetime import ParentWatch
 from trainer.progress import PROGRESS_LOGGER
+from trainer.run.console import predict_line
 from trainer.run.flops import peak_flops, step_flops
 from trainer.run.guard import (
     DivergenceError,
@@ -41,7 +43,7 @@ from trainer.run.moe_load import load_line
 from trainer.run.outdir import claim_output_dir
 from trainer.run.preflight import idle_option_warnings, validate_early
 from trainer.run.setup import RunContext, setup_run
-from trainer.run.state import load_best_model, mesh_sizes, resume_state, save
+from trainer.run.state import load_best_model, log_start, mesh_sizes, resume_state, save
 from trainer.run.step import LogWindow, StepStats, bubble_stats, train_step
 from trainer.run.strategies import interval_due, tracks_best
 from trainer.run.summary import LoopTotals, print_summary, run_summary
@@ -59,7 +61,7 @@ def run(cfg: JobConfig, launcher: ParentWatch | None = None) -> dict[str, Any]:
 
     On the logging rank the summary also holds `history`, every row written to metrics.jsonl.
 
-        find_resume -> validate_early -> claim_output_dir -> setup_run -> resume_state -> tracker, evaluator
+        find_resume (log_start) -> validate_early -> claim_output_dir -> setup_run -> resume_state -> tracker, evaluator
         -> [eval before] -> train_loop -> finish_run
 
     Rank 0 holds output_dir's lock until this returns or raises (trainer.run.outdir).
@@ -68,7 +70,9 @@ def run(cfg: JobConfig, launcher: ParentWatch | None = None) -> dict[str, Any]:
     # Before the claim: a mismatch with the checkpoint's run writes nothing. A resume takes the
     # architecture from the checkpoint (model_name_or_path is not read again: it may be gone).
     resume = find_resume(cfg, parallel_dims(cfg.parallel, world).validate())  # the mesh alone
+    log_start(cfg.training.resume_from_checkpoint, resume.path if resume else None, cfg.training.output_dir)
     dims = validate_early(cfg, world, arch=resume.model_config(cfg) if resume else None)
+    check_trackers(cfg.training.report_to)  # W&B / TensorBoard installed: refused here, not after set-up
     if dist.get_rank() == 0:
         for line in idle_option_warnings(cfg):
             logger.warning("config: %s", line)
@@ -336,6 +340,8 @@ def finish_run(
     if args.do_train and args.load_best_model_at_end and ctx.best.best_metrics is not None:
         after = ctx.best.best_metrics  # the model the run ends with
     predicted = predict_test_set(ctx) if args.do_predict else {}
+    if predicted:  # the logging rank's scores; the files are predict_results.json and predictions_*.txt
+        tracker.say(f"{predict_line(predicted)} | {ctx.out / 'predict_results.json'}")
     summary = run_summary(ctx, totals, before, after)
     summary["memory"] = gather_memory(ctx.startup_peak_host_bytes, train_host, ctx.pm.device)
     summary["predict"] = {k: v for k, v in predicted.items() if k.startswith("predict_")}

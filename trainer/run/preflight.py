@@ -68,12 +68,56 @@ def validate_early(cfg: JobConfig, world: int, arch: ModelConfig | None = None) 
     build_schedule(cfg.parallel.pipeline_schedule, p, cfg.parallel.num_microbatches, v)
     refuse_idle_options(cfg, dims)
     check_streaming(cfg)
+    check_eval_data(cfg)
     check_predict_args(cfg)
     directions = [f"{s}-{t}" for s, t in cfg.data.directions()]
     check_metric_name(cfg.training.metric_for_best_model, directions, cfg.training.eval_spbleu)
     if cfg.training.eval_spbleu:
         check_spbleu_model("eval_spbleu")  # its SentencePiece model is never downloaded during a run
     return dims
+
+
+def evaluations_asked(args: TrainingArguments) -> list[str]:
+    """What in the config runs evaluations, each as `field=value` ([]: none does): do_eval (before and
+    after training), an eval_strategy that evaluates during training, and what reads those evaluations."""
+    out = ["do_eval=True"] if args.do_eval else []
+    if args.eval_strategy == "epoch" or (args.eval_strategy == "steps" and args.eval_steps):
+        every = f" with eval_steps={args.eval_steps}" if args.eval_strategy == "steps" else ""
+        out.append(f"eval_strategy={args.eval_strategy!r}{every}")
+    out += [f"{name}={getattr(args, name)}" for name in EVAL_READERS if getattr(args, name)]
+    return out
+
+
+# What reads the evaluations (checked by check_best_model_args to come with an eval_strategy), and the
+# way to do without each evaluation source named by `evaluations_asked`.
+EVAL_READERS = ("load_best_model_at_end", "early_stopping_patience")
+WITHOUT = {"do_eval": "--do_eval false", "eval_strategy": "--eval_strategy no",
+           "load_best_model_at_end": "no load_best_model_at_end", "early_stopping_patience": "no early_stopping_patience"}  # fmt: skip
+
+
+def no_eval_data(asked: list[str], source: str) -> str:
+    """The one line for evaluations asked without validation data (run_translation.py: "--do_eval
+    requires a validation dataset"): what asks, where the data would come from, how to do without."""
+    without = ", ".join(WITHOUT[a.split("=", 1)[0]] for a in asked)
+    return (
+        f"{' and '.join(asked)} need{'s' if len(asked) == 1 else ''} validation data, but {source}: set "
+        "validation_file (JSON lines / Parquet / '{lang}' text files, as train_file), or use a dataset_name "
+        f"with a validation split; or train without evaluating: {without}"
+    )
+
+
+def check_eval_data(cfg: JobConfig) -> None:
+    """Evaluations need validation data: refused where the config has none (train_file without
+    validation_file), as run_translation.py refuses do_eval. A dataset_name's splits are known once it
+    is read (`trainer.run.data.setup_data` checks them then); the builtin corpus has one.
+
+    Raises:
+        ConfigError: evaluations asked (`evaluations_asked`) with neither validation_file nor dataset_name.
+    """
+    d = cfg.data
+    asked = evaluations_asked(cfg.training)
+    if asked and not d.validation_file and not d.dataset_name:
+        raise ConfigError(no_eval_data(asked, f"train_file={d.train_file!r} comes with none"))
 
 
 def check_predict_args(cfg: JobConfig) -> None:
@@ -152,8 +196,7 @@ def refuse_idle_options(cfg: JobConfig, dims: ParallelDims) -> None:
             f"{inferred}: there is no replica to shard over; set data_parallel_sharding: none, or "
             "data_parallel_size > 1"
         )
-    stages_default = _default(type(par), "virtual_pipeline_stages")
-    if par.pipeline_schedule != "interleaved_1f1b" and par.virtual_pipeline_stages != stages_default:
+    if par.pipeline_schedule != "interleaved_1f1b" and par.virtual_pipeline_stages is not None:
         raise ConfigError(
             f"virtual_pipeline_stages={par.virtual_pipeline_stages} does nothing with pipeline_schedule="
             f"{par.pipeline_schedule!r}: only interleaved_1f1b takes it (zbv always places 2 stages per "

@@ -32,7 +32,7 @@ from trainer.checkpoint.resume import ResumePoint, log_changes
 from trainer.config.pretrained import pretrained_sources
 from trainer.config.schema import JobConfig
 from trainer.config.training_args import TrainingArguments
-from trainer.data.sources import RawDatasets
+from trainer.data.sources import RawDatasets, nonzero_skips
 from trainer.data.tokenization import TranslationData
 from trainer.progress import PROGRESS_LOGGER
 from trainer.run.balance import choose_partition
@@ -273,4 +273,9 @@ def record_setup(
         cfg.parallel.activation_checkpointing,
         partition_text,
     )
-    logger.info("model: %.2fM parameters; data skipped: %s", mc.num_parameters() / 1e6, skipped)
+    dropped = nonzero_skips(skipped)  # the counters at 0 (most, in a clean corpus) say nothing
+    logger.info(
+        "model: %.2fM parameters%s",
+        mc.num_parameters() / 1e6,
+        f"; data skipped: {dropped}" if dropped else "",
+    )

@@ -30,7 +30,6 @@ def resume_state(ctx: RunContext) -> int:
     Returns:
         The step to continue from: the checkpoint's, or 0 when there is nothing to resume.
     """
-    log_restart(ctx.cfg.training.resume_from_checkpoint, ctx.resume.path if ctx.resume else None)
     if ctx.resume is None:
         return 0
     resume = ctx.resume.path
@@ -59,29 +58,34 @@ def resume_state(ctx: RunContext) -> int:
     return step
 
 
-def log_restart(resume_from_checkpoint: str | None, resume: Path | None) -> None:
-    """On a group restarted by `torchrun --max-restarts`, say where this attempt starts.
+def log_start(resume_from_checkpoint: str | None, resume: Path | None, output_dir: str) -> None:
+    """Say in one line where this run starts (rank 0, before the set-up) when that is not what the
+    config reads as: `resume_from_checkpoint` asked for and nothing to resume (a mistyped output_dir
+    would otherwise become a fresh run in silence), and on every group restarted by
+    `torchrun --max-restarts`.
 
     A restart never resumes on its own: the config decides. Resuming without
     `resume_from_checkpoint` would pick up whatever checkpoint lies in output_dir,
     which need not be this run's; so a restart without it trains from step 0 again,
     and says so loudly.
     """
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt == 0 or dist.get_rank() != 0:
+    if dist.is_initialized() and dist.get_rank() != 0:
         return
-    limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restart = f"restart {attempt} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}: " if attempt else ""
     if resume is not None:
-        logger.warning("restart %d of %s: resuming from %s", attempt, limit, resume)
-    elif resume_from_checkpoint:
-        logger.warning("restart %d of %s: no committed checkpoint yet; training from step 0", attempt, limit)
-    else:
+        if attempt:
+            logger.warning("%sresuming from %s", restart, resume)
+    elif resume_from_checkpoint:  # "latest" with nothing there yet ("true" was refused by find_resume)
         logger.warning(
-            "restart %d of %s: resume_from_checkpoint is not set, so this attempt trains from step 0 "
-            "again; pass --resume_from_checkpoint latest --save_steps K to continue from the last "
-            "committed checkpoint",
-            attempt,
-            limit,
+            "%sresume_from_checkpoint=%s: no committed checkpoint in output_dir %r: training starts from step 0",
+            restart, resume_from_checkpoint, output_dir,
+        )  # fmt: skip
+    elif attempt:
+        logger.warning(
+            "%sresume_from_checkpoint is not set, so this attempt trains from step 0 again; pass "
+            "--resume_from_checkpoint latest --save_steps K to continue from the last committed checkpoint",
+            restart,
         )
 
 

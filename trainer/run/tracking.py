@@ -111,9 +111,9 @@ class Tracker:
         if self.bar is None and is_train_row(row):
             console.info("%s", train_line(row, self.max_steps, self.eta_s(row)))
         if is_eval_row(row):
-            self._say(eval_line(row))
+            self.say(eval_line(row))
 
-    def _say(self, line: str) -> None:
+    def say(self, line: str) -> None:
         """A console line that leaves the progress bar intact (tqdm.write under the bar)."""
         if self.bar is None:
             console.info("%s", line)
