@@ -262,23 +262,25 @@ def test_logits_and_generate_match_transformers_4(tmp_path: Path) -> None:
         assert got.tolist() == ref, f"num_beams={beams}"
 
 
-def test_translate_cli_matches_transformers_generate(fixed_combine, tmp_path: Path) -> None:
+def test_translate_cli_matches_transformers_generate(fixed_combine, tmp_path: Path, multi30k: Path) -> None:
     """`trainer.translate --model DIR` on a directory `NllbMoeForConditionalGeneration.save_pretrained`
     wrote (with a stock NllbTokenizer): the same greedy and beam translations as its `generate`."""
     import io
 
     from transformers import AutoTokenizer
 
-    from tests.unit.test_hf_tokenizer import _lines, stock_nllb
+    from tests.corpus_data import read_lines
+    from tests.unit.test_hf_tokenizer import stock_nllb
     from trainer.eval.hf_translate import TranslateArguments
     from trainer.eval.hf_translate import run as translate_run
 
-    tok_dir = stock_nllb(_lines("en", 200) + _lines("de", 200), tmp_path / "tok")
+    text = {lang: read_lines(multi30k, "train", lang, 200) for lang in ("en", "de")}
+    tok_dir = stock_nllb(text["en"] + text["de"], tmp_path / "tok")
     hf_tok = AutoTokenizer.from_pretrained(str(tok_dir), src_lang="eng_Latn")
     hf = make_hf(vocab_size=len(hf_tok))
     hf.save_pretrained(tmp_path / "model", max_shard_size="100KB")
     hf_tok.save_pretrained(str(tmp_path / "model"))
-    lines = _lines("en", 3)
+    lines = text["en"][:3]
     tag = hf_tok.convert_tokens_to_ids("deu_Latn")
     for beams in (1, 3):
         out = io.StringIO()
