@@ -49,7 +49,18 @@ class ModelArguments:
     )
     tokenizer_name: str | None = field(
         default=None,
-        metadata={"help": "Existing tokenizer directory; default: train SentencePiece on the data."},
+        metadata={
+            "help": "Existing tokenizer directory; default: model_name_or_path's, else the teacher's, "
+            "else SentencePiece trained on the data."
+        },
+    )
+    teacher_model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "Word-level distillation from this teacher: an M2M100/NLLB(-MoE) HF directory or hub "
+            "name, or a checkpoint of this trainer (OUTPUT_DIR/checkpoint-<step>); it shares the "
+            "student's vocabulary and tags (distillation_alpha, distillation_temperature)."
+        },
     )
     vocab_size: int = field(
         default=8000, metadata={"help": "SentencePiece vocabulary size to train (incl. tags)."}
@@ -145,7 +156,8 @@ class ModelArguments:
         arch = {
             f.name: getattr(self, f.name)
             for f in fields(self)
-            if f.name not in ("model_name_or_path", "tokenizer_name", "vocab_size", *MOE_RUN_FIELDS)
+            if f.name not in ("model_name_or_path", "tokenizer_name", "teacher_model_name_or_path", "vocab_size",
+                              *MOE_RUN_FIELDS)  # fmt: skip
         }
         for name in LAYERDROP_FIELDS:
             arch[name] = arch[name] or 0.0  # None: no LayerDrop for a new model

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from parallel.parallelize import ParallelModel
 from trainer.checkpoint import dcp as ckpt
-from trainer.checkpoint.resume import find_resume
+from trainer.checkpoint.resume import TOKENIZER, find_resume
 from trainer.config.dims import parallel_dims
 from trainer.config.schema import JobConfig
 from trainer.data.batching import eval_batches
@@ -64,7 +64,10 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     # Before the claim: a mismatch with the checkpoint's run writes nothing. A resume takes the
     # architecture from the checkpoint (model_name_or_path is not read again: it may be gone).
     resume = find_resume(cfg, parallel_dims(cfg.parallel, world).validate())  # the mesh alone
-    dims = validate_early(cfg, world, arch=resume.model_config(cfg) if resume else None)
+    dims = validate_early(
+        cfg, world, arch=resume.model_config(cfg) if resume else None,
+        run_tokenizer=resume.run_dir / TOKENIZER if resume else None,
+    )  # fmt: skip
     if dist.get_rank() == 0:
         for line in idle_option_warnings(cfg):
             logger.warning("config: %s", line)
@@ -168,6 +171,7 @@ def train_loop(
             guard=guard,
             seed=args.seed,
             scaler=ctx.loss_scale,
+            distill=ctx.distill,
         )
         flops = step_flops(ctx.mc, *gb.example_lengths()) if window.peak_flops else 0.0
         window.add(st, time.perf_counter() - start, flops, start - waited, gb.padded_tokens)
