@@ -44,8 +44,6 @@ from parallel.materialize import is_meta, materialize, stage_fill
 from parallel.mesh import ParallelMesh
 from parallel.mixed_precision import WorkingWeights, evaluation_precision
 from parallel.pipeline.executor import FlushResult, LossFn, PipelineExecutor, PipelineTopology
-
-FlushHook = Callable[[Sequence[Seq2SeqBatch], int], None]  # (a flush's micro-batches, step)
 from parallel.pipeline.memory import meter_for
 from parallel.pipeline.plan import PipelinePlan, make_plan
 from parallel.pipeline.schedule import (
@@ -60,6 +58,7 @@ from parallel.rng import uses_dropout
 from parallel.tp.layers import tp_local_slice
 
 DP_SHARDINGS = ("none", "zero1", "fsdp")
+FlushHook = Callable[[Sequence[Seq2SeqBatch], int], None]  # (a flush's micro-batches, step)
 
 
 def check_dp_sharding(dp_sharding: str) -> None:

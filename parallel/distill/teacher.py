@@ -96,8 +96,11 @@ class Teacher:
     @property
     def head_weight(self) -> Tensor:
         """The teacher's head: its tied embedding's rows of this rank's vocabulary columns (V/p, H)."""
-        assert self.pm.model.shared is not None, "the head lives on the last stage"
-        return self.pm.model.shared.weight
+        shared = self.pm.model.shared
+        assert shared is not None, "the head lives on the last stage"
+        weight = shared.weight
+        assert isinstance(weight, Tensor)
+        return weight
 
 
 class DistillationLoss:

@@ -58,9 +58,12 @@ def _teacher_unchanged(loss: Any, path: str) -> bool:
     return same and frozen
 
 
-def distill_cases(rank: int, world: int, base: dict[str, Any], cases: list[dict[str, Any]]) -> list[Any]:
+def distill_cases(
+    rank: int, world: int, base: dict[str, Any], cases: list[dict[str, Any]], kd_tp: int = 0
+) -> list[Any]:
     """Train each case (base + overrides); per case (history on the logging rank or None, and this
-    rank's teacher check: None without a teacher)."""
+    rank's teacher check: None without a teacher). `kd_tp` > 0: first `vocab_parallel_kd` on tp
+    groups of that size, its error appended last (one group for both)."""
     import logging
 
     import datasets
@@ -79,7 +82,8 @@ def distill_cases(rank: int, world: int, base: dict[str, Any], cases: list[dict[
         return built[-1]
 
     setup.build_teacher = capture  # type: ignore[assignment]
-    out = []
+    kd_error = vocab_parallel_kd(rank, world, kd_tp) if kd_tp else None
+    out: list[Any] = []
     try:
         for i, case in enumerate(cases):
             built.clear()
@@ -91,7 +95,7 @@ def distill_cases(rank: int, world: int, base: dict[str, Any], cases: list[dict[
             out.append((hist or None, check))
     finally:
         setup.build_teacher = original  # type: ignore[assignment]
-    return out
+    return out + ([kd_error] if kd_tp else [])
 
 
 def vocab_parallel_kd(rank: int, world: int, tp: int) -> float:

@@ -36,7 +36,12 @@ def inputs(dtype, n=37, v=53, hdim=16, seed=0):
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
 @pytest.mark.parametrize(
     "cfg",
-    [DistillSettings(0.5), DistillSettings(0.3, 2.0, 0.1), DistillSettings(1.0, 0.7), DistillSettings(0.0, 3.0)],
+    [
+        DistillSettings(0.5),
+        DistillSettings(0.3, 2.0, 0.1),
+        DistillSettings(1.0, 0.7),
+        DistillSettings(0.0, 3.0),
+    ],
     ids=["a.5", "a.3-T2-eps.1", "a1-T.7", "a0-T3"],
 )
 def test_distillation_loss_equals_the_reference(dtype, tol, cfg) -> None:

@@ -156,8 +156,7 @@ class ModelArguments:
         arch = {
             f.name: getattr(self, f.name)
             for f in fields(self)
-            if f.name not in ("model_name_or_path", "tokenizer_name", "teacher_model_name_or_path", "vocab_size",
-                              *MOE_RUN_FIELDS)  # fmt: skip
+            if f.name not in (*SOURCE_FIELDS, "vocab_size", *MOE_RUN_FIELDS)
         }
         for name in LAYERDROP_FIELDS:
             arch[name] = arch[name] or 0.0  # None: no LayerDrop for a new model
@@ -311,6 +310,7 @@ class ParallelArguments:
 
 
 LAYERDROP_FIELDS = ("encoder_layerdrop", "decoder_layerdrop")
+SOURCE_FIELDS = ("model_name_or_path", "tokenizer_name", "teacher_model_name_or_path")  # where from, not what
 SESSION_DROPOUTS = ("dropout", "attention_dropout", "activation_dropout")
 # NLLB-MoE architecture fields of a new model (besides num_experts, which decides it): the weights'.
 MOE_ARCH_FIELDS = ("encoder_sparse_step", "decoder_sparse_step", "router_bias")

@@ -78,7 +78,9 @@ class TrainingArguments:
     )
     distillation_temperature: float = field(
         default=1.0,
-        metadata={"help": "With teacher_model_name_or_path: T of the KL term, KL(p_teacher^T || p_student^T) T^2."},
+        metadata={
+            "help": "With teacher_model_name_or_path: T of the KL term, KL(p_teacher^T || p_student^T) T^2."
+        },
     )
     per_device_train_batch_size: int = field(default=16, metadata={"help": "Sentence pairs per micro-batch."})
     per_device_eval_batch_size: int = field(default=32, metadata={"help": "Sentence pairs per eval batch."})

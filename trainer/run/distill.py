@@ -80,7 +80,9 @@ def teacher_source(name: str) -> TeacherSource:
             "trainer (OUTPUT_DIR/checkpoint-<step> with trainer_state.json)"
         )
     if not has_tokenizer_files(model):
-        raise ConfigError(f"{FIELD}={name!r} holds no tokenizer files: the teacher's vocabulary cannot be checked")
+        raise ConfigError(
+            f"{FIELD}={name!r} holds no tokenizer files: the teacher's vocabulary cannot be checked"
+        )
     from models.hf import read_hf_config
 
     return TeacherSource(name, model, False, read_hf_config(model), model)
@@ -156,16 +158,22 @@ def check_vocabularies(source: TeacherSource, tokenizer: Path | None, cfg: JobCo
         mine = Tokenizer.load(tokenizer, languages)
     both = f"the student's tokenizer ({tokenizer}) and the teacher's ({source.tokenizer}, {FIELD})"
     if mine.vocab_size != theirs.vocab_size:
-        raise TokenizerError(f"{both} differ: {mine.vocab_size} vs {theirs.vocab_size} ids; they must share the vocabulary")
+        raise TokenizerError(
+            f"{both} differ: {mine.vocab_size} vs {theirs.vocab_size} ids; they must share the vocabulary"
+        )
     tags = {lang: (mine.lang_id(lang), theirs.lang_id(lang)) for lang in languages}
     moved = {lang: ids for lang, ids in tags.items() if ids[0] != ids[1]}
     if moved:
-        lang, (a, b) = next(iter(moved.items()))
-        raise TokenizerError(f"{both} differ: language {lang}'s tag is id {a} vs {b}; they must share the tags")
+        lang, (x, y) = next(iter(moved.items()))
+        raise TokenizerError(
+            f"{both} differ: language {lang}'s tag is id {x} vs {y}; they must share the tags"
+        )
     if mine is not theirs:
         for i, (a, b) in enumerate(zip(mine.pieces(), theirs.pieces())):
             if a != b:
-                raise TokenizerError(f"{both} differ: id {i} is {a!r} vs {b!r}; they must share the vocabulary")
+                raise TokenizerError(
+                    f"{both} differ: id {i} is {a!r} vs {b!r}; they must share the vocabulary"
+                )
     t = source.config
     ours = mine.special_ids()
     for name in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):

@@ -38,10 +38,9 @@ def validate_early(
     or the config's fields. `run_tokenizer`: a resume's tokenizer (its run's). Raises one of
     `trainer.errors.BAD_INPUT` naming the bad value.
     """
-    from trainer.run.distill import check_mesh, check_teacher, student_tokenizer_dir
-
     from parallel.pipeline.partition import validate_balance
     from parallel.pipeline.schedule import build_schedule
+    from trainer.run.distill import check_mesh, check_teacher, student_tokenizer_dir
 
     dims = parallel_dims(cfg.parallel, world)
     resumed = arch is not None

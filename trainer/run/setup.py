@@ -197,7 +197,8 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint
     run_data = setup_data(cfg, out, rank, resume)
     tok, data, test_raw = run_data.tok, run_data.data, run_data.test_raw
     mc = resume.model_config(cfg) if resume else model_config_for(cfg, tok)
-    teacher = teacher_source(cfg.model.teacher_model_name_or_path) if distilling(cfg) else None
+    name = cfg.model.teacher_model_name_or_path
+    teacher = teacher_source(name) if name and distilling(cfg) else None
     check_mesh(dims, mc, teacher.config if teacher is not None else None)
     mesh = build_mesh(dims, device.type)
     p = cfg.parallel
@@ -216,7 +217,11 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint
                     len(run_data.stream[0].shards))  # type: ignore[index]  # fmt: skip
     balance, partition_text = choose_partition(cfg, mc, mesh, sampler, device, working_dtype(cfg.training))
     pm = build_model(cfg, mc, mesh, balance, device, resume)
-    distill = build_teacher(cfg, teacher, mesh, device, pm, working_dtype(cfg.training)) if teacher is not None else None
+    distill = (
+        build_teacher(cfg, teacher, mesh, device, pm, working_dtype(cfg.training))
+        if teacher is not None
+        else None
+    )
     optimizer = build_optimizer(pm.model, cfg.training, only=pm.optimizer_params())
     scheduler = build_scheduler(optimizer, cfg.training)
     startup_host = peak_host_bytes()  # the start-up peak: model and optimizer built, no step run yet

@@ -266,8 +266,11 @@ class LogWindow:
         self.total_s += wall
         row: dict[str, float | None] = {
             **({"loss": loss / self.loss_tokens} if self.loss_tokens else {}),
-            **({"label_loss": parts[0] / self.loss_tokens, "kd_loss": parts[1] / self.loss_tokens}
-               if parts and self.loss_tokens else {}),  # fmt: skip
+            **(
+                {"label_loss": parts[0] / self.loss_tokens, "kd_loss": parts[1] / self.loss_tokens}
+                if parts and self.loss_tokens
+                else {}
+            ),
             "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
             "tokens_per_sec": tokens / wall,
             "step_time_s": wall / max(self.steps, 1),
