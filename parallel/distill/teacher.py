@@ -32,7 +32,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from models.m2m100 import Seq2SeqBatch
+from models.config import ModelConfig
+from models.m2m100 import M2M100Translation, Seq2SeqBatch
 from parallel.distill.loss import DistillSettings, VocabSlice, distillation_loss_sum
 from parallel.mixed_precision import hold_in
 from parallel.parallelize import ParallelModel
@@ -46,27 +47,44 @@ class FinalHidden(nn.Module):
         return h.to(weight.dtype)
 
 
+def meta_teacher(config: ModelConfig, dtype: torch.dtype | None) -> M2M100Translation:
+    """The teacher on the meta device with its weights in `dtype` (`hold_in`: layer norms and the
+    router stay fp32), for `build_parallel_model`: each rank then materialises its shard straight
+    in the working dtype, never an fp32 copy of it."""
+    with torch.device("meta"):
+        model = M2M100Translation(config)
+    if dtype is not None:
+        hold_in(model, dtype)
+    return model
+
+
 class Teacher:
     """This rank's share of the frozen teacher and the hidden states of the flush in flight.
 
     Args:
-        pm: the teacher built on the student's mesh (`build_parallel_model`, weights loaded).
-        dtype: the working dtype its weights are held in (None: fp32, as loaded).
+        pm: the teacher built on the student's mesh (`build_parallel_model` of a `meta_teacher`,
+            weights loaded).
     """
 
-    def __init__(self, pm: ParallelModel, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, pm: ParallelModel) -> None:
         self.pm = pm
         model = pm.model
         for p in model.parameters():
             p.requires_grad_(False)
-        if dtype is not None:
-            hold_in(model, dtype)
+        # Under autocast the residual stream stays fp32 (bf16 branches add into it), so what crosses
+        # a stage boundary is fp32 whatever the weights are held in.
+        pm.master_dtype = torch.float32
         model.eval()
         self.is_last = model.lm_head is not None
         if self.is_last:
             model.lm_head = FinalHidden()
         pm.loss_fn = self._keep  # the forward-only flush hands each micro-batch's output here
         self.hidden: dict[int, Tensor] = {}  # slot -> (B, T, H), the flush in flight
+
+    @property
+    def parameter_bytes(self) -> int:
+        """Bytes of this rank's teacher weights (what the formula params x bytes / (pp tp ep) predicts)."""
+        return sum(p.numel() * p.element_size() for p in self.pm.model.parameters())
 
     def check_placement(self, student: ParallelModel) -> None:
         """Raises: ValueError: the teacher's last stage is not on this rank where the student's is."""

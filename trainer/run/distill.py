@@ -19,6 +19,7 @@ The teacher is never saved in the student's checkpoints; a resume reloads it fro
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ import torch
 
 from models.config import ModelConfig
 from parallel.distill.loss import DistillSettings
-from parallel.distill.teacher import DistillationLoss, Teacher
+from parallel.distill.teacher import DistillationLoss, Teacher, meta_teacher
 from parallel.mesh import ParallelDims, ParallelMesh, check_ep_divides_model, check_tp_divides_model
 from parallel.parallelize import ParallelModel, build_parallel_model
 from trainer.config.pretrained import has_tokenizer_files, pretrained_sources, resolve_pretrained
@@ -150,13 +151,28 @@ def check_vocabularies(source: TeacherSource, tokenizer: Path | None, cfg: JobCo
     """
     from trainer.data.sources import run_languages
 
-    languages = run_languages(cfg.data)
-    theirs = Tokenizer.load(source.tokenizer, languages)
-    mine = theirs if tokenizer is None or tokenizer.resolve() == source.tokenizer.resolve() else None
+    t = source.config
+    trained = (t.pad_token_id, t.eos_token_id, t.decoder_start_token_id)
+    _compare(
+        None if tokenizer is None else str(tokenizer),
+        str(source.tokenizer),
+        tuple(run_languages(cfg.data)),
+        trained,
+    )
+
+
+@functools.lru_cache(maxsize=8)  # the planner checks thousands of layouts of one job
+def _compare(
+    tokenizer: str | None, teacher: str, languages: tuple[str, ...], trained: tuple[int, int, int]
+) -> None:
+    """`check_vocabularies` on the two directories (cached: a success is remembered)."""
+    source_tok = Path(teacher)
+    theirs = Tokenizer.load(source_tok, languages)
+    mine = theirs if tokenizer is None or Path(tokenizer).resolve() == source_tok.resolve() else None
     if mine is None:
         assert tokenizer is not None
         mine = Tokenizer.load(tokenizer, languages)
-    both = f"the student's tokenizer ({tokenizer}) and the teacher's ({source.tokenizer}, {FIELD})"
+    both = f"the student's tokenizer ({tokenizer}) and the teacher's ({teacher}, {FIELD})"
     if mine.vocab_size != theirs.vocab_size:
         raise TokenizerError(
             f"{both} differ: {mine.vocab_size} vs {theirs.vocab_size} ids; they must share the vocabulary"
@@ -174,13 +190,11 @@ def check_vocabularies(source: TeacherSource, tokenizer: Path | None, cfg: JobCo
                 raise TokenizerError(
                     f"{both} differ: id {i} is {a!r} vs {b!r}; they must share the vocabulary"
                 )
-    t = source.config
     ours = mine.special_ids()
-    for name in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
-        if ours[name] != getattr(t, name):
+    for name, id_ in zip(("pad_token_id", "eos_token_id", "decoder_start_token_id"), trained):
+        if ours[name] != id_:
             raise TokenizerError(
-                f"{both}: the teacher's model was trained with {name}={getattr(t, name)}, the tokenizer "
-                f"gives {ours[name]}"
+                f"{both}: the teacher's model was trained with {name}={id_}, the tokenizer gives {ours[name]}"
             )
 
 
@@ -219,7 +233,7 @@ def build_teacher(
     schedule, v = ("zbv", 2) if zbv else ("gpipe", 1)
     balance = param_partition(source.config, mesh.size("pp") * v, mesh.size("ep"))
     pm = build_parallel_model(
-        source.config, mesh, balance, p.num_microbatches, schedule, v, "none", 0.0, autocast_dtype=dtype,
+        meta_teacher(source.config, dtype), mesh, balance, p.num_microbatches, schedule, v, "none", 0.0, autocast_dtype=dtype,
         device=device, pretrained=None if source.checkpoint else str(source.path),
         from_checkpoint=source.checkpoint,
     )  # fmt: skip
@@ -227,15 +241,15 @@ def build_teacher(
         from trainer.checkpoint.dcp import load_checkpoint
 
         load_checkpoint(source.path, [pm.model], None, to_logical=pm.to_logical, restore_rng=False)
-    teacher = Teacher(pm, dtype)
+    teacher = Teacher(pm)
     teacher.check_placement(student)
     t = cfg.training
     settings = DistillSettings(t.distillation_alpha, t.distillation_temperature, t.label_smoothing_factor)
     loss = DistillationLoss(teacher, settings, student)
     student.train_with(loss, teacher.forward)
     logger.info(
-        "distilling from %s (%.2fM parameters, stages of %s blocks): alpha %g, temperature %g",
-        source.name, source.config.num_parameters() / 1e6, balance, t.distillation_alpha,
-        t.distillation_temperature,
+        "distilling from %s (%.2fM parameters, stages of %s blocks; %.1f MiB of it on this rank): "
+        "alpha %g, temperature %g", source.name, source.config.num_parameters() / 1e6, balance,
+        teacher.parameter_bytes / 2**20, t.distillation_alpha, t.distillation_temperature,
     )  # fmt: skip
     return loss

@@ -337,7 +337,8 @@ def finish_run(
         after = ctx.best.best_metrics  # the model the run ends with
     predicted = predict_test_set(ctx) if args.do_predict else {}
     summary = run_summary(ctx, totals, before, after)
-    summary["memory"] = gather_memory(ctx.startup_peak_host_bytes, train_host, ctx.pm.device)
+    teacher = ctx.distill.teacher.parameter_bytes if ctx.distill is not None else -1
+    summary["memory"] = gather_memory(ctx.startup_peak_host_bytes, train_host, ctx.pm.device, teacher)
     summary["predict"] = {k: v for k, v in predicted.items() if k.startswith("predict_")}
     if ctx.is_logger:
         (ctx.out / "run_summary.json").write_text(json.dumps(summary, indent=1, default=str))
