@@ -1,9 +1,9 @@
 """Workers of tests/dist/test_distill.py: word-level distillation through the real trainer.
 
-`make_teachers` writes two random teachers as HF directories on a run's tokenizer (a dense one
-deeper than the student, an NLLB-MoE one); `distill_cases` trains each case and returns, per
-case, the logging rank's [(step, loss, grad_norm, label_loss, kd_loss)] and, from every rank,
-whether its teacher shard still equals the files bit for bit; `vocab_parallel_kd` checks the
+`make_teachers` writes a random NLLB-MoE teacher as an HF directory on a run's tokenizer;
+`distill_cases` trains each case and returns, per case, the logging rank's [(step, loss,
+grad_norm, label_loss, kd_loss)] and, from every rank, whether its teacher shard ended the run as
+it was loaded (and as an HF teacher's files hold it), bit for bit; `vocab_parallel_kd` checks the
 vocab-parallel loss on tp groups of the world against the full-vocabulary reference.
 """
 
@@ -12,16 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-DENSE = dict(d_model=64, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
-             decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256)  # fmt: skip
-MOE = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+MOE = dict(d_model=64, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_experts=4,
            encoder_sparse_step=2, decoder_sparse_step=2, moe_token_dropout=0.0)  # fmt: skip
 
 
 def make_teachers(tokenizer_dir: str, out: str) -> dict[str, str]:
-    """Random dense and NLLB-MoE teachers (init std 0.2: opinionated distributions) on the run's
-    tokenizer, as HF directories with the tokenizer's HF files; returns their paths."""
+    """A random NLLB-MoE teacher, deeper than the student (its own stage split), init std 0.2
+    (opinionated distributions), on the run's tokenizer, as an HF directory with the tokenizer's HF
+    files; returns {"moe": its path}."""
     import torch
 
     from models.config import ModelConfig
@@ -31,7 +30,7 @@ def make_teachers(tokenizer_dir: str, out: str) -> dict[str, str]:
 
     tok = Tokenizer.load(tokenizer_dir)
     paths = {}
-    for name, arch in (("dense", DENSE), ("moe", MOE)):
+    for name, arch in (("moe", MOE),):
         mc = ModelConfig(vocab_size=tok.vocab_size, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
                          init_std=0.2, max_position_embeddings=256, **arch, **tok.special_ids())  # type: ignore[arg-type]  # fmt: skip
         path = Path(out) / f"teacher-{name}"
@@ -42,18 +41,21 @@ def make_teachers(tokenizer_dir: str, out: str) -> dict[str, str]:
     return paths
 
 
-def _teacher_unchanged(loss: Any, path: str) -> bool:
-    """This rank's teacher shard equals its slices of the HF files, bit for bit (fp32 run)."""
+def _teacher_unchanged(loss: Any, path: str, loaded: dict[str, Any]) -> bool:
+    """This rank's teacher shard ends the run as it was loaded, bit for bit, and as an HF teacher's
+    files hold it (fp32 run); frozen, in eval mode."""
     import torch
 
     from models.hf import read_hf_slices
     from parallel.materialize import local_slices
 
     pm = loss.teacher.pm
-    tp = pm.tp_info
-    parts = local_slices(pm.model, tp.tp_size if tp else 1, tp.tp_rank if tp else 0)
     params = dict(pm.model.named_parameters())
-    same = all(torch.equal(params[name], value) for name, value in read_hf_slices(path, parts, pm.model.config))
+    same = all(torch.equal(params[name], value) for name, value in loaded.items())
+    if not (Path(path) / "trainer_state.json").is_file():
+        tp = pm.tp_info
+        parts = local_slices(pm.model, tp.tp_size if tp else 1, tp.tp_rank if tp else 0)
+        same = same and all(torch.equal(params[n], v) for n, v in read_hf_slices(path, parts, pm.model.config))
     frozen = not any(p.requires_grad for p in params.values()) and not pm.model.training
     return same and frozen
 
@@ -78,8 +80,9 @@ def distill_cases(
     original = setup.build_teacher
 
     def capture(*args: Any, **kwargs: Any) -> Any:
-        built.append(original(*args, **kwargs))
-        return built[-1]
+        loss = original(*args, **kwargs)
+        built.append((loss, {n: p.detach().clone() for n, p in loss.teacher.pm.model.named_parameters()}))
+        return loss
 
     setup.build_teacher = capture  # type: ignore[assignment]
     kd_error = vocab_parallel_kd(rank, world, kd_tp) if kd_tp else None
@@ -91,7 +94,7 @@ def distill_cases(
             summary = run(load_config_dict(values))
             keys = ("step", "loss", "grad_norm", "label_loss", "kd_loss")
             hist = [tuple(r.get(k) for k in keys) for r in summary.get("history") or [] if "loss" in r]
-            check = _teacher_unchanged(built[0], values["teacher_model_name_or_path"]) if built else None
+            check = _teacher_unchanged(*built[0][:1], values["teacher_model_name_or_path"], built[0][1]) if built else None
             out.append((hist or None, check))
     finally:
         setup.build_teacher = original  # type: ignore[assignment]

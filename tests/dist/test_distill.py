@@ -1,9 +1,11 @@
 """Word-level distillation through the real trainer (issue 35), on one gloo group per world size.
 
 The contracts: the student's losses (and their CE and KD parts) on pp2 x tp2 x dp2 equal one
-process (rel 1e-5, fp32, dropout off) with a dense teacher and with an NLLB-MoE teacher on ep2;
+process (rel 1e-5, fp32, dropout off) with a dense teacher (a checkpoint of ours, saved by one process, read by DCP onto the mesh) and with an NLLB-MoE
+teacher on ep2 (an HF directory);
 `distillation_alpha: 0` reproduces plain training bit for bit; the teacher's weights end every
-run as they were read (every rank's shard, bit for bit), frozen; a run that dies after its step-2
+run as they were read (every rank's shard, bit for bit; an HF teacher's as its files hold them),
+frozen; a run that dies after its step-2
 checkpoint (kill -9: nothing but the committed checkpoint survives) resumes with the same steps
 3-5; the vocab-parallel KD loss equals the full-vocabulary reference (fp64) with padded columns.
 """
@@ -22,10 +24,11 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(1500)]
 
 
 def _reference_group(rank: int, world: int, base: dict, tmp: str) -> tuple[dict, list]:
-    """One process: plain training (its tokenizer becomes the teachers'), then the teachers, then
-    alpha 0 and the two distilled students."""
+    """One process: plain training (its tokenizer becomes the teachers', its last checkpoint the
+    dense teacher), then the NLLB-MoE teacher, then alpha 0 and the two distilled students."""
     plain = distill_cases(rank, world, base, [mesh()])
     teachers = make_teachers(f"{base['output_dir']}-0/tokenizer", tmp)
+    teachers["dense"] = f"{base['output_dir']}-0/checkpoint-5"  # one of our checkpoints, saved by one process
     tok = {"tokenizer_name": f"{base['output_dir']}-0/tokenizer"}
     cases = [
         mesh(teacher_model_name_or_path=teachers["dense"], distillation_alpha=0.0, output_dir=f"{tmp}/a0", **tok),

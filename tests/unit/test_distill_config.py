@@ -112,3 +112,11 @@ def test_ep_spreads_an_moe_teachers_experts_over_a_dense_students_replicas(dirs,
         validate_early(_config(tmp_path, teacher_model_name_or_path=dirs["teacher"], tensor_parallel_size=3,
                                d_model=48, encoder_attention_heads=3, decoder_attention_heads=3,
                                encoder_ffn_dim=96, decoder_ffn_dim=96), world=3)  # fmt: skip
+
+
+def test_an_unfinished_checkpoint_is_no_teacher(tmp_path) -> None:
+    ckpt = tmp_path / "run" / "checkpoint-4"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text("{}")
+    with pytest.raises(ConfigError, match="teacher_model_name_or_path=.* has no COMMITTED marker"):
+        validate_early(_config(tmp_path, teacher_model_name_or_path=ckpt), world=1)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from models.config import ModelConfig
 from parallel.distill.loss import DistillSettings
@@ -60,20 +61,17 @@ def teacher_source(name: str) -> TeacherSource:
         ConfigError: neither a complete checkpoint of this trainer nor an HF model (directory or hub
             name in the cache) with tokenizer files, naming the field and the value.
     """
-    from trainer.checkpoint.hf_export import (
-        ExportError,
-        check_checkpoint,
-        find_tokenizer_dir,
-        read_model_config,
-    )
+    from trainer.checkpoint.commit import COMMIT_MARKER, is_complete
+    from trainer.checkpoint.hf_export import ExportError, find_tokenizer_dir, read_model_config
 
     path = Path(name).expanduser()
     if (path / "trainer_state.json").is_file():
-        try:
-            ckpt = check_checkpoint(path)
-            return TeacherSource(name, ckpt, True, read_model_config(ckpt), find_tokenizer_dir(ckpt, None))
+        if not is_complete(path):
+            raise ConfigError(f"{FIELD}={name!r} has no {COMMIT_MARKER} marker: its save did not finish")
+        try:  # its files' checksums: `check_teacher` (collective), not here (rank 0 alone asks too)
+            return TeacherSource(name, path, True, read_model_config(path), find_tokenizer_dir(path, None))
         except ExportError as e:
-            raise ConfigError(f"{FIELD}: {e}".replace("--checkpoint", FIELD)) from None
+            raise ConfigError(f"{FIELD}: {e}".replace("--tokenizer DIR", "tokenizer/ beside it")) from None
     model = resolve_pretrained(name, FIELD, True)
     if not (model / "config.json").is_file():
         raise ConfigError(
@@ -106,7 +104,8 @@ def student_tokenizer_dir(cfg: JobConfig) -> Path | None:
 def check_teacher(
     cfg: JobConfig, dims: ParallelDims, student: ModelConfig, tokenizer: Path | None, new_student: bool
 ) -> TeacherSource | None:
-    """Every check of the teacher that needs no peer (module docstring), before anything is written.
+    """Every check of the teacher (module docstring), before anything is written; in a run (a process
+    group up, every rank calling it) a checkpoint teacher's files are checked against its marker.
 
     Args:
         student: the student's architecture (a new one's vocabulary rows become the teacher's).
@@ -122,6 +121,12 @@ def check_teacher(
     if not cfg.model.teacher_model_name_or_path:
         return None
     source = teacher_source(cfg.model.teacher_model_name_or_path)
+    if source.checkpoint and dist.is_initialized():  # a run: every rank checks its share of the files
+        from trainer.checkpoint.commit import verify_checkpoint
+
+        problem = verify_checkpoint(source.path)
+        if problem is not None:
+            raise ConfigError(f"{FIELD}: {problem}")
     check_vocabularies(source, tokenizer, cfg)
     teacher = source.config
     if not new_student and teacher.vocab_size != student.vocab_size:

@@ -1,0 +1,225 @@
+"""Distillation recipe on multi30k (issue 35): a tiny NLLB-MoE teacher, a dense student of about a
+quarter of its size distilled word-level, trained on sequence-level teacher output, and from scratch
+on the same steps; all scored on the same held-out sentences.
+
+    python scripts/distill_recipe.py [--data ../shared/data/multi30k] [--work outputs/distill_recipe]
+        [--teacher_steps 2400] [--student_steps 1200] [--heldout 500] [--out benchmarks/distill_multi30k]
+
+    1 data       multi30k train en-de as 4 JSON-lines shards (the streaming layout of docs/data.md);
+                 the last `--heldout` validation sentences as a FLORES-style directory (held out: no
+                 run sees them), the first 200 as the runs' validation file
+    2 teacher    NLLB-MoE (d_model 128, 3+3 layers, 4 experts in every 2nd layer), trained on the
+                 shards, streaming; its SentencePiece (trained on them) is every student's
+    3 seq-KD     `python -m trainer.distill_data`: the teacher's beam translations of the shards
+    4 students   dense d_model 64, 3+3 layers, the same steps, seed and batches: from scratch on the
+                 shards; distilled word-level (--teacher_model_name_or_path, alpha, T); on the seq-KD
+                 shards (streaming, as they are)
+    5 scores     `python -m trainer.evaluate` of every model on the held-out directory: BLEU, chrF,
+                 chrF++ (beam 4), into `--out`.md / .json with the wall time of each stage
+
+Every stage runs the project's own entry points as a user would (`python -m ...`), one process with
+two threads; a stage whose output is already there is not rerun (delete `--work` to start over).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARDS = 4
+SRC, TGT = "en", "de"
+COMMON = [
+    "--language_pairs", f"{SRC}-{TGT}", "--streaming", "true", "--max_source_length", "64",
+    "--max_target_length", "64", "--per_device_train_batch_size", "64", "--warmup_steps", "200",
+    "--learning_rate", "3e-3", "--label_smoothing_factor", "0.1", "--do_eval", "false",
+    "--logging_steps", "100", "--report_to", "none", "--disable_tqdm", "true", "--seed", "1",
+    "--dataset_name", "null", "--max_eval_samples", "200", "--overwrite_output_dir", "false",
+]  # fmt: skip
+TEACHER = [
+    "--d_model", "128", "--encoder_layers", "3", "--decoder_layers", "3", "--encoder_attention_heads", "4",
+    "--decoder_attention_heads", "4", "--encoder_ffn_dim", "512", "--decoder_ffn_dim", "512",
+    "--num_experts", "4", "--encoder_sparse_step", "2", "--decoder_sparse_step", "2",
+    "--router_aux_loss_coef", "0.01", "--moe_token_dropout", "0.0", "--vocab_size", "4000",
+]  # fmt: skip
+STUDENT = [
+    "--d_model", "64", "--encoder_layers", "3", "--decoder_layers", "3", "--encoder_attention_heads", "4",
+    "--decoder_attention_heads", "4", "--encoder_ffn_dim", "256", "--decoder_ffn_dim", "256",
+]  # fmt: skip
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "multi30k"),
+                   help="multi30k's directory (train.{en,de}.gz, val.{en,de}.gz)")  # fmt: skip
+    p.add_argument("--work", default=str(ROOT / "outputs" / "distill_recipe"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "distill_multi30k"))
+    p.add_argument("--teacher_steps", type=int, default=2400)
+    p.add_argument("--student_steps", type=int, default=1200)
+    p.add_argument("--train_pairs", type=int, default=0, help="use the first N training pairs (0: all)")
+    p.add_argument("--heldout", type=int, default=500, help="held-out sentences scored")
+    p.add_argument("--alpha", type=float, default=0.5)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--num_beams", type=int, default=4, help="the teacher's beam for seq-KD and scoring")
+    p.add_argument("--threads", type=int, default=2)
+    return p.parse_args()
+
+
+def lines(path: Path) -> list[str]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [line.strip() for line in f]
+
+
+def write_data(args: argparse.Namespace, work: Path) -> dict[str, Path]:
+    """Shards, the validation file and the held-out directory (written once)."""
+    data = Path(args.data)
+    shards, heldout = work / "shards", work / "heldout"
+    if not (shards / f"train-{SRC}-{TGT}-{SHARDS - 1:05d}.jsonl").is_file():
+        src, tgt = lines(data / f"train.{SRC}.gz"), lines(data / f"train.{TGT}.gz")
+        n = args.train_pairs or len(src)
+        shards.mkdir(parents=True, exist_ok=True)
+        per = -(-n // SHARDS)
+        for k in range(SHARDS):
+            rows = [json.dumps({"translation": {SRC: s, TGT: t}}, ensure_ascii=False) + "\n"
+                    for s, t in zip(src[k * per : min(n, (k + 1) * per)], tgt[k * per : min(n, (k + 1) * per)])]  # fmt: skip
+            (shards / f"train-{SRC}-{TGT}-{k:05d}.jsonl").write_text("".join(rows), encoding="utf-8")
+        vsrc, vtgt = lines(data / f"val.{SRC}.gz"), lines(data / f"val.{TGT}.gz")
+        valid = [json.dumps({"translation": {SRC: s, TGT: t}}, ensure_ascii=False) + "\n"
+                 for s, t in zip(vsrc[:200], vtgt[:200])]  # fmt: skip
+        (work / "valid.jsonl").write_text("".join(valid), encoding="utf-8")
+        heldout.mkdir(parents=True, exist_ok=True)
+        for lang, text in ((SRC, vsrc), (TGT, vtgt)):
+            (heldout / f"{lang}.txt").write_text("\n".join(text[-args.heldout :]) + "\n", encoding="utf-8")
+    return {"shards": shards, "heldout": heldout, "valid": work / "valid.jsonl"}
+
+
+def run(cmd: list[str], log: Path, threads: int) -> float:
+    """Run a project command to `log`; its wall time. Raises on failure, with the log's tail."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+           "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "WANDB_MODE": "disabled"}  # fmt: skip
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    print("$", " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, check=False)
+    if done.returncode:
+        tail = log.read_text().splitlines()[-20:]
+        raise SystemExit(f"{' '.join(cmd[:4])} failed ({done.returncode}); {log}:\n" + "\n".join(tail))
+    return time.perf_counter() - t0
+
+
+def train(name: str, flags: list[str], steps: int, work: Path, threads: int) -> tuple[Path, float]:
+    """A trainer.train run to `steps` (skipped when its last checkpoint is there)."""
+    out = work / name
+    ckpt = out / f"checkpoint-{steps}"
+    if (ckpt / "COMMITTED").is_file():
+        return ckpt, json.loads((out / "recipe_wall_s.json").read_text())["wall_s"]
+    py = sys.executable
+    wall = run([py, "-m", "trainer.train", "--config", "configs/tiny.yaml", *COMMON, *flags,
+                "--max_steps", str(steps), "--save_steps", str(steps), "--output_dir", str(out)],
+               work / f"{name}.log", threads)  # fmt: skip
+    (out / "recipe_wall_s.json").write_text(json.dumps({"wall_s": wall}))
+    return ckpt, wall
+
+
+def score(name: str, model: Path, heldout: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    out = work / "scores" / name
+    if not (out / "scores.json").is_file():
+        run([sys.executable, "-m", "trainer.evaluate", "--model", str(model), "--data_dir", str(heldout),
+             "--file_pattern", "{lang}.txt", "--directions", f"{SRC}-{TGT}", "--num_beams", str(args.num_beams),
+             "--max_length", "64", "--batch_size", "64", "--disable_tqdm", "true", "--output_dir", str(out)],
+            work / f"score-{name}.log", args.threads)  # fmt: skip
+    row = json.loads((out / "scores.json").read_text())["directions"][f"{SRC}-{TGT}"]
+    return {k: row[k] for k in ("bleu", "chrf", "chrf++") if k in row}
+
+
+def main() -> None:
+    args = parse()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    d = write_data(args, work)
+    data = ["--train_file", str(d["shards"] / "train-*.jsonl"), "--validation_file", str(d["valid"])]
+    walls: dict[str, float] = {}
+    teacher, walls["teacher"] = train("teacher", [*data, *TEACHER], args.teacher_steps, work, args.threads)
+    tok = ["--tokenizer_name", str(work / "teacher" / "tokenizer")]
+    seqkd = work / "seqkd"
+    if not all((seqkd / p.name).is_file() for p in d["shards"].glob("train-*.jsonl")):
+        walls["seqkd_data"] = run(
+            [sys.executable, "-m", "trainer.distill_data", "--model", str(teacher), "--train_file",
+             str(d["shards"] / "train-*.jsonl"), "--directions", f"{SRC}-{TGT}", "--output_dir", str(seqkd),
+             "--num_beams", str(args.num_beams), "--max_length", "64", "--batch_size", "64",
+             "--disable_tqdm", "true"], work / "seqkd.log", args.threads)  # fmt: skip
+    steps = args.student_steps
+    kd = ["--teacher_model_name_or_path", str(teacher), "--distillation_alpha", str(args.alpha),
+          "--distillation_temperature", str(args.temperature)]  # fmt: skip
+    seq_data = ["--train_file", str(seqkd / "train-*.jsonl"), "--validation_file", str(d["valid"])]
+    students = {
+        "scratch": [*data, *STUDENT, *tok],
+        "word_kd": [*data, *STUDENT, *tok, *kd],
+        "seq_kd": [*seq_data, *STUDENT, *tok],
+    }
+    ckpts = {"teacher": teacher}
+    for name, flags in students.items():
+        ckpts[name], walls[name] = train(f"student-{name}", flags, steps, work, args.threads)
+    scores = {name: score(name, path, d["heldout"], work, args) for name, path in ckpts.items()}
+    report(args, work, scores, walls, time.perf_counter() - t_start)
+
+
+def report(
+    args: argparse.Namespace, work: Path, scores: dict[str, Any], walls: dict[str, float], total: float
+) -> None:
+    from models.config import ModelConfig
+
+    def params(name: str) -> int:
+        state = json.loads((work / name / "model_config.json").read_text())
+        return ModelConfig.from_dict(state).num_parameters()
+
+    sizes = {
+        "teacher": params("teacher"),
+        **{k: params(f"student-{k}") for k in ("scratch", "word_kd", "seq_kd")},
+    }
+    result = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), {args.threads} threads per run",
+        "teacher_steps": args.teacher_steps, "student_steps": args.student_steps, "alpha": args.alpha,
+        "temperature": args.temperature, "num_beams": args.num_beams, "heldout_sentences": args.heldout,
+        "parameters": sizes, "scores": scores, "wall_s": walls, "total_wall_s": total,
+        "chrf++_gain_word_kd": scores["word_kd"]["chrf++"] - scores["scratch"]["chrf++"],
+        "chrf++_gain_seq_kd": scores["seq_kd"]["chrf++"] - scores["scratch"]["chrf++"],
+    }  # fmt: skip
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    names = {"teacher": "teacher (NLLB-MoE)", "scratch": "student from scratch",
+             "word_kd": f"student, word-level KD (alpha {args.alpha}, T {args.temperature})",
+             "seq_kd": "student on seq-level KD data"}  # fmt: skip
+    rows = [f"| {names[k]} | {sizes[k] / 1e6:.2f}M | {args.teacher_steps if k == 'teacher' else args.student_steps} "
+            f"| {v['bleu']:.2f} | {v['chrf']:.2f} | {v['chrf++']:.2f} | {walls.get(k, 0.0):.0f} |"
+            for k, v in scores.items()]  # fmt: skip
+    text = "\n".join([
+        "# Distillation on multi30k en→de (CPU)", "",
+        f"Generated by `python scripts/distill_recipe.py --teacher_steps {args.teacher_steps} --student_steps "
+        f"{args.student_steps}` on {result['machine']}; every run one process, fp32, batches of 64 pairs, "
+        f"lr 3e-3, label smoothing 0.1, seed 1. Scores: sacreBLEU (13a), chrF, chrF++ on the last "
+        f"{args.heldout} multi30k validation sentences (no run saw them), beam {args.num_beams}.", "",
+        "| model | parameters | steps | BLEU | chrF | chrF++ | train wall (s) |", "|---|---|---|---|---|---|---|",
+        *rows, "",
+        f"chrF++ over the student from scratch: word-level KD {result['chrf++_gain_word_kd']:+.2f}, "
+        f"sequence-level KD {result['chrf++_gain_seq_kd']:+.2f} (goal: >= +1.0).", "",
+        f"Sequence-level data (`trainer.distill_data`, beam {args.num_beams}, all shards): "
+        f"{walls.get('seqkd_data', float('nan')):.0f} s. Whole recipe: {total:.0f} s.", "",
+    ])  # fmt: skip
+    out.with_suffix(".md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
