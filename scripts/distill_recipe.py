@@ -17,8 +17,10 @@ on the same steps; all scored on the same held-out sentences.
     5 scores     `python -m trainer.evaluate` of every model on the held-out directory: BLEU, chrF,
                  chrF++ (beam 4), into `--out`.md / .json with the wall time of each stage
 
-Every stage runs the project's own entry points as a user would (`python -m ...`), one process with
-two threads; a stage whose output is already there is not rerun (delete `--work` to start over).
+Every stage runs the project's own entry points as a user would (`python -m ...`), one process and
+one thread each, two at a time (the teacher beside the scratch student, the seq-KD data beside the
+word-level student, ...); a stage whose output is already there is not rerun (delete `--work` to
+start over).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--alpha", type=float, default=0.5)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--num_beams", type=int, default=4, help="the teacher's beam for seq-KD and scoring")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="threads per run (two runs at a time)")
     return p.parse_args()
 
 
@@ -149,30 +151,55 @@ def main() -> None:
     t_start = time.perf_counter()
     d = write_data(args, work)
     data = ["--train_file", str(d["shards"] / "train-*.jsonl"), "--validation_file", str(d["valid"])]
-    walls: dict[str, float] = {}
-    teacher, walls["teacher"] = train("teacher", [*data, *TEACHER], args.teacher_steps, work, args.threads)
     tok = ["--tokenizer_name", str(work / "teacher" / "tokenizer")]
     seqkd = work / "seqkd"
-    if not all((seqkd / p.name).is_file() for p in d["shards"].glob("train-*.jsonl")):
-        walls["seqkd_data"] = run(
-            [sys.executable, "-m", "trainer.distill_data", "--model", str(teacher), "--train_file",
-             str(d["shards"] / "train-*.jsonl"), "--directions", f"{SRC}-{TGT}", "--output_dir", str(seqkd),
-             "--num_beams", str(args.num_beams), "--max_length", "64", "--batch_size", "64",
-             "--disable_tqdm", "true"], work / "seqkd.log", args.threads)  # fmt: skip
-    steps = args.student_steps
-    kd = ["--teacher_model_name_or_path", str(teacher), "--distillation_alpha", str(args.alpha),
-          "--distillation_temperature", str(args.temperature)]  # fmt: skip
     seq_data = ["--train_file", str(seqkd / "train-*.jsonl"), "--validation_file", str(d["valid"])]
-    students = {
-        "scratch": [*data, *STUDENT, *tok],
-        "word_kd": [*data, *STUDENT, *tok, *kd],
-        "seq_kd": [*seq_data, *STUDENT, *tok],
-    }
-    ckpts = {"teacher": teacher}
-    for name, flags in students.items():
-        ckpts[name], walls[name] = train(f"student-{name}", flags, steps, work, args.threads)
-    scores = {name: score(name, path, d["heldout"], work, args) for name, path in ckpts.items()}
-    report(args, work, scores, walls, time.perf_counter() - t_start)
+    kd = ["--teacher_model_name_or_path", str(work / "teacher" / f"checkpoint-{args.teacher_steps}"),
+          "--distillation_alpha", str(args.alpha), "--distillation_temperature", str(args.temperature)]  # fmt: skip
+    steps, threads = args.student_steps, args.threads
+    walls: dict[str, float] = {}
+    ckpts: dict[str, Path] = {}
+
+    def job(name: str, flags: list[str], n: int, after: Path | None = None) -> None:
+        if after is not None:  # the teacher's tokenizer (model_config.json: written after it)
+            while not after.is_file():
+                time.sleep(5)
+        ckpts[name], walls[name] = train(
+            name if name == "teacher" else f"student-{name}", flags, n, work, threads
+        )
+
+    def seq_data_job() -> None:
+        if not all((seqkd / p.name).is_file() for p in d["shards"].glob("train-*.jsonl")):
+            walls["seqkd_data"] = run(
+                [sys.executable, "-m", "trainer.distill_data", "--model", str(ckpts["teacher"]), "--train_file",
+                 str(d["shards"] / "train-*.jsonl"), "--directions", f"{SRC}-{TGT}", "--output_dir", str(seqkd),
+                 "--num_beams", str(args.num_beams), "--max_length", "64", "--batch_size", "64",
+                 "--disable_tqdm", "true"], work / "seqkd.log", threads)  # fmt: skip
+
+    # two jobs at a time (the machine's two cores), one thread each, in dependency order
+    tokenizer = work / "teacher" / "model_config.json"
+    together(lambda: job("teacher", [*data, *TEACHER], args.teacher_steps),
+             lambda: job("scratch", [*data, *STUDENT, *tok], steps, after=tokenizer))  # fmt: skip
+    together(seq_data_job, lambda: job("word_kd", [*data, *STUDENT, *tok, *kd], steps))
+    scores: dict[str, Any] = {}
+
+    def scored(name: str) -> None:
+        scores[name] = score(name, ckpts[name], d["heldout"], work, args)
+
+    together(lambda: job("seq_kd", [*seq_data, *STUDENT, *tok], steps), lambda: scored("teacher"))
+    together(lambda: scored("scratch"), lambda: scored("word_kd"))
+    scored("seq_kd")
+    order = ("teacher", "scratch", "word_kd", "seq_kd")
+    report(args, work, {k: scores[k] for k in order}, walls, time.perf_counter() - t_start)
+
+
+def together(*jobs: Any) -> None:
+    """Run the jobs side by side (threads over their subprocesses); the first failure is raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        for future in [pool.submit(job) for job in jobs]:
+            future.result()
 
 
 def report(

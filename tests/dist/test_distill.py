@@ -20,6 +20,9 @@ from tests.dist.train_workers import base_config
 from tests.dist.train_workers import mesh_overrides as mesh
 
 TOL = 1e-5
+# The checkpoint teacher starts from the student's own initial weights (same seed): another seed for
+# the distilled student, so the KD term is not near 0 (where it is a difference of near-equal logsumexps)
+DENSE_KD = {"distillation_temperature": 2.0, "seed": 7}
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(1500)]
 
 
@@ -32,7 +35,7 @@ def _reference_group(rank: int, world: int, base: dict, tmp: str) -> tuple[dict,
     tok = {"tokenizer_name": f"{base['output_dir']}-0/tokenizer"}
     cases = [
         mesh(teacher_model_name_or_path=teachers["dense"], distillation_alpha=0.0, output_dir=f"{tmp}/a0", **tok),
-        mesh(teacher_model_name_or_path=teachers["dense"], distillation_temperature=2.0, output_dir=f"{tmp}/d", **tok),
+        mesh(teacher_model_name_or_path=teachers["dense"], output_dir=f"{tmp}/d", **DENSE_KD, **tok),
         mesh(teacher_model_name_or_path=teachers["moe"], output_dir=f"{tmp}/m", **tok),
     ]
     return teachers, plain + distill_cases(rank, world, base, cases)
@@ -46,8 +49,12 @@ def reference(tmp_path_factory) -> tuple[dict, list, dict]:
     return teachers, results, base
 
 
-def _relative(a: list, b: list, cols: tuple[int, ...] = (1, 2, 3, 4)) -> float:
-    return max(abs(x[c] - y[c]) / abs(y[c]) for x, y in zip(a, b) for c in cols)
+def _relative(a: list, b: list) -> float:
+    """Max relative error of each step's loss, grad norm and label_loss, and of its kd_loss relative
+    to the loss: a small KL is a difference of near-equal logsumexps (fp32 cancellation, summed in
+    another order on every mesh), so its own relative error says little."""
+    rel = max(abs(x[c] - y[c]) / abs(y[c]) for x, y in zip(a, b) for c in (1, 2, 3))
+    return max(rel, max(abs(x[4] - y[4]) / abs(y[1]) for x, y in zip(a, b)))
 
 
 def test_alpha_zero_is_plain_training_and_the_teacher_is_untouched(reference) -> None:
@@ -61,6 +68,7 @@ def test_alpha_zero_is_plain_training_and_the_teacher_is_untouched(reference) ->
         for _, loss, _, label, kd in hist:
             assert kd > 0 and loss == pytest.approx(0.5 * label + 0.5 * kd, rel=1e-5)
     assert abs(dense[-1][1] - plain[-1][1]) > 1e-3, "distillation changed nothing"
+    assert min(r[4] for r in dense + moe) > 0.01, "the KD terms are too small to show parity"
 
 
 def test_3d_students_match_one_process_and_resume_exactly(reference, tmp_path) -> None:
@@ -71,12 +79,12 @@ def test_3d_students_match_one_process_and_resume_exactly(reference, tmp_path) -
     tok = {"tokenizer_name": f"{base['output_dir']}-0/tokenizer"}
     tmp = str(tmp_path)
     cases = [
-        mesh(pp=2, tp=2, dp=2, m=2, teacher_model_name_or_path=teachers["dense"], distillation_temperature=2.0,
-             save_steps=2, output_dir=f"{tmp}/d", **tok),
+        mesh(pp=2, tp=2, dp=2, m=2, teacher_model_name_or_path=teachers["dense"], save_steps=2,
+             output_dir=f"{tmp}/d", **DENSE_KD, **tok),
         mesh(pp=2, tp=2, dp=2, m=2, expert_parallel_size=2, teacher_model_name_or_path=teachers["moe"],
              output_dir=f"{tmp}/m", **tok),
-        mesh(pp=2, tp=2, dp=2, m=2, teacher_model_name_or_path=teachers["dense"], distillation_temperature=2.0,
-             resume_from_checkpoint=f"{tmp}/d/checkpoint-2", output_dir=f"{tmp}/r", **tok),
+        mesh(pp=2, tp=2, dp=2, m=2, teacher_model_name_or_path=teachers["dense"],
+             resume_from_checkpoint=f"{tmp}/d/checkpoint-2", output_dir=f"{tmp}/r", **DENSE_KD, **tok),
     ]  # fmt: skip
     got = run_distributed(distill_cases, 8, args=(base, cases, 4), timeout=1200, collective_timeout=300)
     kd_error = max(r[-1] for r in got)
