@@ -3,7 +3,7 @@ quarter of its size distilled word-level, trained on sequence-level teacher outp
 on the same steps; all scored on the same held-out sentences.
 
     python scripts/distill_recipe.py [--data ../shared/data/multi30k] [--work outputs/distill_recipe]
-        [--teacher_steps 2400] [--student_steps 1200] [--heldout 500] [--out benchmarks/distill_multi30k]
+        [--teacher_steps 1200] [--student_steps 600] [--heldout 500] [--out benchmarks/distill_multi30k]
 
     1 data       multi30k train en-de as 4 JSON-lines shards (the streaming layout of docs/data.md);
                  the last `--heldout` validation sentences as a FLORES-style directory (held out: no
@@ -64,13 +64,14 @@ def parse() -> argparse.Namespace:
                    help="multi30k's directory (train.{en,de}.gz, val.{en,de}.gz)")  # fmt: skip
     p.add_argument("--work", default=str(ROOT / "outputs" / "distill_recipe"))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "distill_multi30k"))
-    p.add_argument("--teacher_steps", type=int, default=2400)
-    p.add_argument("--student_steps", type=int, default=1200)
+    p.add_argument("--teacher_steps", type=int, default=1200)
+    p.add_argument("--student_steps", type=int, default=600)
     p.add_argument("--train_pairs", type=int, default=0, help="use the first N training pairs (0: all)")
     p.add_argument("--heldout", type=int, default=500, help="held-out sentences scored")
     p.add_argument("--alpha", type=float, default=0.5)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--num_beams", type=int, default=4, help="the teacher's beam for seq-KD and scoring")
+    p.add_argument("--num_beams", type=int, default=4, help="beam of the scoring")
+    p.add_argument("--seqkd_beams", type=int, default=2, help="the teacher's beam for the seq-KD data")
     p.add_argument("--threads", type=int, default=1, help="threads per run (two runs at a time)")
     return p.parse_args()
 
@@ -173,7 +174,7 @@ def main() -> None:
             walls["seqkd_data"] = run(
                 [sys.executable, "-m", "trainer.distill_data", "--model", str(ckpts["teacher"]), "--train_file",
                  str(d["shards"] / "train-*.jsonl"), "--directions", f"{SRC}-{TGT}", "--output_dir", str(seqkd),
-                 "--num_beams", str(args.num_beams), "--max_length", "64", "--batch_size", "64",
+                 "--num_beams", str(args.seqkd_beams), "--max_length", "64", "--batch_size", "64",
                  "--disable_tqdm", "true"], work / "seqkd.log", threads)  # fmt: skip
 
     # two jobs at a time (the machine's two cores), one thread each, in dependency order
@@ -241,7 +242,7 @@ def report(
         *rows, "",
         f"chrF++ over the student from scratch: word-level KD {result['chrf++_gain_word_kd']:+.2f}, "
         f"sequence-level KD {result['chrf++_gain_seq_kd']:+.2f} (goal: >= +1.0).", "",
-        f"Sequence-level data (`trainer.distill_data`, beam {args.num_beams}, all shards): "
+        f"Sequence-level data (`trainer.distill_data`, beam {args.seqkd_beams}, all shards): "
         f"{walls.get('seqkd_data', float('nan')):.0f} s. Whole recipe: {total:.0f} s.", "",
     ])  # fmt: skip
     out.with_suffix(".md").write_text(text)

@@ -213,6 +213,7 @@ class TeacherCosts:
     def __init__(self, mc: ModelConfig, half: bool, device: DeviceSpec | None, repeats: int) -> None:
         self.mc, self.half, self.device, self.repeats = mc, half, device, repeats
         self._kinds: dict[tuple[Shape, int], KindCosts] = {}
+        self._acts: dict[tuple[int, int, int], KindCosts] = {}  # one sentence's bytes (table mode)
 
     def kind_costs(self, shape: Shape, tp: int) -> KindCosts:
         key = (shape, tp)
@@ -220,10 +221,16 @@ class TeacherCosts:
             mc = padded_vocab_config(self.mc, tp)
             if self.device is None:
                 self._kinds[key] = measure_kind_costs(mc, shape, "none", self.half, self.repeats, tp=tp)
-            else:
-                one = activation_kind_costs(self.mc, Shape(1, shape.s, shape.t), "none", tp)
+            else:  # as `CostSource.kind_costs`: one sentence's activation bytes, scaled to the micro-batch
+                one_key = (shape.s, shape.t, tp)
+                if one_key not in self._acts:
+                    self._acts[one_key] = activation_kind_costs(
+                        self.mc, Shape(1, shape.s, shape.t), "none", tp
+                    )
                 scale = shape.b * (0.5 if self.half else 1.0)
-                self._kinds[key] = table_kind_costs(mc, shape, "none", self.device, one, scale, tp)
+                self._kinds[key] = table_kind_costs(
+                    mc, shape, "none", self.device, self._acts[one_key], scale, tp
+                )
         return self._kinds[key]
 
     def blocks(self, shape: Shape, tp: int, ep: int, ctx: CostContext) -> TeacherBlocks:
