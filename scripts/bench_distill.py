@@ -60,22 +60,30 @@ def rss() -> int:
 
 
 def student_config(work: Path, world: int) -> list[str]:
+    """The student's run (alpha 0: the teacher is named, for its vocabulary and experts, not built)."""
     dp = world // 4
     return ["--config", "configs/tiny.yaml", "--output_dir", str(work / "student"), "--pipeline_parallel_size", "2",
+            "--teacher_model_name_or_path", str(work / "teacher"), "--distillation_alpha", "0",
             "--tensor_parallel_size", "2", "--data_parallel_size", str(dp), "--expert_parallel_size", str(dp),
             "--num_microbatches", "4", "--per_device_train_batch_size", str(32 // (4 * dp)), "--builtin_size", "800",
             "--dropout", "0", "--attention_dropout", "0", "--do_eval", "false", "--max_steps", "1000",
             "--report_to", "none", "--disable_tqdm", "true", "--logging_steps", "1000"]  # fmt: skip
 
 
-def write_teacher(tokenizer: Path, out: Path) -> None:
-    """A random NLLB-MoE (init std 0.2) on the student's tokenizer, as an HF directory."""
+def write_teacher(work: Path, world: int) -> None:
+    """A random NLLB-MoE (init std 0.2) as an HF directory, on the tokenizer the student's run would
+    train on its data (the student then takes it: `trainer.run.distill`)."""
     from models.config import ModelConfig
     from models.hf_save import save_hf_model
     from models.m2m100 import M2M100Translation
-    from trainer.tokenizer.vocab import Tokenizer
+    from trainer.config.parse import parse_config
+    from trainer.data.sources import load_raw_datasets, training_texts
+    from trainer.run.data import run_tokenizer
 
-    tok = Tokenizer.load(tokenizer)
+    cfg = parse_config(student_config(work, world))
+    cfg.model.teacher_model_name_or_path = None
+    tok = run_tokenizer(cfg, training_texts(load_raw_datasets(cfg.data, cfg.training.seed).train))
+    out = work / "teacher"
     mc = ModelConfig(vocab_size=tok.vocab_size, init_std=0.2, **TEACHER, **tok.special_ids())  # type: ignore[arg-type]
     tmp = out.with_name(out.name + ".tmp")
     save_hf_model(M2M100Translation(mc, seed=5).state_dict(), mc, tmp)
@@ -104,14 +112,10 @@ def worker(args: argparse.Namespace) -> None:  # noqa: PLR0915 - one measured st
     out: dict[str, Any] = {}
     with claim_output_dir(cfg.training, rank) as outdir:
         ctx = setup_run(cfg, dims, outdir)
-        teacher_dir = work / "teacher"
-        if rank == 0 and not teacher_dir.is_dir():
-            write_teacher(outdir / "tokenizer", teacher_dir)
-        dist.barrier()
-        source = teacher_source(str(teacher_dir))
+        source = teacher_source(str(work / "teacher"))
+        cfg.training.distillation_alpha = 0.5
         pm = ctx.pm
         for name, dtype in (("bf16", torch.bfloat16), ("fp32", None)):
-            cfg.model.teacher_model_name_or_path = str(teacher_dir)
             dist.barrier()
             before = rss()
             loss = build_teacher(cfg, source, ctx.mesh, pm.device, pm, dtype)
@@ -217,11 +221,12 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, load: tuple[str
         memory[name] = {
             "formula_bytes": formula,
             "allocated_bytes": [r["parameter_bytes"] for r in per_rank],
-            "rss_growth_bytes": [r["rss_growth_bytes"] for r in per_rank],
             "planner_bytes": [predicted[r["pp_rank"]] for r in per_rank],
             "max_allocated_over_formula": max(r["parameter_bytes"] for r in per_rank) / formula,
-            "max_rss_growth_over_formula": max(r["rss_growth_bytes"] for r in per_rank) / formula,
         }
+        if name == "bf16":  # built first, in a fresh heap (the fp32 one reuses what it freed)
+            memory[name]["rss_growth_bytes"] = [r["rss_growth_bytes"] for r in per_rank]
+            memory[name]["max_rss_growth_over_formula"] = max(memory[name]["rss_growth_bytes"]) / formula
     t = {k: statistics.median(v) for k, v in r0["times"].items()}
     f_student = statistics.mean(flops(r0["student_config"], s, tt, False) for s, tt in r0["lengths"])
     f_teacher = statistics.mean(flops(r0["teacher_config"], s, tt, True) for s, tt in r0["lengths"])
@@ -253,15 +258,22 @@ def markdown(res: dict[str, Any], args: argparse.Namespace) -> str:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]  # fmt: skip
     for name, row in mem.items():
+        rss = (f"{max(row['rss_growth_bytes']) / MIB:.2f} MiB | {row['max_rss_growth_over_formula']:.3f}"
+               if "rss_growth_bytes" in row else "- | -")  # fmt: skip
         lines.append(
             f"| {name} | {row['formula_bytes'] / MIB:.2f} MiB | {max(row['allocated_bytes']) / MIB:.2f} MiB | "
-            f"{row['max_allocated_over_formula']:.3f} | {max(row['rss_growth_bytes']) / MIB:.2f} MiB | "
-            f"{row['max_rss_growth_over_formula']:.3f} | {max(row['planner_bytes']) / MIB:.2f} MiB |"
+            f"{row['max_allocated_over_formula']:.3f} | {rss} | {max(row['planner_bytes']) / MIB:.2f} MiB |"
         )
     t, f = res["median_s"], res["flops"]
     lines += [
         "", "Per rank (allocated MiB, " + ", ".join(mem) + "): "
         + "; ".join(f"{n}: " + " ".join(f"{b / MIB:.1f}" for b in row["allocated_bytes"]) for n, row in mem.items()),
+        "", "Allocated: the bytes of the rank's teacher parameters (`Teacher.parameter_bytes`, also in "
+        "`run_summary.json`'s `memory.teacher_parameter_bytes`). The formula divides every parameter by ep; "
+        "the dense part is not cut over ep and the tied embedding sits on the first and the last stage, "
+        "which the planner counts. RSS growth: the rank's resident memory across the teacher's build "
+        "(glibc returning freed chunks: MALLOC_MMAP_THRESHOLD_=1 MiB); it also holds the pages of the "
+        "safetensors file the rank read its slices through (mmap) and one fp32 tensor read at a time.",
         "", "## Step time", "",
         "| | median s | model GFLOPs |", "|---|---:|---:|",
         f"| A student step alone | {t['student']:.3f} | {f['student_step'] / 1e9:.3f} |",
@@ -282,10 +294,11 @@ def main() -> None:
         return
     load0 = open("/proc/loadavg").read().split()[0]
     with tempfile.TemporaryDirectory(prefix="bench_distill_") as tmp:
+        write_teacher(Path(tmp), args.world)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world}",
                __file__, "--worker", "--work", tmp, "--steps", str(args.steps), "--warmup", str(args.warmup)]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-               "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}  # fmt: skip
+               "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "MALLOC_MMAP_THRESHOLD_": "1048576"}  # fmt: skip
         subprocess.run(cmd, cwd=ROOT, env=env, check=True)
         rows = json.loads((Path(tmp) / "result.json").read_text())
     res = report(rows, args, (load0, open("/proc/loadavg").read().split()[0]))

@@ -198,8 +198,9 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint
     tok, data, test_raw = run_data.tok, run_data.data, run_data.test_raw
     mc = resume.model_config(cfg) if resume else model_config_for(cfg, tok)
     name = cfg.model.teacher_model_name_or_path
-    teacher = teacher_source(name) if name and distilling(cfg) else None
-    check_mesh(dims, mc, teacher.config if teacher is not None else None)
+    source = teacher_source(name) if name else None  # its experts may be what ep spreads (check_mesh)
+    check_mesh(dims, mc, source.config if source is not None else None)
+    teacher = source if distilling(cfg) else None
     mesh = build_mesh(dims, device.type)
     p = cfg.parallel
     warn_after = p.hang_warning_s or default_warn_after(p.dist_timeout_s)
