@@ -19,6 +19,7 @@ from tests.unit.test_distill_config import _texts
 from trainer.distill_data import main
 
 LANGS = ["de", "en"]
+pytestmark = pytest.mark.slow  # decodes a corpus three times (a one-rank process group each)
 
 
 @pytest.fixture(scope="module")
