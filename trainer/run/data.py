@@ -85,7 +85,9 @@ def setup_tokenizer(
         return Tokenizer.load(adopt_tokenizer(resume, out, rank), languages)
 
     def build() -> Tokenizer:
-        tok = run_tokenizer(cfg, texts())
+        # `texts()` runs only if a tokenizer is trained: a given one (tokenizer_name, a pretrained
+        # model's, a distillation teacher's) needs no sample of the corpus (a stream's costs a read)
+        tok = run_tokenizer(cfg, (text for make in [texts] for text in make()))
         tok.save(tok_dir)
         return tok
 
