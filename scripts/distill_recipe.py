@@ -3,9 +3,10 @@ quarter of its size distilled word-level, trained on sequence-level teacher outp
 on the same steps; all scored on the same held-out sentences.
 
     python scripts/distill_recipe.py [--data ../shared/data/multi30k] [--work outputs/distill_recipe]
-        [--teacher_steps 1200] [--student_steps 600] [--heldout 500] [--out benchmarks/distill_multi30k]
+        [--teacher_steps 600] [--student_steps 300] [--train_pairs 20000] [--heldout 500]
+        [--out benchmarks/distill_multi30k]
 
-    1 data       multi30k train en-de as 4 JSON-lines shards (the streaming layout of docs/data.md);
+    1 data       multi30k train en-de (the first `--train_pairs`) as 4 JSON-lines shards (the streaming layout of docs/data.md);
                  the last `--heldout` validation sentences as a FLORES-style directory (held out: no
                  run sees them), the first 200 as the runs' validation file
     2 teacher    NLLB-MoE (d_model 128, 3+3 layers, 4 experts in every 2nd layer), trained on the
@@ -63,9 +64,9 @@ def parse() -> argparse.Namespace:
                    help="multi30k's directory (train.{en,de}.gz, val.{en,de}.gz)")  # fmt: skip
     p.add_argument("--work", default=str(ROOT / "outputs" / "distill_recipe"))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "distill_multi30k"))
-    p.add_argument("--teacher_steps", type=int, default=1200)
-    p.add_argument("--student_steps", type=int, default=600)
-    p.add_argument("--train_pairs", type=int, default=0, help="use the first N training pairs (0: all)")
+    p.add_argument("--teacher_steps", type=int, default=600)
+    p.add_argument("--student_steps", type=int, default=300)
+    p.add_argument("--train_pairs", type=int, default=20000, help="use the first N training pairs (0: all)")
     p.add_argument("--heldout", type=int, default=500, help="held-out sentences scored")
     p.add_argument("--batch", type=int, default=64, help="sentence pairs per step")
     p.add_argument("--warmup", type=int, default=200, help="warmup steps of every run")
