@@ -13,8 +13,9 @@ on the same steps; all scored on the same held-out sentences.
                  shards, streaming; its SentencePiece (trained on them) is every student's
     3 seq-KD     `python -m trainer.distill_data`: the teacher's beam translations of the shards
     4 students   dense d_model 64, 3+3 layers, the same steps, seed and batches: from scratch on the
-                 shards; distilled word-level (--teacher_model_name_or_path, alpha, T); on the seq-KD
-                 shards (streaming, as they are)
+                 shards; distilled word-level (--teacher_model_name_or_path, one student per --alphas,
+                 the table's pick the best on the validation sentences); on the seq-KD shards
+                 (streaming, as they are)
     5 scores     `python -m trainer.evaluate` of every model on the held-out directory: BLEU, chrF,
                  chrF++ (beam 4), into `--out`.md / .json with the wall time of each stage
 
@@ -70,7 +71,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--heldout", type=int, default=500, help="held-out sentences scored")
     p.add_argument("--batch", type=int, default=64, help="sentence pairs per step")
     p.add_argument("--warmup", type=int, default=200, help="warmup steps of every run")
-    p.add_argument("--alpha", type=float, default=0.5)
+    p.add_argument("--alphas", type=float, nargs="+", default=[0.5, 0.9],
+                   help="word-level students' distillation_alpha, one student each (the table's pick: the best on validation)")  # fmt: skip
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--num_beams", type=int, default=4, help="beam of the scoring")
     p.add_argument("--seqkd_beams", type=int, default=2, help="the teacher's beam for the seq-KD data")
@@ -101,9 +103,16 @@ def write_data(args: argparse.Namespace, work: Path) -> dict[str, Path]:
                  for s, t in zip(vsrc[:200], vtgt[:200])]  # fmt: skip
         (work / "valid.jsonl").write_text("".join(valid), encoding="utf-8")
         heldout.mkdir(parents=True, exist_ok=True)
+        (work / "valid_dir").mkdir(parents=True, exist_ok=True)
         for lang, text in ((SRC, vsrc), (TGT, vtgt)):
             (heldout / f"{lang}.txt").write_text("\n".join(text[-args.heldout :]) + "\n", encoding="utf-8")
-    return {"shards": shards, "heldout": heldout, "valid": work / "valid.jsonl"}
+            (work / "valid_dir" / f"{lang}.txt").write_text("\n".join(text[:200]) + "\n", encoding="utf-8")
+    return {
+        "shards": shards,
+        "heldout": heldout,
+        "valid": work / "valid.jsonl",
+        "valid_dir": work / "valid_dir",
+    }
 
 
 def run(cmd: list[str], log: Path, threads: int) -> float:
@@ -136,13 +145,16 @@ def train(name: str, flags: list[str], steps: int, work: Path, threads: int) -> 
     return ckpt, wall
 
 
-def score(name: str, model: Path, heldout: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    out = work / "scores" / name
+def score(
+    name: str, model: Path, heldout: Path, work: Path, args: argparse.Namespace, where: str = "scores"
+) -> dict[str, Any]:
+    """BLEU, chrF, chrF++ of `model` on the directory `heldout` (scored once, kept in work/`where`/`name`)."""
+    out = work / where / name
     if not (out / "scores.json").is_file():
         run([sys.executable, "-m", "trainer.evaluate", "--model", str(model), "--data_dir", str(heldout),
              "--file_pattern", "{lang}.txt", "--directions", f"{SRC}-{TGT}", "--num_beams", str(args.num_beams),
              "--max_length", "64", "--batch_size", "64", "--disable_tqdm", "true", "--output_dir", str(out)],
-            work / f"score-{name}.log", args.threads)  # fmt: skip
+            work / f"{where}-{name}.log", args.threads)  # fmt: skip
     row = json.loads((out / "scores.json").read_text())["directions"][f"{SRC}-{TGT}"]
     return {k: row[k] for k in ("bleu", "chrf", "chrf++") if k in row}
 
@@ -159,7 +171,8 @@ def main() -> None:
     seqkd = work / "seqkd"
     seq_data = ["--train_file", str(seqkd / "train-*.jsonl"), "--validation_file", str(d["valid"]), *batch]
     kd = ["--teacher_model_name_or_path", str(work / "teacher" / f"checkpoint-{args.teacher_steps}"),
-          "--distillation_alpha", str(args.alpha), "--distillation_temperature", str(args.temperature)]  # fmt: skip
+          "--distillation_temperature", str(args.temperature)]  # fmt: skip
+    word = {f"word_kd_a{a:g}": [*kd, "--distillation_alpha", str(a)] for a in args.alphas}
     steps, threads = args.student_steps, args.threads
     walls: dict[str, float] = {}
     ckpts: dict[str, Path] = {}
@@ -188,20 +201,26 @@ def main() -> None:
     tokenizer = work / "teacher" / "model_config.json"
     together(lambda: job("teacher", [*data, *TEACHER], args.teacher_steps),
              lambda: job("scratch", [*data, *STUDENT, *tok], steps, after=tokenizer))  # fmt: skip
-    together(seq_data_job, lambda: job("word_kd", [*data, *STUDENT, *tok, *kd], steps))
+    together(
+        seq_data_job,
+        lambda: [job(name, [*data, *STUDENT, *tok, *flags], steps) for name, flags in word.items()],
+    )
     scores: dict[str, Any] = {}
+    valid: dict[str, Any] = {}
 
     def scored(name: str) -> None:
         scores[name] = score(name, ckpts[name], d["heldout"], work, args)
+        valid[name] = score(name, ckpts[name], d["valid_dir"], work, args, "valscores")
 
     together(lambda: job("seq_kd", [*seq_data, *STUDENT, *tok], steps), lambda: scored("teacher"))
-    together(lambda: scored("scratch"), lambda: scored("word_kd"))
+    together(lambda: scored("scratch"), lambda: [scored(name) for name in word])
     scored("seq_kd")
-    order = ("teacher", "scratch", "word_kd", "seq_kd")
+    order = ("teacher", "scratch", *word, "seq_kd")
     total = work / "recipe_total_s.json"  # the first complete run's (a rerun only rewrites the table)
     if not total.is_file():
         total.write_text(json.dumps({"wall_s": time.perf_counter() - t_start}))
-    report(args, work, {k: scores[k] for k in order}, walls, json.loads(total.read_text())["wall_s"])
+    report(args, work, {k: scores[k] for k in order}, {k: valid[k] for k in order}, walls,
+           json.loads(total.read_text())["wall_s"])  # fmt: skip
 
 
 def together(*jobs: Any) -> None:
@@ -214,47 +233,54 @@ def together(*jobs: Any) -> None:
 
 
 def report(
-    args: argparse.Namespace, work: Path, scores: dict[str, Any], walls: dict[str, float], total: float
-) -> None:
+    args: argparse.Namespace, work: Path, scores: dict[str, Any], valid: dict[str, Any], walls: dict[str, float],
+    total: float,
+) -> None:  # fmt: skip
+    """The table (`--out`.md) and every number (`--out`.json)."""
     from models.config import ModelConfig
 
     def params(name: str) -> int:
         state = json.loads((work / name / "model_config.json").read_text())
         return ModelConfig.from_dict(state).num_parameters()
 
-    sizes = {
-        "teacher": params("teacher"),
-        **{k: params(f"student-{k}") for k in ("scratch", "word_kd", "seq_kd")},
-    }
+    sizes = {k: params("teacher" if k == "teacher" else f"student-{k}") for k in scores}
+    words = [k for k in scores if k.startswith("word_kd")]
+    pick = max(
+        words, key=lambda k: valid[k]["chrf++"]
+    )  # the alpha chosen on validation, not on the held-out set
+    gain = {k: scores[k]["chrf++"] - scores["scratch"]["chrf++"] for k in (*words, "seq_kd")}
     result = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), {args.threads} threads per run",
-        "teacher_steps": args.teacher_steps, "student_steps": args.student_steps, "alpha": args.alpha,
-        "temperature": args.temperature, "num_beams": args.num_beams, "heldout_sentences": args.heldout,
-        "parameters": sizes, "scores": scores, "wall_s": walls, "total_wall_s": total,
-        "chrf++_gain_word_kd": scores["word_kd"]["chrf++"] - scores["scratch"]["chrf++"],
-        "chrf++_gain_seq_kd": scores["seq_kd"]["chrf++"] - scores["scratch"]["chrf++"],
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), {args.threads} thread(s) per run",
+        "teacher_steps": args.teacher_steps, "student_steps": args.student_steps, "train_pairs": args.train_pairs,
+        "alphas": args.alphas, "alpha_chosen_on_validation": pick, "temperature": args.temperature,
+        "num_beams": args.num_beams, "seqkd_beams": args.seqkd_beams, "heldout_sentences": args.heldout,
+        "parameters": sizes, "scores": scores, "validation_scores": valid, "wall_s": walls,
+        "total_wall_s": total, "chrf++_gain_over_scratch": gain,
     }  # fmt: skip
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    names = {"teacher": "teacher (NLLB-MoE)", "scratch": "student from scratch",
-             "word_kd": f"student, word-level KD (alpha {args.alpha}, T {args.temperature})",
-             "seq_kd": "student on seq-level KD data"}  # fmt: skip
+    names = {"teacher": "teacher (NLLB-MoE)", "scratch": "student from scratch", "seq_kd": "student on seq-level KD data",
+             **{k: f"student, word-level KD, alpha {k.removeprefix('word_kd_a')}, T {args.temperature:g}" for k in words}}  # fmt: skip
     rows = [f"| {names[k]} | {sizes[k] / 1e6:.2f}M | {args.teacher_steps if k == 'teacher' else args.student_steps} "
-            f"| {v['bleu']:.2f} | {v['chrf']:.2f} | {v['chrf++']:.2f} | {walls.get(k, 0.0):.0f} |"
+            f"| {v['bleu']:.2f} | {v['chrf']:.2f} | {v['chrf++']:.2f} | {valid[k]['chrf++']:.2f} | {walls.get(k, 0.0):.0f} |"
             for k, v in scores.items()]  # fmt: skip
     text = "\n".join([
         "# Distillation on multi30k en→de (CPU)", "",
         f"Generated by `python scripts/distill_recipe.py --teacher_steps {args.teacher_steps} --student_steps "
         f"{args.student_steps} --train_pairs {args.train_pairs}` on {result['machine']}; every run one process, fp32, "
         f"batches of {args.batch} pairs, lr 3e-3 ({args.warmup} warmup steps, then linear decay), label smoothing "
-        f"0.1, seed 1. Scores: sacreBLEU (13a), chrF, chrF++ on the last "
-        f"{args.heldout} multi30k validation sentences (no run saw them), beam {args.num_beams}.", "",
-        "| model | parameters | steps | BLEU | chrF | chrF++ | train wall (s) |", "|---|---|---|---|---|---|---|",
-        *rows, "",
-        f"chrF++ over the student from scratch: word-level KD {result['chrf++_gain_word_kd']:+.2f}, "
-        f"sequence-level KD {result['chrf++_gain_seq_kd']:+.2f} (goal: >= +1.0).", "",
-        f"Sequence-level data (`trainer.distill_data`, beam {args.seqkd_beams}, all shards): "
-        f"{walls.get('seqkd_data', float('nan')):.0f} s. Whole recipe: {total:.0f} s.", "",
+        f"0.1, seed 1, the first {args.train_pairs} training pairs. Scores: sacreBLEU (13a), chrF, chrF++ on the "
+        f"last {args.heldout} multi30k validation sentences (held out: no run saw them, nothing was chosen on "
+        f"them), beam {args.num_beams}; validation: the first 200 validation sentences (the word-level "
+        f"student's alpha is the one best there).", "",
+        "| model | parameters | steps | BLEU | chrF | chrF++ | chrF++ (validation) | train wall (s) |",
+        "|---|---|---|---|---|---|---|---|", *rows, "",
+        f"chrF++ over the student from scratch, held out: word-level KD {gain[pick]:+.2f} (alpha "
+        f"{pick.removeprefix('word_kd_a')}, chosen on validation; "
+        + ", ".join(f"alpha {k.removeprefix('word_kd_a')}: {gain[k]:+.2f}" for k in words)
+        + f"), sequence-level KD {gain['seq_kd']:+.2f} (goal: >= +1.0).", "",
+        f"Sequence-level data (`trainer.distill_data`, beam {args.seqkd_beams}, {args.train_pairs} pairs): "
+        f"{walls.get('seqkd_data', float('nan')):.0f} s. Whole recipe, two runs at a time: {total:.0f} s.", "",
     ])  # fmt: skip
     out.with_suffix(".md").write_text(text)
     print(text)
