@@ -136,3 +136,16 @@ class WorkingWeights:
         finally:
             for module, name, p in self.slots:
                 module._parameters[name] = p
+
+
+@torch.no_grad()
+def hold_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast a frozen model's weights to `dtype` for good (`keeps_fp32` modules excepted): the
+    working weights a trained model casts each step, without the fp32 masters it would keep.
+    It then runs under autocast to `dtype` as a training forward does (a distillation teacher)."""
+    for module in model.modules():
+        if keeps_fp32(module):
+            continue
+        for p in module._parameters.values():
+            if p is not None and p.is_floating_point():
+                p.data = p.data.to(dtype)

@@ -58,6 +58,7 @@ from parallel.rng import uses_dropout
 from parallel.tp.layers import tp_local_slice
 
 DP_SHARDINGS = ("none", "zero1", "fsdp")
+FlushHook = Callable[[Sequence[Seq2SeqBatch], int], None]  # (a flush's micro-batches, step)
 
 
 def check_dp_sharding(dp_sharding: str) -> None:
@@ -160,16 +161,28 @@ class ParallelModel:
         self.working = WorkingWeights(model, autocast_dtype) if autocast_dtype and not self.fsdp else None
         self.clock = clock_for(self.device)
         self.executor = self._executor(plan.schedule[pp_rank], self.grads)
+        self.before_flush: FlushHook | None = None  # `train_with`: a distillation teacher's forward
+
+    def train_with(self, loss_fn: LossFn, before_flush: FlushHook) -> None:
+        """Train on `loss_fn` (evaluation keeps `self.loss_fn`), calling `before_flush(micro-batches,
+        step)`, collective like a flush, before each training flush (word-level distillation: the
+        teacher's forward, whose last-stage states `loss_fn` reads by slot; `parallel.distill`)."""
+        self.executor = self._executor(self.plan.schedule[self.mesh.pp_rank], self.grads, loss_fn=loss_fn)
+        self.before_flush = before_flush
 
     def _executor(
-        self, actions: Sequence[Action], grads: StepGradients | None, evaluation: bool = False
+        self,
+        actions: Sequence[Action],
+        grads: StepGradients | None,
+        evaluation: bool = False,
+        loss_fn: LossFn | None = None,
     ) -> PipelineExecutor:
         cast = evaluation and self.eval_dtype is not None  # weights cast: no autocast
         return PipelineExecutor(
             self.stages,
             actions,
             self.topo,
-            self.loss_fn,
+            loss_fn or self.loss_fn,
             self.meter,
             self.clock,
             grads=grads,
@@ -235,7 +248,7 @@ class ParallelModel:
         self.model.skip_layers = skip_layers
         self.model.moe.begin_step(self.seed, step, loss_scale)
         try:
-            results = self._run_flushes(flushes, loss_scale, timed, dropout_keys)
+            results = self._run_flushes(flushes, loss_scale, timed, dropout_keys, step)
         finally:
             self.model.skip_layers = frozenset()
         if skip_layers:
@@ -250,8 +263,10 @@ class ParallelModel:
         loss_scale: float | Tensor,
         timed: bool,
         keys: Sequence[Sequence[int]] | None,
+        step: int = 0,
     ) -> list[FlushResult]:
         on_device = [self._prepare(microbatches) for microbatches in flushes]
+        hook = self.before_flush
         if self.fsdp is not None:
             self.fsdp.begin_step()
         # One micro-batch per step reads each weight once: autocast's cast per use is then the
@@ -263,16 +278,20 @@ class ParallelModel:
         )
         with working_weights as working:
             self.meter.ignore(working)
-            return [
-                self.executor.run_flush(
-                    mbs,
-                    loss_scale,
-                    last_flush=i == len(on_device) - 1,
-                    timed=timed,
-                    dropout_keys=None if keys is None else keys[i],
+            results = []
+            for i, mbs in enumerate(on_device):
+                if hook is not None:
+                    hook(mbs, step)
+                results.append(
+                    self.executor.run_flush(
+                        mbs,
+                        loss_scale,
+                        last_flush=i == len(on_device) - 1,
+                        timed=timed,
+                        dropout_keys=None if keys is None else keys[i],
+                    )
                 )
-                for i, mbs in enumerate(on_device)
-            ]
+            return results
 
     def _prepare(self, batches: Sequence[Seq2SeqBatch]) -> list[Seq2SeqBatch]:
         """To the model's device; sequence parallelism also needs S and T divisible by tp."""
@@ -336,26 +355,31 @@ class ParallelModel:
 
     @torch.no_grad()
     def eval_loss(self, batches: Sequence[Seq2SeqBatch]) -> tuple[float, int]:
-        """Sum of token losses and token count over `batches` (meaningful on the last stage).
-
-        Runs `parallel.pipeline.schedule.forward_only` (any number of batches, any placement),
-        in evaluation's precision (`evaluating`). Collective over the mesh. Every rank evaluates
-        the same batches, so sparse layers spread over ep take their tokens as replicated
-        (`parallel.expert.apply.replicated_tokens`: no all-to-all).
-        """
+        """Sum of token losses and token count over `batches` (meaningful on the last stage):
+        `forward_flush` of the same batches on every rank. Collective over the mesh."""
         if not batches:
             return 0.0, 0
+        res = self.forward_flush(batches)
+        return (0.0 if res.loss_sum is None else float(res.loss_sum)), res.num_tokens
+
+    @torch.no_grad()
+    def forward_flush(self, batches: Sequence[Seq2SeqBatch], replicated: bool = True) -> FlushResult:
+        """One forward-only flush (`parallel.pipeline.schedule.forward_only`: any number of batches,
+        any placement) in evaluation's precision (`evaluating`); collective over the mesh.
+        `replicated`: every rank holds the same batches (evaluation), so sparse layers spread over
+        ep take their tokens as replicated (`parallel.expert.apply.replicated_tokens`: no
+        all-to-all); False: each replica its own (a distillation teacher's), all-to-all as trained."""
         batches = self._prepare(batches)
         actions = forward_only(self.plan.placement, len(batches))[self.mesh.pp_rank]
-        with self.evaluating(), replicated_tokens(self.model):
+        tokens = replicated_tokens(self.model) if replicated else nullcontext()
+        with self.evaluating(), tokens:
             executor = self._executor(actions, grads=None, evaluation=True)
-            res = executor.run_flush(batches, 1.0, last_flush=False, timed=False)
-        return (0.0 if res.loss_sum is None else float(res.loss_sum)), res.num_tokens
+            return executor.run_flush(batches, 1.0, last_flush=False, timed=False)
 
 
 def default_loss_fn(label_smoothing: float) -> LossFn:
-    def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
-        return cross_entropy_sum(logits, labels, label_smoothing)
+    def loss_fn(logits: Tensor, batch: Seq2SeqBatch) -> Tensor:
+        return cross_entropy_sum(logits, batch.labels, label_smoothing)
 
     return loss_fn
 
@@ -440,8 +464,8 @@ def build_parallel_model(
 
         tp_info = apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=sequence_parallel)
 
-        def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
-            return tp_info.loss(logits, labels, label_smoothing)
+        def loss_fn(logits: Tensor, batch: Seq2SeqBatch) -> Tensor:
+            return tp_info.loss(logits, batch.labels, label_smoothing)
 
     ep_group = mesh.group("ep") if mesh.size("ep") > 1 else None
     ep_info = apply_expert_parallel(model, ep_group, mesh.group("tp") if mesh.size("tp") > 1 else None)

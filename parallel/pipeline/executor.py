@@ -40,7 +40,7 @@ from parallel.pipeline.stage import PipelineStage, boundary_keys, boundary_shape
 from parallel.pipeline.timing import Clock, HostClock
 from parallel.pipeline.zero_bubble import WeightGradStore
 
-LossFn = Callable[[Tensor, Tensor], Tensor]  # (logits, labels) -> sum of token losses
+LossFn = Callable[[Tensor, Seq2SeqBatch], Tensor]  # (logits, micro-batch) -> sum of token losses
 
 
 @dataclass
@@ -120,7 +120,8 @@ class PipelineExecutor:
         stages: this rank's stages keyed by global stage index.
         actions: this rank's action list (from `parallel.pipeline.schedule.build_schedule`).
         topo: stage placement and neighbours.
-        loss_fn: (logits, labels) -> sum of token losses (a scalar tensor).
+        loss_fn: (logits, micro-batch) -> sum of token losses (a scalar tensor); it reads the
+            labels, and a distillation loss the teacher's states of the micro-batch's slot.
         meter: the activation-memory meter (`parallel.pipeline.memory.meter_for`).
         clock: host timestamps or CUDA events (`parallel.pipeline.timing.clock_for`).
         grads: the step's gradient work: armed before each stage's final backward
@@ -266,7 +267,7 @@ class PipelineExecutor:
         with meter, autocast:
             out = stage.forward(inputs, batch, None if st.keys is None else st.keys[mb])
             if stage.is_last:
-                loss_sum = self.loss_fn(out["logits"], batch.labels)
+                loss_sum = self.loss_fn(out["logits"], batch)
         if stage.is_last:
             detached = loss_sum.detach()
             st.loss_sum = detached if st.loss_sum is None else st.loss_sum + detached

@@ -10,6 +10,9 @@
     python -m tests.dist.doc_fixtures jsonl DIR CODE [CODE ...]
         DIR/train.jsonl and DIR/valid.jsonl in the HF translation format, keys CODE (`eng_Latn`,
         `en`), text from the built-in corpus
+    python -m tests.dist.doc_fixtures texts DIR CODE [CODE ...]
+        multi30k's layout: DIR/train.CODE.gz and DIR/val.CODE.gz, line i of each the same
+        sentence, text from the built-in corpus (scripts/distill_recipe.py's --data)
     python -m tests.dist.doc_fixtures flores DIR CODE [CODE ...] [--pattern '{lang}.txt']
         a FLORES-style directory: DIR/devtest/CODE.devtest (or DIR/<pattern>), line i of each the
         same sentence
@@ -111,6 +114,18 @@ def write_jsonl(out: Path, codes: list[str]) -> None:
         (out / name).write_text("\n".join(rows) + "\n")
 
 
+def write_texts(out: Path, codes: list[str]) -> None:
+    """multi30k's layout: train.CODE.gz, val.CODE.gz (line-aligned)."""
+    import gzip
+
+    out.mkdir(parents=True, exist_ok=True)
+    corpus = _corpus(codes)
+    for split, name in (("train", "train"), ("validation", "val")):
+        for code in codes:
+            with gzip.open(out / f"{name}.{code}.gz", "wt", encoding="utf-8") as f:
+                f.write("".join(r[code] + "\n" for r in corpus[split]))
+
+
 def write_flores(out: Path, codes: list[str], pattern: str = "devtest/{lang}.devtest") -> None:
     recs = _corpus(codes)["validation"][:8]
     for code in codes:
@@ -126,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     hf.add_argument("command", choices=["download"])
     hf.add_argument("repo_id")
     hf.add_argument("--local-dir", "--local_dir", dest="local_dir")
-    for name in ("jsonl", "flores"):
+    for name in ("jsonl", "texts", "flores"):
         p = sub.add_parser(name)
         p.add_argument("dir")
         p.add_argument("codes", nargs="+")
@@ -136,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
         hf_download(args.repo_id, args.local_dir)
     elif args.what == "jsonl":
         write_jsonl(Path(args.dir), args.codes)
+    elif args.what == "texts":
+        write_texts(Path(args.dir), args.codes)
     else:
         write_flores(Path(args.dir), args.codes, args.pattern)
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from models.config import ModelConfig
-from models.m2m100 import M2M100Translation
+from models.m2m100 import M2M100Translation, Seq2SeqBatch
 from parallel.mesh import ParallelDims, build_mesh
 from parallel.parallelize import build_parallel_model
 from parallel.pipeline.partition import uniform_partition
@@ -46,11 +46,11 @@ def stalled_flush(rank: int, world: int, stall_s: float, warn_after_s: float) ->
     if mesh.is_last_stage:
         loss_fn, calls = pm.executor.loss_fn, []
 
-        def stalling_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        def stalling_loss(logits: torch.Tensor, batch: Seq2SeqBatch) -> torch.Tensor:
             calls.append(1)
             if len(calls) == 2:  # micro-batch 1
                 time.sleep(stall_s)
-            return loss_fn(logits, labels)
+            return loss_fn(logits, batch)
 
         pm.executor.loss_fn = stalling_loss
     start = time.monotonic()

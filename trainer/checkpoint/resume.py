@@ -28,7 +28,8 @@ clear error on all ranks and leaves output_dir as it was.
         example count is checked by the sampler), tokenization and data-loader workers and cache_dir,
         optimizer betas / eps / weight decay and
         clipping (applied from the resumed step on; DCP restores only the moment tensors),
-        regularisation (dropout, label smoothing, NLLB-MoE's moe_token_dropout), NLLB-MoE's
+        regularisation (dropout, label smoothing, NLLB-MoE's moe_token_dropout), the distillation
+        teacher and loss (teacher_model_name_or_path, distillation_alpha / _temperature), NLLB-MoE's
         router_aux_loss_coef, moe_dropless and moe_capacity_factor, the divergence guard (nan_policy), precision /
         compile, timeouts, tracking, output_dir; num_train_epochs, the eval/save strategies,
         best-model and early-stopping settings, do_train/do_predict and test_file.
@@ -145,6 +146,10 @@ MAY_CHANGE = (
     "nan_policy",
     "nan_max_consecutive_skips",
     "label_smoothing_factor",
+    # the distillation loss, like label smoothing (the teacher is reloaded from its path on resume)
+    "teacher_model_name_or_path",
+    "distillation_alpha",
+    "distillation_temperature",
     "per_device_eval_batch_size",
     "logging_steps",
     "eval_steps",

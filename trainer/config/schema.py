@@ -49,7 +49,18 @@ class ModelArguments:
     )
     tokenizer_name: str | None = field(
         default=None,
-        metadata={"help": "Existing tokenizer directory; default: train SentencePiece on the data."},
+        metadata={
+            "help": "Existing tokenizer directory; default: model_name_or_path's, else the teacher's, "
+            "else SentencePiece trained on the data."
+        },
+    )
+    teacher_model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "Word-level distillation from this teacher: an M2M100/NLLB(-MoE) HF directory or hub "
+            "name, or a checkpoint of this trainer (OUTPUT_DIR/checkpoint-<step>); it shares the "
+            "student's vocabulary and tags (distillation_alpha, distillation_temperature)."
+        },
     )
     vocab_size: int = field(
         default=8000, metadata={"help": "SentencePiece vocabulary size to train (incl. tags)."}
@@ -145,7 +156,7 @@ class ModelArguments:
         arch = {
             f.name: getattr(self, f.name)
             for f in fields(self)
-            if f.name not in ("model_name_or_path", "tokenizer_name", "vocab_size", *MOE_RUN_FIELDS)
+            if f.name not in (*SOURCE_FIELDS, "vocab_size", *MOE_RUN_FIELDS)
         }
         for name in LAYERDROP_FIELDS:
             arch[name] = arch[name] or 0.0  # None: no LayerDrop for a new model
@@ -307,6 +318,7 @@ class ParallelArguments:
 
 
 LAYERDROP_FIELDS = ("encoder_layerdrop", "decoder_layerdrop")
+SOURCE_FIELDS = ("model_name_or_path", "tokenizer_name", "teacher_model_name_or_path")  # where from, not what
 SESSION_DROPOUTS = ("dropout", "attention_dropout", "activation_dropout")
 # NLLB-MoE architecture fields of a new model (besides num_experts, which decides it): the weights'.
 MOE_ARCH_FIELDS = ("encoder_sparse_step", "decoder_sparse_step", "router_bias")

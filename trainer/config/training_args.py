@@ -69,6 +69,19 @@ class TrainingArguments:
         metadata={"help": "nan_policy=skip: stop (exit code 3) after more non-finite steps in a row."},
     )
     label_smoothing_factor: float = field(default=0.0, metadata={"help": "Label smoothing epsilon."})
+    distillation_alpha: float = field(
+        default=0.5,
+        metadata={
+            "help": "With teacher_model_name_or_path: the loss is (1 - alpha) x the label loss + alpha x "
+            "the KL term (word-level distillation); 0: plain training (the teacher is not loaded)."
+        },
+    )
+    distillation_temperature: float = field(
+        default=1.0,
+        metadata={
+            "help": "With teacher_model_name_or_path: T of the KL term, KL(p_teacher^T || p_student^T) T^2."
+        },
+    )
     per_device_train_batch_size: int = field(default=16, metadata={"help": "Sentence pairs per micro-batch."})
     per_device_eval_batch_size: int = field(default=32, metadata={"help": "Sentence pairs per eval batch."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Pipeline flushes per step."})
@@ -237,6 +250,8 @@ class TrainingArguments:
         check_range(self, ("learning_rate", "weight_decay", "mfu_peak_tflops"), 0)
         check_range(self, ("max_grad_norm",), 0)  # 0 disables clipping
         check_range(self, ("adam_beta1", "adam_beta2", "label_smoothing_factor"), 0, 1, high_open=True)
+        check_range(self, ("distillation_alpha",), 0, 1)
+        check_range(self, ("distillation_temperature",), 0, low_open=True)
         check_range(self, ("adam_epsilon",), 0, low_open=True)
         check_range(self, ("save_total_limit",), 1, optional=True)
         check_range(self, ("seed",), 0, 2**32 - 1)  # numpy's seed range

@@ -17,6 +17,7 @@
                      `trainer.planner.memory` (parameters, grads, AdamW state and what
                      `data_parallel_sharding` divides by dp, fsdp's gathered units,
                      activations, the step's transients, the host baseline)
+                     + a distillation teacher's forward flushes and bytes (`trainer.planner.teacher`)
 
 Tensor parallelism: a block's compute and activation bytes are measured on one rank's shard
 (or, from the device table, its FLOPs divided by tp); its communication is modelled, Megatron's
@@ -55,6 +56,7 @@ from trainer.planner.hardware import LinkModel
 from trainer.planner.layout import SPLIT_BACKWARD, Layout
 from trainer.planner.memory import MemorySettings, RankShape, rank_memory, rank_shape, startup_memory
 from trainer.planner.moe import a2a_bytes, ep_inter_node
+from trainer.planner.teacher import TeacherBlocks, teacher_step
 
 
 @dataclass
@@ -73,6 +75,7 @@ class CostContext:
     step_overhead_s: float = 0.0  # per optimizer step: barrier, clip, scheduler, bookkeeping
     host_baseline_bytes: float = 0.0  # the process's own bytes, on runs costed for this host's CPU
     host_cpu: bool = False  # costed for this host's CPU (`trainer.planner.memory.MemorySettings`)
+    teacher: TeacherBlocks | None = None  # word-level distillation: the teacher's blocks for this cut
 
     @property
     def memory_settings(self) -> MemorySettings:
@@ -97,6 +100,7 @@ class Prediction:
     stage_time_s: list[float] = field(default_factory=list)
     startup_memory_bytes: float = 0.0  # the largest start-up peak over pp ranks
     transients: dict[str, float] = field(default_factory=dict)  # the peak rank's step transients
+    teacher_forward_s: float = 0.0  # distillation: the teacher's forward-only flushes (in step_time_s)
 
 
 def block_costs(
@@ -257,21 +261,37 @@ def predict_step(layout: Layout, sc: StageCosts, ctx: CostContext) -> Prediction
         ValueError: the costs do not match the stages, or the schedule rejects (p, m, v).
     """
     p, v, m = layout.pp, layout.v, layout.m
+    teacher = None
+    if ctx.teacher is not None:
+        teacher = teacher_step(
+            layout, ctx.teacher, ctx.link, ctx.gpus_per_node, ctx.bf16, ctx.action_overhead_s
+        )
+    if teacher is not None:  # the KD loss makes the teacher's logits on the student's last stage
+        sc = replace(sc, forward=[*sc.forward[:-1], sc.forward[-1] + teacher.kd_s])
     sim = simulate(_schedule(layout.schedule, p, m, v), p, m, v, sc)
     ranks, grad_reduce, optimizer, data = _outside_pipeline(layout, ctx)
-    step = layout.g * sim.makespan + grad_reduce + optimizer + data
+    teacher_s = teacher.forward_s if teacher is not None else 0.0
+    step = layout.g * sim.makespan + grad_reduce + optimizer + data + teacher_s
     settings = ctx.memory_settings
     deferred = p > 1 or layout.schedule in SPLIT_BACKWARD  # parallel.dp.fsdp's deferred mode
     mems = [rank_memory(r, a, layout.sharding, layout.dp, m * layout.g, deferred, settings, layout.ep)
             for r, a in zip(ranks, sim.peak_activation_bytes)]  # fmt: skip
+    held = teacher.bytes_per_pp_rank if teacher is not None else [0.0] * p
+    for r in range(p):
+        if teacher is not None:
+            mems[r][0]["teacher"] = held[r]
     worst = max(range(p), key=lambda r: sum(mems[r][0].values()))
-    startup = max(startup_memory(r, settings, layout.sharding, layout.dp, layout.ep) for r in ranks)
+    at_start = teacher.startup_bytes_per_pp_rank if teacher is not None else [0.0] * p
+    startup = max(
+        startup_memory(r, settings, layout.sharding, layout.dp, layout.ep) + t
+        for r, t in zip(ranks, at_start)
+    )
     stage_time = [f + b + w for f, b, w in zip(sc.forward, sc.backward_input, sc.backward_weight)]
     terms, transients = mems[worst]
     return Prediction(
         step, sim.makespan, sim.bubble_fraction, sc.link, grad_reduce, optimizer, data,
         max(sum(terms.values()), startup), terms, [r.params for r in ranks], list(sim.peak_activation_bytes),
-        stage_time, startup, transients,
+        stage_time, startup, transients, teacher_s,
     )  # fmt: skip
 
 

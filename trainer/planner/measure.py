@@ -1,5 +1,6 @@
 """What the planner measures on this machine: micro-batch shapes, block costs, link, optimizer.
 
+TeacherCosts    the same for a distillation teacher's block kinds (forward, remat none)
 CostSource      the job's architecture and micro-batch shapes (the data's first global
                 batches for each batch cut, or a fixed sentence length when the data is
                 not at hand or --seq_len is given), the per-kind costs of each shape and
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -38,6 +40,7 @@ from trainer.planner.blocks import (
 from trainer.planner.cost import CostContext, block_costs
 from trainer.planner.hardware import DeviceSpec, LinkModel
 from trainer.planner.options import PlanOptions
+from trainer.planner.teacher import TeacherBlocks
 
 logger = logging.getLogger("trainer.plan")
 
@@ -52,6 +55,7 @@ class CostSource:
         self.cfg, self.opts, self.device = cfg, opts, device
         self.sampler_data: Any = None
         self.mc = self._load(cfg, opts)
+        self.teacher = self._teacher(cfg, opts, device)
         self.fetch_s: dict[tuple[int, ...], float] = {}
         self._shapes: dict[tuple[int, ...], Shape] = {}
         self._costs: dict[tuple[Shape, str, int], KindCosts] = {}  # (shape, remat, padded vocab)
@@ -70,6 +74,20 @@ class CostSource:
 
             return read_hf_config(model)
         return cfg.model.model_config(cfg.model.vocab_size, {})
+
+    @staticmethod
+    def _teacher(cfg: JobConfig, opts: PlanOptions, device: DeviceSpec | None) -> TeacherCosts | None:
+        """A distillation teacher's costs (None: the job does not distill)."""
+        from trainer.run.distill import distilling, teacher_source
+
+        name = cfg.model.teacher_model_name_or_path
+        if not name or not distilling(cfg):
+            return None
+        return TeacherCosts(teacher_source(name).config, cfg.training.half_precision, device, opts.repeats)
+
+    def teacher_blocks(self, shape: Shape, tp: int, ep: int, ctx: CostContext) -> TeacherBlocks | None:
+        """The teacher's blocks for this cut and mesh (None without a teacher)."""
+        return None if self.teacher is None else self.teacher.blocks(shape, tp, ep, ctx)
 
     def _load_data(self, cfg: JobConfig) -> ModelConfig:
         from trainer.data.sources import load_raw_datasets, training_texts
@@ -180,6 +198,45 @@ class CostSource:
         """Every block's costs on one (tp, ep) rank (`trainer.planner.cost.block_costs`)."""
         kinds = self.kind_costs(shape, remat, tp)
         return block_costs(kinds, self.mc, shape, tp, ctx, ep, recompute=remat == "full")
+
+
+class TeacherCosts:
+    """The teacher's per-kind costs, measured here or from a device table, cached by (shape, tp).
+
+    Args:
+        mc: the teacher's architecture.
+        half: bf16 / fp16 run (the teacher computes in it, under autocast).
+        device: a device table (None: measure on this machine).
+        repeats: timed repetitions per kind.
+    """
+
+    def __init__(self, mc: ModelConfig, half: bool, device: DeviceSpec | None, repeats: int) -> None:
+        self.mc, self.half, self.device, self.repeats = mc, half, device, repeats
+        self._kinds: dict[tuple[Shape, int], KindCosts] = {}
+        self._acts: dict[tuple[int, int, int], KindCosts] = {}  # one sentence's bytes (table mode)
+
+    def kind_costs(self, shape: Shape, tp: int) -> KindCosts:
+        key = (shape, tp)
+        if key not in self._kinds:
+            mc = padded_vocab_config(self.mc, tp)
+            if self.device is None:
+                self._kinds[key] = measure_kind_costs(mc, shape, "none", self.half, self.repeats, tp=tp)
+            else:  # as `CostSource.kind_costs`: one sentence's activation bytes, scaled to the micro-batch
+                one_key = (shape.s, shape.t, tp)
+                if one_key not in self._acts:
+                    self._acts[one_key] = activation_kind_costs(
+                        self.mc, Shape(1, shape.s, shape.t), "none", tp
+                    )
+                scale = shape.b * (0.5 if self.half else 1.0)
+                self._kinds[key] = table_kind_costs(
+                    mc, shape, "none", self.device, self._acts[one_key], scale, tp
+                )
+        return self._kinds[key]
+
+    def blocks(self, shape: Shape, tp: int, ep: int, ctx: CostContext) -> TeacherBlocks:
+        """Every block's forward on one (tp, ep) rank, its tp all-reduces and ep all-to-alls included."""
+        costs = block_costs(self.kind_costs(shape, tp), self.mc, shape, tp, replace(ctx, mc=self.mc), ep)
+        return TeacherBlocks(self.mc, tuple(costs), shape, tp, ep)
 
 
 def measure_optimizer_s_per_param(mc: ModelConfig, repeats: int = 3) -> float:

@@ -118,7 +118,7 @@ def enumerate_layouts(
     """
     world, gpn = opts.world_size, opts.gpus_per_node or opts.world_size
     budget = batch_budget(cfg, world)
-    valid, rejected_meshes = meshes(world, gpn, source.mc)
+    valid, rejected_meshes = meshes(world, gpn, source.mc, source.teacher.mc if source.teacher else None)
     rejected: list[dict[str, str]] = [{"layout": m, "reason": r} for m, r in rejected_meshes]
     pending: list[tuple[float, Layout, StageCosts, CostContext]] = []
     accepts = TrainerCheck(cfg, world)
@@ -138,6 +138,7 @@ def enumerate_layouts(
                 shape = source.shape(mb, m, g, dims.dp, budget.token_mode)
                 fetch = source.fetch_s.get((mb, m, g, dims.dp, int(budget.token_mode)), 0.0)
                 cut_ctx = replace(ctx, fetch_s_per_microbatch=fetch)
+                cut_ctx.teacher = source.teacher_blocks(shape, dims.tp, dims.ep, cut_ctx)
                 for layout in _layouts(dims, m, g, mb, budget.token_mode, source, shape, cut_ctx, rejected):
                     error = accepts(layout)
                     if error:
@@ -320,8 +321,11 @@ def own_layout(
 ) -> Candidate | str:  # fmt: skip
     """The config's own layout, predicted the same way (or why it cannot run on this world)."""
     p = cfg.parallel
+    from trainer.run.distill import check_mesh
+
     try:
-        dims = parallel_dims(p, world, local_world_size=gpn).validate(source.mc)
+        dims = parallel_dims(p, world, local_world_size=gpn)
+        check_mesh(dims, source.mc, source.teacher.mc if source.teacher else None)
     except ParallelConfigError as e:
         return str(e)
     token = bool(cfg.data.max_tokens_per_microbatch)
@@ -330,6 +334,7 @@ def own_layout(
     shape = source.shape(mb, m, g, dims.dp, token)
     fetch = source.fetch_s.get((mb, m, g, dims.dp, int(token)), 0.0)
     ctx = replace(ctx, fetch_s_per_microbatch=fetch)
+    ctx.teacher = source.teacher_blocks(shape, dims.tp, dims.ep, ctx)
     costs = source.block_costs(shape, p.activation_checkpointing, dims.tp, ctx, dims.ep)
     params, _ = block_param_counts(source.mc, dims.tp, dims.ep)
     try:

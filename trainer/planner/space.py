@@ -69,22 +69,32 @@ def divisors(n: int) -> list[int]:
 
 
 def meshes(
-    world: int, gpus_per_node: int, arch: ModelConfig
+    world: int, gpus_per_node: int, arch: ModelConfig, teacher: ModelConfig | None = None
 ) -> tuple[list[ParallelDims], list[tuple[str, str]]]:
     """Every (pp, tp, dp) with pp * tp * dp = world that `ParallelDims.validate` accepts, and for a
-    sparse model every expert-parallel size ep dividing dp and the experts.
+    sparse model (or a sparse distillation teacher) every expert-parallel size ep dividing dp and
+    the experts; tp must divide a teacher too (`trainer.run.distill.check_mesh`).
 
     Returns:
         (valid dims, [(mesh, reason)] for the rejected ones).
     """
+    from parallel.mesh import check_ep_divides_model, check_tp_divides_model
+    from trainer.run.distill import check_mesh
+
+    sparse = any(m is not None and m.is_moe and m.sparse_layers() for m in (arch, teacher))
     valid, rejected = [], []
     for pp in divisors(world):
         for tp in divisors(world // pp):
             dp = world // (pp * tp)
-            for ep in divisors(dp) if arch.is_moe and arch.sparse_layers() else [1]:
+            for ep in divisors(dp) if sparse else [1]:
                 dims = ParallelDims(pp, dp, tp, world, local_world_size=gpus_per_node, ep=ep)
                 try:
-                    valid.append(dims.validate(arch))
+                    check_mesh(dims, arch, teacher)
+                    if teacher is not None:
+                        check_tp_divides_model(teacher, tp)
+                        if teacher.is_moe:
+                            check_ep_divides_model(teacher, ep, dp)
+                    valid.append(dims)
                 except ParallelConfigError as e:
                     rejected.append((f"pp={pp} tp={tp} dp={dp}" + (f" ep={ep}" if ep > 1 else ""), str(e)))
     return valid, rejected

@@ -94,3 +94,10 @@ def _param_counts(mc: ModelConfig, ep: int = 1) -> list[int]:
         model = M2M100Translation(mc)
     experts = expert_params_per_block(model)
     return [n - (x - x // ep) for n, x in zip(param_counts_per_block(model), experts)]
+
+
+def param_partition(mc: ModelConfig, n_stages: int, ep: int = 1) -> list[int]:
+    """Block counts per stage balancing this rank's parameters (a frozen distillation teacher's:
+    its memory is its weights)."""
+    names = [b.name for b in block_specs(mc)]
+    return resolve_partition("parameters", names, n_stages, param_counts=_param_counts(mc, ep))

@@ -32,6 +32,8 @@ def _fixed(digits: int, suffix: str = "") -> Callable[[float], str]:
 # (row key, label, format) in print order; a key absent from the row (or null) is left out.
 TRAIN_KEYS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
     ("loss", "loss", _fixed(4)),
+    ("label_loss", "label_loss", _fixed(4)),  # distillation: its two terms
+    ("kd_loss", "kd_loss", _fixed(4)),
     ("lr", "lr", lambda v: f"{v:.2e}"),
     ("grad_norm", "grad_norm", lambda v: f"{v:.3g}"),
     ("tokens_per_sec", "tokens/s", _fixed(0)),

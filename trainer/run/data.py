@@ -35,6 +35,7 @@ from trainer.data.sources import (
 from trainer.data.stream import StreamSpec
 from trainer.data.tokenization import TranslationData, tokenize_datasets
 from trainer.errors import DataError
+from trainer.run.distill import student_tokenizer_dir
 from trainer.run.preflight import evaluations_asked, no_eval_data
 from trainer.run.rank0 import on_rank0
 from trainer.tokenizer.vocab import Tokenizer, load_or_train_tokenizer
@@ -102,7 +103,9 @@ def setup_tokenizer(
         return Tokenizer.load(adopt_tokenizer(resume, out, rank), languages)
 
     def build() -> Tokenizer:
-        tok = run_tokenizer(cfg, texts())
+        # `texts()` runs only if a tokenizer is trained: a given one (tokenizer_name, a pretrained
+        # model's, a distillation teacher's) needs no sample of the corpus (a stream's costs a read)
+        tok = run_tokenizer(cfg, (text for make in [texts] for text in make()))
         tok.save(tok_dir)
         return tok
 
@@ -112,8 +115,8 @@ def setup_tokenizer(
 
 def run_tokenizer(cfg: JobConfig, texts: Iterable[str]) -> Tokenizer:
     """A fresh run's tokenizer: the pretrained one (`tokenizer_name`, else the model directory's own,
-    `trainer.config.pretrained`), checked against the pretrained model's embedding, or SentencePiece
-    trained on `texts` for a new model.
+    `trainer.config.pretrained`), checked against the pretrained model's embedding, else a
+    distillation teacher's (`trainer.run.distill`), or SentencePiece trained on `texts` for a new model.
 
     Raises:
         ConfigError: a model directory without tokenizer files and no tokenizer_name.
@@ -121,9 +124,10 @@ def run_tokenizer(cfg: JobConfig, texts: Iterable[str]) -> Tokenizer:
     """
     m, d = cfg.model, cfg.data
     sources = pretrained_sources(m.model_name_or_path, m.tokenizer_name)
+    tok_dir = student_tokenizer_dir(cfg)  # the pretrained one, else a distillation teacher's
     languages = run_languages(d)
     tok = load_or_train_tokenizer(
-        None if sources.tokenizer is None else str(sources.tokenizer), languages, texts, m.vocab_size,
+        None if tok_dir is None else str(tok_dir), languages, texts, m.vocab_size,
         d.spm_model_type, d.spm_character_coverage, d.spm_input_sentence_size, cfg.training.seed,
     )  # fmt: skip
     if sources.model is not None:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from parallel.parallelize import ParallelModel
 from trainer.checkpoint import dcp as ckpt
-from trainer.checkpoint.resume import find_resume
+from trainer.checkpoint.resume import TOKENIZER, find_resume
 from trainer.config.checks import check_trackers
 from trainer.config.dims import parallel_dims
 from trainer.config.schema import JobConfig
@@ -71,7 +71,10 @@ def run(cfg: JobConfig, launcher: ParentWatch | None = None) -> dict[str, Any]:
     # architecture from the checkpoint (model_name_or_path is not read again: it may be gone).
     resume = find_resume(cfg, parallel_dims(cfg.parallel, world).validate())  # the mesh alone
     log_start(cfg.training.resume_from_checkpoint, resume.path if resume else None, cfg.training.output_dir)
-    dims = validate_early(cfg, world, arch=resume.model_config(cfg) if resume else None)
+    dims = validate_early(
+        cfg, world, arch=resume.model_config(cfg) if resume else None,
+        run_tokenizer=resume.run_dir / TOKENIZER if resume else None,
+    )  # fmt: skip
     check_trackers(cfg.training.report_to)  # W&B / TensorBoard installed: refused here, not after set-up
     if dist.get_rank() == 0:
         for line in idle_option_warnings(cfg):
@@ -177,6 +180,7 @@ def train_loop(
             guard=guard,
             seed=args.seed,
             scaler=ctx.loss_scale,
+            distill=ctx.distill,
         )
         flops = step_flops(ctx.mc, *gb.example_lengths()) if window.peak_flops else 0.0
         window.add(st, time.perf_counter() - start, flops, start - waited, gb.padded_tokens)
@@ -343,7 +347,8 @@ def finish_run(
     if predicted:  # the logging rank's scores; the files are predict_results.json and predictions_*.txt
         tracker.say(f"{predict_line(predicted)} | {ctx.out / 'predict_results.json'}")
     summary = run_summary(ctx, totals, before, after)
-    summary["memory"] = gather_memory(ctx.startup_peak_host_bytes, train_host, ctx.pm.device)
+    teacher = ctx.distill.teacher.parameter_bytes if ctx.distill is not None else -1
+    summary["memory"] = gather_memory(ctx.startup_peak_host_bytes, train_host, ctx.pm.device, teacher)
     summary["predict"] = {k: v for k, v in predicted.items() if k.startswith("predict_")}
     if ctx.is_logger:
         (ctx.out / "run_summary.json").write_text(json.dumps(summary, indent=1, default=str))

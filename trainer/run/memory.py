@@ -21,6 +21,7 @@ FIELDS = (
     "peak_host_bytes",
     "peak_cuda_allocated_bytes",
     "peak_cuda_reserved_bytes",
+    "teacher_parameter_bytes",  # word-level distillation: this rank's share of the frozen teacher
 )
 
 
@@ -30,8 +31,11 @@ def peak_host_bytes() -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-def gather_memory(startup_host: int, train_host: int, device: torch.device) -> dict[str, list[int] | None]:
-    """Every rank's peaks, as per-rank lists (index = global rank; CUDA lists None on CPU). Collective."""
+def gather_memory(
+    startup_host: int, train_host: int, device: torch.device, teacher_bytes: int = -1
+) -> dict[str, list[int] | None]:
+    """Every rank's peaks, as per-rank lists (index = global rank; CUDA lists None on CPU; the
+    teacher's weights None without one). Collective."""
     cuda = device.type == "cuda"
     mine = [
         startup_host,
@@ -39,6 +43,7 @@ def gather_memory(startup_host: int, train_host: int, device: torch.device) -> d
         peak_host_bytes(),
         torch.cuda.max_memory_allocated(device) if cuda else -1,
         torch.cuda.max_memory_reserved(device) if cuda else -1,
+        teacher_bytes,
     ]
     local = torch.tensor(mine, dtype=torch.int64, device=device)
     rows = [torch.empty_like(local) for _ in range(dist.get_world_size())]
@@ -59,6 +64,7 @@ def memory_lines(memory: dict[str, Any]) -> list[str]:
         ("startup_peak_host_bytes", "start-up host peak"),
         ("peak_cuda_allocated_bytes", "peak CUDA allocated"),
         ("peak_cuda_reserved_bytes", "peak CUDA reserved"),
+        ("teacher_parameter_bytes", "teacher weights"),
     ):
         col = memory.get(key)
         if col:

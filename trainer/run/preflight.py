@@ -24,20 +24,26 @@ from trainer.eval.metrics import check_spbleu_model
 from trainer.run.strategies import check_metric_name
 
 
-def validate_early(cfg: JobConfig, world: int, arch: ModelConfig | None = None) -> ParallelDims:
+def validate_early(
+    cfg: JobConfig, world: int, arch: ModelConfig | None = None, run_tokenizer: Path | None = None
+) -> ParallelDims:
     """Every check that needs no data, before anything is written or any collective runs.
 
     Where the pretrained model and tokenizer come from (a model directory without tokenizer
     files needs tokenizer_name), mesh vs world size and node size, tp vs heads/FFN/d_model,
     blocks vs stages, an explicit partition's length and sum, and the schedule's (p, m, v)
-    constraints. `arch`: the architecture when it is known already (a resume: the checkpoint's,
-    so a `model_name_or_path` that is gone since is never read); else `model_name_or_path`'s
-    config.json or the config's fields. Raises one of `trainer.errors.BAD_INPUT` naming the bad value.
+    constraints; a distillation teacher against the student and the mesh (`trainer.run.distill`).
+    `arch`: the architecture when it is known already (a resume: the checkpoint's, so a
+    `model_name_or_path` that is gone since is never read); else `model_name_or_path`'s config.json
+    or the config's fields. `run_tokenizer`: a resume's tokenizer (its run's). Raises one of
+    `trainer.errors.BAD_INPUT` naming the bad value.
     """
     from parallel.pipeline.partition import validate_balance
     from parallel.pipeline.schedule import build_schedule
+    from trainer.run.distill import check_mesh, check_teacher, student_tokenizer_dir
 
     dims = parallel_dims(cfg.parallel, world)
+    resumed = arch is not None
     if arch is not None:
         arch = ModelConfig.from_dict(arch.to_dict())  # a copy: the LayerDrop overrides below
     else:
@@ -46,7 +52,10 @@ def validate_early(cfg: JobConfig, world: int, arch: ModelConfig | None = None) 
         if getattr(cfg.model, name) is not None:
             setattr(arch, name, getattr(cfg.model, name))
     cfg.model.check_moe(arch)
-    dims.validate(arch)
+    tokenizer = run_tokenizer if resumed else student_tokenizer_dir(cfg)
+    new_student = not resumed and not cfg.model.model_name_or_path
+    teacher = check_teacher(cfg, dims, arch, tokenizer, new_student)
+    check_mesh(dims, arch, teacher.config if teacher is not None else None)
     layerdrop = max(arch.encoder_layerdrop, arch.decoder_layerdrop)
     if cfg.parallel.data_parallel_sharding == "fsdp" and dims.dp > 1 and layerdrop > 0:
         raise ConfigError(
@@ -231,6 +240,13 @@ def refuse_idle_options(cfg: JobConfig, dims: ParallelDims) -> None:
             f"moe_capacity_factor={m.moe_capacity_factor} does nothing with moe_dropless=True (dropless "
             "routing has no capacity); remove it, or set moe_dropless: false"
         )
+    if not cfg.model.teacher_model_name_or_path:
+        for name in ("distillation_alpha", "distillation_temperature"):
+            if getattr(tr, name) != _default(TrainingArguments, name):
+                raise ConfigError(
+                    f"{name}={getattr(tr, name)} does nothing without teacher_model_name_or_path (it "
+                    "weighs the distillation loss); remove it, or name a teacher"
+                )
     if cfg.data.sampling_temperature != 1.0 and len(cfg.data.directions()) == 1:
         raise ConfigError(
             f"sampling_temperature={cfg.data.sampling_temperature} does nothing with one direction "
@@ -258,6 +274,11 @@ def idle_option_warnings(cfg: JobConfig) -> list[str]:
                     f"{name}={getattr(d, name)} does nothing without streaming: true (map-style batches "
                     "are fetched in the training process; preprocessing_num_workers tokenizes the corpus)"
                 )
+    if cfg.model.teacher_model_name_or_path and tr.distillation_alpha == 0:
+        out.append(
+            "teacher_model_name_or_path does nothing with distillation_alpha=0: the teacher is not "
+            "loaded and the run trains on the label loss alone"
+        )
     if tr.greater_is_better is not None and tr.metric_for_best_model is None:
         out.append(
             f"greater_is_better={tr.greater_is_better} does nothing without metric_for_best_model, "

@@ -1,8 +1,8 @@
 """Set-up of a training run: everything built once before the first step.
 
     setup_run        data + tokenizer (trainer.run.data) -> mesh -> sampler ->
-                     partition -> model (HF import, parallelize) -> optimizer/scheduler
-                     (-> fp16 loss scale)
+                     partition -> model (HF import, parallelize) -> distillation teacher
+                     (trainer.run.distill) -> optimizer/scheduler (-> fp16 loss scale)
 
 The pieces land in a `RunContext`, which the loop, resume, save and summary read.
 """
@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from models.config import ModelConfig
+from parallel.distill.teacher import DistillationLoss
 from parallel.loss_scale import DynamicLossScale
 from parallel.mesh import ParallelDims, ParallelMesh, build_mesh, coords_to_rank
 from parallel.parallelize import ParallelModel, build_parallel_model
@@ -37,6 +38,7 @@ from trainer.data.tokenization import TranslationData
 from trainer.progress import PROGRESS_LOGGER
 from trainer.run.balance import choose_partition
 from trainer.run.data import build_sampler, setup_data
+from trainer.run.distill import build_teacher, check_mesh, distilling, teacher_source
 from trainer.run.faults import FaultInjection
 from trainer.run.memory import peak_host_bytes
 from trainer.run.step import build_optimizer, build_scheduler
@@ -61,7 +63,10 @@ def model_config_for(cfg: JobConfig, tok: Tokenizer) -> ModelConfig:
 
         mc = cfg.model.apply_session(read_hf_config(model))
         return mc
-    return cfg.model.model_config(tok.vocab_size, tok.special_ids())
+    rows = tok.vocab_size
+    if cfg.model.teacher_model_name_or_path:  # the teacher's embedding rows: the KL term goes id by id
+        rows = teacher_source(cfg.model.teacher_model_name_or_path).config.vocab_size
+    return cfg.model.model_config(rows, tok.special_ids())
 
 
 def working_dtype(args: TrainingArguments) -> torch.dtype | None:
@@ -158,6 +163,7 @@ class RunContext:
     )
     loss_scale: DynamicLossScale | None = None  # fp16's dynamic loss scale (None: bf16 / fp32)
     startup_peak_host_bytes: int = 0  # ru_maxrss once the model and optimizer are built (trainer.run.memory)
+    distill: DistillationLoss | None = None  # word-level distillation: the loss and its frozen teacher
 
     @property
     def is_logger(self) -> bool:
@@ -191,7 +197,10 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint
     run_data = setup_data(cfg, out, rank, resume)
     tok, data, test_raw = run_data.tok, run_data.data, run_data.test_raw
     mc = resume.model_config(cfg) if resume else model_config_for(cfg, tok)
-    dims.validate(mc)
+    name = cfg.model.teacher_model_name_or_path
+    source = teacher_source(name) if name else None  # its experts may be what ep spreads (check_mesh)
+    check_mesh(dims, mc, source.config if source is not None else None)
+    teacher = source if distilling(cfg) else None
     mesh = build_mesh(dims, device.type)
     p = cfg.parallel
     warn_after = p.hang_warning_s or default_warn_after(p.dist_timeout_s)
@@ -209,6 +218,11 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint
                     len(run_data.stream[0].shards))  # type: ignore[index]  # fmt: skip
     balance, partition_text = choose_partition(cfg, mc, mesh, sampler, device, working_dtype(cfg.training))
     pm = build_model(cfg, mc, mesh, balance, device, resume)
+    distill = (
+        build_teacher(cfg, teacher, mesh, device, pm, working_dtype(cfg.training))
+        if teacher is not None
+        else None
+    )
     optimizer = build_optimizer(pm.model, cfg.training, only=pm.optimizer_params())
     scheduler = build_scheduler(optimizer, cfg.training)
     startup_host = peak_host_bytes()  # the start-up peak: model and optimizer built, no step run yet
@@ -239,6 +253,7 @@ def setup_run(cfg: JobConfig, dims: ParallelDims, out: Path, resume: ResumePoint
         test_raw=test_raw,
         loss_scale=build_loss_scale(cfg.training, pm.device),
         startup_peak_host_bytes=startup_host,
+        distill=distill,
     )
 
 

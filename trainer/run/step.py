@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from models.m2m100 import layerdrop_skips
 from parallel import watchdog
+from parallel.distill.teacher import DistillationLoss
 from parallel.loss_scale import DynamicLossScale
 from parallel.parallelize import ParallelModel
 from parallel.pipeline.executor import FlushResult
@@ -96,6 +97,7 @@ class StepStats:
     skipped: bool = False  # the guard dropped this step's update (non-finite, nan_policy=skip, or overflow)
     preempt_signal: int = 0  # a preemption signal every rank has agreed on (0: none)
     overflow: bool = False  # skipped for an fp16 overflow (the loss itself was finite)
+    parts: tuple[Tensor, Tensor] | None = None  # distillation: this replica's (CE, KD) sums (device)
 
 
 def train_step(
@@ -110,6 +112,7 @@ def train_step(
     guard: StepGuard | None = None,
     seed: int = 0,
     scaler: DynamicLossScale | None = None,
+    distill: DistillationLoss | None = None,
 ) -> StepStats:
     """One optimizer step on `global_batch` (collective over the whole mesh).
 
@@ -121,6 +124,8 @@ def train_step(
     is applied (the step's one device read); None applies it unchecked (benchmarks).
     `scaler` (fp16) scales the loss by S, unscales the gradients before clipping and
     backs off or grows S from the overflow every rank agreed on in the guard's check.
+    `distill`: the word-level distillation loss `pm` trains on; its CE and KD sums of the step
+    go into the stats (device tensors: logged as `label_loss`, `kd_loss`).
 
     Raises:
         DivergenceError: from the guard (nan_policy=stop, or too many consecutive skips).
@@ -144,6 +149,7 @@ def train_step(
     grad_norm = pm.grads.clip_(max_grad_norm)
     sums = [r.loss_sum for r in results if r.loss_sum is not None]
     loss_sum = torch.stack(sums).sum() if sums else None
+    parts = distill.take_sums() if distill is not None and loss_sum is not None else None
     apply, signum, overflow = True, 0, False
     if guard is not None:
         verdict = guard.check(step, loss_sum, grad_norm, found)
@@ -166,6 +172,7 @@ def train_step(
         skipped=not apply,
         preempt_signal=signum,
         overflow=overflow,
+        parts=parts,
     )
 
 
@@ -200,6 +207,7 @@ class LogWindow:
         self.data_s, self.padded = 0.0, 0  # the wait for each step's batch; its padded positions
         self.loss_tokens = 0  # target tokens of the applied (not skipped) steps: the loss's denominator
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.pm.device)
+        self.parts: Tensor | None = None  # distillation: (CE, KD) sums, read with the loss
 
     def add(
         self, st: StepStats, seconds: float, flops: float = 0.0, data_s: float = 0.0, padded: int = 0
@@ -225,6 +233,9 @@ class LogWindow:
         self.loss_tokens += st.num_tokens
         if st.loss_sum is not None:
             self.loss_sum += st.loss_sum
+        if st.parts is not None:
+            parts = torch.stack(st.parts).float()
+            self.parts = parts if self.parts is None else self.parts + parts
 
     def read(self, st: StepStats) -> dict[str, float | None]:
         """Collective over dp: the window's averages and `st`'s grad norm, in one device read.
@@ -234,24 +245,32 @@ class LogWindow:
         `st`'s update (what the next step scales by).
         """
         start = time.perf_counter()
-        loss_sum = self.loss_sum
+        # the loss, then distillation's CE and KD sums: one dp all-reduce (every replica's last stage
+        # holds them alike, distilling or not: `parts` is None on every rank or on none)
+        loss_sum = self.loss_sum[None] if self.parts is None else torch.cat([self.loss_sum[None], self.parts])
         if self.pm.mesh.size("dp") > 1:
             dp_group = self.pm.mesh.group("dp")
             with watchdog.waiting(watchdog.collective("dp all-reduce of the logged loss", dp_group)):
                 dist.all_reduce(loss_sum, group=dp_group)
-        values = [loss_sum, st.grad_norm.float()] + ([self.scaler.scale] if self.scaler is not None else [])
+        values = [*loss_sum, st.grad_norm.float()] + ([self.scaler.scale] if self.scaler is not None else [])
         read = torch.stack(values).double()
         if self.moe is not None:  # the expert load rides in the same read
             with watchdog.waiting(watchdog.collective("all-reduce of the expert load", None)):
                 read = torch.cat([read, self.moe.values()])
-        loss, grad_norm, *rest = read.tolist()  # the one sync
-        scale, moe = rest[: len(values) - 2], rest[len(values) - 2 :]
+        loss, *rest = read.tolist()  # the one sync
+        parts, (grad_norm, *rest) = rest[: len(loss_sum) - 1], rest[len(loss_sum) - 1 :]
+        scale, moe = rest[: len(values) - len(loss_sum) - 1], rest[len(values) - len(loss_sum) - 1 :]
         wall = self.seconds + time.perf_counter() - start
         tokens = self.tokens + self.src_tokens
         self.total_tokens += tokens
         self.total_s += wall
         row: dict[str, float | None] = {
             **({"loss": loss / self.loss_tokens} if self.loss_tokens else {}),
+            **(
+                {"label_loss": parts[0] / self.loss_tokens, "kd_loss": parts[1] / self.loss_tokens}
+                if parts and self.loss_tokens
+                else {}
+            ),
             "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
             "tokens_per_sec": tokens / wall,
             "step_time_s": wall / max(self.steps, 1),

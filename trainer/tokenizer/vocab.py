@@ -164,6 +164,10 @@ class Tokenizer(ABC):
     def available_tags(self) -> list[str]:
         """Every `__xx__` language tag in the vocabulary."""
 
+    @abstractmethod
+    def pieces(self) -> list[str]:
+        """The token of every id, 0 .. vocab_size - 1 (what two tokenizers must share to share ids)."""
+
 
 def _check_tags(tok: Tokenizer, languages: Sequence[str], where: str) -> None:
     missing = [lang for lang in sorted(set(languages)) if tok._piece_to_id(lang_tag(lang)) is None]
@@ -198,6 +202,9 @@ class SentencePieceTokenizer(Tokenizer):
     def available_tags(self) -> list[str]:
         """The run's tags (control symbols at ids 4..), in id order."""
         return [lang_tag(x) for x in self.languages]
+
+    def pieces(self) -> list[str]:
+        return [self.sp.id_to_piece(i) for i in range(self.vocab_size)]
 
     def save(self, directory: str | Path) -> None:
         """Write `sentencepiece.model`, our metadata and the Hugging Face files (`save_pretrained`)."""
@@ -274,6 +281,9 @@ class HFTokenizer(Tokenizer):
         hf = self.hf  # M2M100Tokenizer lists its language tokens only in lang_token_to_id
         found = [*hf.get_vocab(), *hf.all_special_tokens, *getattr(hf, "lang_token_to_id", {})]
         return sorted({t for t in found if is_tag(t)})
+
+    def pieces(self) -> list[str]:
+        return [str(t) for t in self.hf.convert_ids_to_tokens(list(range(self.vocab_size)))]
 
     def save(self, directory: str | Path) -> None:
         """Write with `save_pretrained` (loadable by `Tokenizer.load` and `AutoTokenizer`, 4.x and 5.x)."""
