@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from models.generate import SearchSettings
 from tests.unit.test_distill_config import _texts
 from trainer.distill_data import main
 
@@ -106,7 +107,13 @@ def test_shards_in_shards_out_resumable(corpus, tmp_path, monkeypatch, capsys) -
 
     model = load_model(corpus["teacher"], torch.device("cpu"))
     want = translate(
-        model, tok, [r["en"] for r in inputs], "en", "de", num_beams=2, max_length=8, batch_size=4
+        model,
+        tok,
+        [r["en"] for r in inputs],
+        "en",
+        "de",
+        SearchSettings(num_beams=2, max_length=8),
+        batch_size=4,
     )
     assert [r["de"] for r in got] == [h.strip() for h in want]
     assert any(r["de"] != i["de"] for r, i in zip(got, inputs))  # the teacher's, not the references
