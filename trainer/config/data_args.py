@@ -81,12 +81,13 @@ class DataArguments:
         default=None, metadata={"help": "Cap a micro-batch by padded tokens instead of sentence count."}
     )
     pad_to_multiple_of: int = field(
-        default=8,
+        default=1,
         metadata={
             "help": "Pad each micro-batch's source and target lengths up to a multiple of this "
-            "(DataCollatorForSeq2Seq's name): compiled stages (torch_compile) meet a bounded set of "
-            "shapes; pads are masked, the loss does not change. 1: pad to the longest only. Under "
-            "max_tokens_per_microbatch the cap counts the padded lengths."
+            "(DataCollatorForSeq2Seq's name), so a stage meets a bounded set of shapes (8: about 4x "
+            "fewer on short sentences); pads are masked, the loss does not change. 1 (the default, "
+            "measured in docs/data.md): the longest only. Under max_tokens_per_microbatch the cap "
+            "counts the padded lengths."
         },
     )
     spm_model_type: str = field(
