@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--skip_cpu", action="store_true", help="only the GPU part")
     ap.add_argument("--gpu_cases", default=GPU_CASES)
     ap.add_argument("--no_compile", action="store_true", help="skip the compiled variants (GPU)")
+    ap.add_argument("--gpu_compile_cases", default=GPU_COMPILE_CASES, help="GPU cases also timed compiled")
+    ap.add_argument("--gpu_impls", default="", help="GPU: only these sides (bench_step.py --impls)")
+    ap.add_argument("--gpu_steps", type=int, default=5, help="GPU: timed steps per block of 3")
     ap.add_argument("--no_save", action="store_true", help="do not copy the results into benchmarks/")
     ap.add_argument("--skip_host_proxy", action="store_true", help="skip the CPU proxy of host cost")
     args = ap.parse_args(argv)
@@ -201,13 +204,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result["cpu"].update(host_keys(run_host_bench(args.quick, out, not args.no_save)))
     if torch.cuda.is_available():
         cases = [c for c in args.gpu_cases.split(",") if c]
-        compiled = [] if args.no_compile else [c for c in cases if c in GPU_COMPILE_CASES.split(",")]
+        compiled = [] if args.no_compile else [c for c in cases if c in args.gpu_compile_cases.split(",")]
+        impls = ["--impls", args.gpu_impls] if args.gpu_impls else []
         rows = []
         if compiled:
-            rows += run_step_bench(",".join(compiled), 5, ["--compile"], out)
+            rows += run_step_bench(",".join(compiled), args.gpu_steps, ["--compile", *impls], out)
         rest = [c for c in cases if c not in compiled]
         if rest:
-            rows += run_step_bench(",".join(rest), 5, [], out)
+            rest_impls = ",".join(i for i in args.gpu_impls.split(",") if "compile" not in i)
+            rows += run_step_bench(
+                ",".join(rest), args.gpu_steps, ["--impls", rest_impls] if rest_impls else [], out
+            )
         result["gpu_rows"] = rows
         result["gpu"] = gpu_keys(rows)
     result["wall_s"] = time.perf_counter() - t0

@@ -74,3 +74,29 @@ def test_varying_lengths_compile_once_per_layer_kind() -> None:
         mask[0, s // 2 :] = False
         layer(torch.randn(8, t, 32), torch.randn(8, s, 32), mask).sum().backward()
     assert (CompileCounts.now() - before).graphs == 1
+
+
+def test_a_sparse_layer_traces_on_cpu() -> None:
+    """An NLLB-MoE layer in fp32 on a CPU (experts on `torch._grouped_mm` there in eager) traces:
+    before, dynamo failed on the op's meta function, which takes bf16 only, so `torch_compile`
+    with NLLB-MoE crashed on CPUs; traced, fp32 takes the buffer layout. With capacity the layer
+    is one graph; dropless routing reads its largest expert count on the host (a break there)."""
+    from models.moe import MoECall
+
+    cfg = ModelConfig(
+        **{**CFG.__dict__, "num_experts": 4, "encoder_sparse_step": 1, "moe_token_dropout": 0.0}
+    )
+    model = M2M100Translation(cfg, seed=0)
+    layer = model.encoder.layers["0"]
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[0, 5:] = False
+    for dropless, graphs in ((False, 1), (True, None)):
+        model.moe.dropless = dropless
+        torch._dynamo.reset()
+        out = torch._dynamo.explain(layer)(x, mask, MoECall(pad=~mask, slot=0, num_tokens=10))
+        reasons = [str(r.reason).splitlines()[0] for r in out.break_reasons]
+        if graphs is not None:
+            assert (out.graph_count, out.graph_break_count) == (graphs, 0), reasons
+        else:
+            assert reasons and all("item()" in r for r in reasons), reasons
