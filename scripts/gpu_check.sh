@@ -49,7 +49,7 @@ part() {
         status="skipped: time budget (${now} s of ${BUDGET_S} s spent)"
     else
         local t0=$(date +%s)
-        timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+        timeout "$limit" bash -c '"$@"' part "$@" >"$OUT/$name.log" 2>&1  # functions too (export -f)
         rc=$?
         status=$([ $rc = 0 ] && echo ok || echo "failed (exit $rc; $OUT/$name.log)")
         status="$status in $(($(date +%s) - t0)) s"
@@ -91,6 +91,8 @@ evaluate() {  # trainer.evaluate on the dense checkpoint, the NLLB-MoE checkpoin
     done
 }
 
+export -f train compile_recompiles streaming evaluate
+export OUT PY GPU STEPS PRECISION
 part environment cpu 60 $PY -c "import torch, transformers, platform; print(platform.python_version(), torch.__version__, \
 transformers.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')"
 part tests_gpu cpu 240 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu

@@ -193,3 +193,39 @@ def test_launcher_without_the_signal_flag_or_restarts(tmp_path: Path) -> None:
     argv, store = _run_launcher(tmp_path, with_signal_flag=False, max_restarts="0")
     assert "--signals-to-handle" not in argv  # an older torchrun would reject the flag
     assert store == "unset"
+
+
+def _gpu_check(tmp_path: Path, budget: str) -> tuple[str, list[str]]:
+    """scripts/gpu_check.sh with `python` a recorder that has no CUDA (its CUDA probe exits 1)."""
+    record = tmp_path / "python.txt"
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        f'printf "%s\\n" "$*" >> {record}\n'
+        'case "$*" in *"0 if torch.cuda.is_available()"*) exit 1;; esac\n'
+    )
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "GPU_CHECK_BUDGET_S": budget}
+    out = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), str(tmp_path / "out")], env=env,
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return out, record.read_text().splitlines()
+
+
+def test_gpu_check_without_cuda_runs_its_cpu_parts_and_skips_each_gpu_part_in_one_line(tmp_path: Path) -> None:
+    out, calls = _gpu_check(tmp_path, "465")
+    lines = [line for line in out.splitlines() if line.startswith("gpu_check: ")]
+    gpu = ["tiny_compile", "bench_418m", "bench_418m_m8", "bench_1.2b", "bench_moe_32", "bench_moe_128"]
+    for part in gpu:
+        assert f"gpu_check: {part}: skipped: needs CUDA" in lines, out
+    cpu = [line for line in lines if not any(f": {p}:" in line for p in gpu)]
+    assert len(cpu) == 7 and all(": ok in " in line for line in cpu), out
+    assert any("trainer.train --config configs/tiny_moe.yaml" in c and "--max_steps 4" in c for c in calls)
+    assert any(c.startswith("scripts/gpu_report.py") for c in calls)
+    assert not any("bench.py" in c or "bench_moe.py" in c for c in calls)
+
+
+def test_gpu_check_skips_what_its_time_budget_leaves_no_room_for(tmp_path: Path) -> None:
+    out, calls = _gpu_check(tmp_path, "0")
+    lines = [line for line in out.splitlines() if line.startswith("gpu_check: ")]
+    assert len(lines) == 13 and all("skipped" in line for line in lines), out
+    assert not any("trainer" in c for c in calls)
