@@ -6,10 +6,11 @@
   from the default 65536).
 - `torch_compile: true` (each encoder/decoder layer compiled by inductor, dynamic shapes,
   lengths in buckets of `pad_to_multiple_of`) gives the eager fp32 losses and grad norms
-  within 1e-5 relative, in one process and on (pp, dp, tp) = (2, 2, 2) with selective
-  remat; an NLLB-MoE model on the same mesh with experts over ep=2 (dropless) gives its eager
+  within 1e-5 relative on (pp, dp, tp) = (2, 2, 2) with selective remat (against one eager
+  process); an NLLB-MoE model on the same mesh with experts over ep=2 (dropless) gives its eager
   run's. On varying lengths nothing recompiles after the first step (run_summary.json), and
-  a tp=2 layer is one graph (its collectives traced, not broken at).
+  a tp=2 layer is one graph with dropout off (its collectives traced, not broken at); with
+  dropout its tp-split sites break it.
 
 Inductor compiles C++ on the CPU: the compiled runs share one 8-rank group and an inductor
 cache directory (ranks holding the same layers on the same shapes reuse each other's
@@ -40,7 +41,8 @@ def inductor_env(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, inductor_env) -> tuple[dict[str, list], dict[str, dict], str]:
     """Every single-process run in one spawned group (spawning and imports dominate):
-    fp32, bf16 and fp16 over 30 steps, eager and compiled over 5, all with run-0's tokenizer."""
+    fp32, bf16 and fp16 over 30 steps, eager over 5 (the compiled runs' reference), all with run-0's
+    tokenizer."""
     tmp = str(tmp_path_factory.mktemp("one"))
     tok = f"{tmp}/run-0/tokenizer"
     cases = {
@@ -49,7 +51,6 @@ def one_process(tmp_path_factory, inductor_env) -> tuple[dict[str, list], dict[s
         "bf16": mesh(m=2, bf16=True, tokenizer_name=tok),
         "fp16": mesh(m=2, fp16=True, tokenizer_name=tok),
         "eager": mesh(max_steps=5, tokenizer_name=tok),
-        "compile": mesh(max_steps=5, torch_compile=True, tokenizer_name=tok),
     }
     base = base_config(tmp, max_steps=30)
     [runs] = run_distributed(
@@ -100,25 +101,25 @@ def test_torch_compile_equals_eager(one_process, tmp_path, inductor_env) -> None
     }
     results = run_distributed(compile_group, 8, args=(three, list(cases.values())), timeout=1400,
                               collective_timeout=600, env=inductor_env)  # fmt: skip
-    for breaks, _ in results:  # every rank: a tp=2 layer is one graph, with and without sp
-        for sp, layers in breaks.items():
-            assert all(v == (1, 0) for v in layers.values()), (sp, layers)
     by_case = [next(r[1][i] for r in results if r[1][i][0] is not None) for i in range(len(cases))]
     got = dict(zip(cases, by_case))
     errors = {
-        "1 process": _max_rel(runs["compile"], ref),
         "3d-2x2x2 selective": _max_rel(got["3d-2x2x2 selective"][0], ref),
         "moe (2,2,2) ep2": _max_rel(got["moe compiled"][0], got["moe eager"][0]),
     }
-    print(
-        "compiled vs eager, max relative error (loss, grad norm):", {k: f"{v:.2e}" for k, v in errors.items()}
-    )
+    print("compiled vs eager, max relative error (loss, grad norm):", {k: f"{v:.2e}" for k, v in errors.items()})
+    print("tp=2 layers, (graphs, breaks):", results[0][0])
+    for name in ("3d-2x2x2 selective", "moe compiled"):
+        print(f"{name}: {got[name][1]['compile']}")
     assert all(e <= TOL for e in errors.values()), errors
-    for name, summary in [("1 process", summaries["compile"])] + [
-        (k, got[k][1]) for k in cases if "eager" not in k
-    ]:
-        comp = summary["compile"]
-        print(f"{name}: {comp}")
+    for name in ("3d-2x2x2 selective", "moe compiled"):
+        comp = got[name][1]["compile"]
         assert comp["torch_compile"] and comp["graphs_warmup"] > 0, (name, comp)
         assert comp["recompiles_after_warmup"] == 0, (name, comp)  # lengths vary from step to step
+    for breaks, _ in results:  # every rank: a tp=2 layer is one graph (dropout off), with and without sp
+        for key, layers in breaks.items():
+            if "dropout=0.0" in key:
+                assert all(v == (1, 0) for v in layers.values()), (key, layers)
+            else:  # the tp-split dropout sites' per-rank generator forks break it
+                assert all(v[1] > 0 for v in layers.values()), (key, layers)
     assert summaries["eager"]["compile"]["graphs_warmup"] == 0

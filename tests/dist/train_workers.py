@@ -86,10 +86,13 @@ def train_summaries(
     return out
 
 
-def tp_layer_graph_breaks(rank: int, world: int, sequence_parallel: bool) -> dict[str, tuple[int, int]]:
-    """(graphs, graph breaks) dynamo captures of a tp=2 encoder and decoder layer (dropout on): the
-    layers' c10d collectives inside autograd functions are traced (dynamo turns them into
-    functional collectives), not broken at."""
+def tp_layer_graph_breaks(
+    rank: int, world: int, sequence_parallel: bool, dropout: float
+) -> dict[str, tuple[int, int]]:
+    """(graphs, graph breaks) dynamo captures of a tp=2 encoder and decoder layer: the layers' c10d
+    collectives inside autograd functions are traced (dynamo turns them into functional
+    collectives), not broken at; with dropout, each tp-split site draws its mask from a per-rank
+    generator fork (`parallel.tp.rng`) that dynamo does not trace."""
     import torch
 
     from models.config import ModelConfig
@@ -98,7 +101,8 @@ def tp_layer_graph_breaks(rank: int, world: int, sequence_parallel: bool) -> dic
     from parallel.tp.apply import apply_tensor_parallel
 
     cfg = ModelConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
-                      decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)  # fmt: skip
+                      decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=dropout,
+                      attention_dropout=dropout, activation_dropout=dropout)  # fmt: skip
     mesh = build_mesh(ParallelDims(pp=1, dp=world // 2, tp=2, world_size=world), "cpu")
     model = M2M100Translation(cfg, seed=0)
     apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=sequence_parallel)
@@ -119,5 +123,6 @@ def compile_group(
     rank: int, world: int, base: dict[str, Any], cases: list[dict[str, Any]]
 ) -> tuple[dict[str, Any], list[tuple[Any, dict[str, Any]]]]:
     """One group for the compiled runs: tp=2 layers' graph breaks, then `train_summaries`."""
-    breaks = {f"sp={sp}": tp_layer_graph_breaks(rank, world, sp) for sp in (False, True)}
+    breaks = {f"sp={sp} dropout={p}": tp_layer_graph_breaks(rank, world, sp, p) for sp in (False, True)
+              for p in (0.0, 0.1)}  # fmt: skip
     return breaks, train_summaries(rank, world, base, cases)

@@ -211,7 +211,9 @@ def _gpu_check(tmp_path: Path, budget: str) -> tuple[str, list[str]]:
     return out, record.read_text().splitlines()
 
 
-def test_gpu_check_without_cuda_runs_its_cpu_parts_and_skips_each_gpu_part_in_one_line(tmp_path: Path) -> None:
+def test_gpu_check_without_cuda_runs_its_cpu_parts_and_skips_each_gpu_part_in_one_line(
+    tmp_path: Path,
+) -> None:
     out, calls = _gpu_check(tmp_path, "465")
     lines = [line for line in out.splitlines() if line.startswith("gpu_check: ")]
     gpu = ["tiny_compile", "bench_418m", "bench_418m_m8", "bench_1.2b", "bench_moe_32", "bench_moe_128"]
