@@ -68,8 +68,13 @@ class Seq2SeqBatch:
         """(B, S) bool key mask for attention over the source, or None when no row is padded
         (then attention runs without a mask, which lets SDPA pick its fastest kernel).
         Built once per batch, on the batch's device."""
+        return self.key_mask(always=False)
+
+    def key_mask(self, always: bool) -> Tensor | None:
+        """`src_key_mask`, or with `always` the mask even when no row is padded (all True): a
+        compiled layer then meets one graph structure whatever the padding."""
         src = self.lengths()[0]
-        if not src or min(src) == self.input_ids.shape[1]:
+        if not always and (not src or min(src) == self.input_ids.shape[1]):
             return None
         if self._key_mask is None:
             self._key_mask = self.attention_mask.bool()

@@ -276,6 +276,10 @@ class M2M100Translation(nn.Module):
         self.lm_head: nn.Module | None = LMHead()
         self.blocks: list[BlockSpec] = block_specs(c)
         self.skip_layers: frozenset[str] = frozenset()  # LayerDrop: block names skipped this step
+        # Pass the source key mask to the layers even when no row is padded (a compiled model:
+        # its layers then meet one graph structure, `parallel.compile`); False: None there, so
+        # SDPA may pick its mask-free kernel.
+        self.always_mask = False
         self.reset_parameters(seed)
 
     # --- construction helpers
@@ -367,7 +371,7 @@ class M2M100Translation(nn.Module):
 
     def run_block(self, spec: BlockSpec, state: State, batch: Seq2SeqBatch) -> State:
         """Apply one block: state in, state out (see the module docstring)."""
-        src_mask = batch.src_key_mask  # None when no source row is padded
+        src_mask = batch.key_mask(self.always_mask)  # None when no source row is padded (unless always)
         drop = self.config.dropout
         if spec.kind is BlockKind.SRC_EMBED:
             return {"hidden": F.dropout(self.embed(batch.input_ids), drop, self.training)}

@@ -46,7 +46,11 @@ def _report_kept_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
 
 def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
-        _report_kept_inputs(args, kwargs)
+        # Traced by dynamo (a compiled layer), the checkpoint becomes part of the compiled
+        # autograd function, whose saved tensors (the kept inputs among them) the meter's hooks
+        # see: nothing to report, and no call that would break the layer's graph.
+        if not torch.compiler.is_compiling():
+            _report_kept_inputs(args, kwargs)
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     return run

@@ -13,6 +13,11 @@ CPU part:
   `host_syncs_per_microbatch` (device-to-host reads in one micro-batch's forward and
   backward through the executor, counted by a dispatch mode), `ops_per_microbatch_vs_hf`
   (aten ops, ours / HF) and `step_time_vs_hf`;
+- one process (`scripts/bench_host.py`): the CPU proxy of a micro-batch's host cost, at a
+  size where the arithmetic is negligible: host time and aten ops + kernels per micro-batch
+  for eager, compiled (`torch_compile`) and bucketed (`pad_to_multiple_of`) against today's
+  eager in the same run (`host_time_per_microbatch_vs_eager`, `launches_per_microbatch`),
+  recompiles after the warm-up, compiled == eager (`benchmarks/host_proxy_cpu.md`);
 - two gloo ranks (`scripts/bench_pipeline.py`): our GPipe, 1F1B and interleaved
   schedules against `torch.distributed.pipelining` on the same stages
   (`gpipe_vs_torch_pipelining`, ...), the measured bubble over the simulator's
@@ -74,6 +79,28 @@ def run_pipeline_bench(quick: bool, out: Path) -> dict[str, Any]:
     cmd += ["--steps", "4", "--skip_memory"] if quick else ["--steps", "10"]
     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return json.loads(prefix.with_suffix(".json").read_text())  # type: ignore[no-any-return]
+
+
+def run_host_bench(quick: bool, out: Path, save: bool) -> dict[str, Any]:
+    """bench_host.py in a subprocess (it starts one more for its static-graph variant)."""
+    cmd = [sys.executable, str(ROOT / "scripts/bench_host.py"), "--output", str(out)]
+    cmd += (["--repeats", "7"] if quick else []) + ([] if save else ["--no_save"])
+    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return json.loads((out / "host_proxy.json").read_text())  # type: ignore[no-any-return]
+
+
+def host_keys(host: dict[str, Any]) -> dict[str, Any]:
+    rows = host["rows"]
+    return {
+        "host_time_per_microbatch_vs_eager": {v: r["host_time_vs_eager"] for v, r in rows.items()},
+        "launches_per_microbatch": {v: r["launches_per_microbatch"] for v, r in rows.items()},
+        "recompiles_after_warmup": {
+            v: r["recompiles_after_warmup"] for v, r in rows.items() if "compiled" in v
+        },
+        "compiled_vs_eager_loss_rel_diff": {
+            v: r["loss_rel_diff_vs_eager"] for v, r in rows.items() if "compiled" in v
+        },
+    }
 
 
 def cpu_keys(step_rows: list[dict[str, Any]], pipe: dict[str, Any]) -> dict[str, Any]:
@@ -159,7 +186,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--skip_cpu", action="store_true", help="only the GPU part")
     ap.add_argument("--gpu_cases", default=GPU_CASES)
     ap.add_argument("--no_compile", action="store_true", help="skip the compiled variants (GPU)")
+    ap.add_argument("--gpu_compile_cases", default=GPU_COMPILE_CASES, help="GPU cases also timed compiled")
+    ap.add_argument("--gpu_impls", default="", help="GPU: only these sides (bench_step.py --impls)")
+    ap.add_argument("--gpu_steps", type=int, default=5, help="GPU: timed steps per block of 3")
     ap.add_argument("--no_save", action="store_true", help="do not copy the results into benchmarks/")
+    ap.add_argument("--skip_host_proxy", action="store_true", help="skip the CPU proxy of host cost")
     args = ap.parse_args(argv)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -169,15 +200,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows = run_step_bench("cpu_small,cpu_small_m4", 6 if args.quick else 12, [], out)
         result["cpu_rows"] = rows
         result["cpu"] = cpu_keys(rows, run_pipeline_bench(args.quick, out))
+        if not args.skip_host_proxy:
+            result["cpu"].update(host_keys(run_host_bench(args.quick, out, not args.no_save)))
     if torch.cuda.is_available():
         cases = [c for c in args.gpu_cases.split(",") if c]
-        compiled = [] if args.no_compile else [c for c in cases if c in GPU_COMPILE_CASES.split(",")]
+        compiled = [] if args.no_compile else [c for c in cases if c in args.gpu_compile_cases.split(",")]
+        impls = ["--impls", args.gpu_impls] if args.gpu_impls else []
         rows = []
         if compiled:
-            rows += run_step_bench(",".join(compiled), 5, ["--compile"], out)
+            rows += run_step_bench(",".join(compiled), args.gpu_steps, ["--compile", *impls], out)
         rest = [c for c in cases if c not in compiled]
         if rest:
-            rows += run_step_bench(",".join(rest), 5, [], out)
+            rest_impls = ",".join(i for i in args.gpu_impls.split(",") if "compile" not in i)
+            rows += run_step_bench(
+                ",".join(rest), args.gpu_steps, ["--impls", rest_impls] if rest_impls else [], out
+            )
         result["gpu_rows"] = rows
         result["gpu"] = gpu_keys(rows)
     result["wall_s"] = time.perf_counter() - t0

@@ -93,8 +93,10 @@ def make_batch(mc: ModelConfig, b: int, s: int, seed: int = 0) -> Seq2SeqBatch:
     return Seq2SeqBatch(src, (src != mc.pad_token_id).long(), dec, lab)
 
 
-def ours(base: M2M100Translation, batch: Seq2SeqBatch, dropless: bool, grouped: bool = True) -> Any:
-    """One optimizer step of our engine on a one-rank mesh."""
+def ours(
+    base: M2M100Translation, batch: Seq2SeqBatch, dropless: bool, grouped: bool = True, device: str = "cpu"
+) -> Any:
+    """One optimizer step of our engine on a one-rank mesh (CUDA: bf16, as `bf16: true` runs)."""
     import copy
 
     from parallel.mesh import ParallelDims, build_mesh
@@ -102,13 +104,17 @@ def ours(base: M2M100Translation, batch: Seq2SeqBatch, dropless: bool, grouped: 
     from trainer.config.training_args import TrainingArguments
     from trainer.run.step import build_optimizer, build_scheduler, train_step
 
-    mesh = build_mesh(ParallelDims(pp=1, dp=1, tp=1, world_size=1), "cpu")
-    pm = build_parallel_model(copy.deepcopy(base), mesh, [len(base.blocks)], 1, "1f1b", 1, "none", 0.0)
+    mesh = build_mesh(ParallelDims(pp=1, dp=1, tp=1, world_size=1), device)
+    bf16 = torch.bfloat16 if device == "cuda" else None
+    model = copy.deepcopy(base).to(device)
+    pm = build_parallel_model(model, mesh, [len(base.blocks)], 1, "1f1b", 1, "none", 0.0, autocast_dtype=bf16)
     pm.model.moe.dropless = dropless
     from models.moe import LocalDispatcher
 
-    for ffn in pm.model.sparse_ffns().values():
-        ffn.dispatcher = LocalDispatcher(grouped=grouped)
+    for (
+        ffn
+    ) in pm.model.sparse_ffns().values():  # CUDA: grouped where `_grouped_mm` takes the call (bf16, sm90)
+        ffn.dispatcher = LocalDispatcher(grouped=None if grouped and device == "cuda" else grouped)
     args = TrainingArguments(output_dir="/tmp/bench_moe", learning_rate=1e-4, max_steps=10**6)
     optimizer = build_optimizer(pm.model, args, only=pm.optimizer_params())
     scheduler = build_scheduler(optimizer, args)
@@ -124,8 +130,11 @@ def ours(base: M2M100Translation, batch: Seq2SeqBatch, dropless: bool, grouped: 
     return step
 
 
-def hf(base: M2M100Translation, batch: Seq2SeqBatch, capacity: int, fixed_combine: bool) -> Any:
-    """One optimizer step of transformers' NllbMoe with the same weights, in a plain loop."""
+def hf(
+    base: M2M100Translation, batch: Seq2SeqBatch, capacity: int, fixed_combine: bool, device: str = "cpu"
+) -> Any:
+    """One optimizer step of transformers' NllbMoe with the same weights, in a plain loop (CUDA:
+    under bf16 autocast)."""
     from transformers import NllbMoeForConditionalGeneration
     from transformers.models.nllb_moe import modeling_nllb_moe
 
@@ -136,7 +145,8 @@ def hf(base: M2M100Translation, batch: Seq2SeqBatch, capacity: int, fixed_combin
         to_hf_state_dict(base.state_dict(), base.config), strict=False
     )
     assert not unexpected and all("embed_tokens" in k or "embed_positions" in k for k in missing), missing
-    model.train()
+    model.to(device).train()
+    batch = batch.to(device)
     if fixed_combine:
         for module in model.modules():
             if isinstance(module, modeling_nllb_moe.NllbMoeSparseMLP):
@@ -144,13 +154,14 @@ def hf(base: M2M100Translation, batch: Seq2SeqBatch, capacity: int, fixed_combin
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step() -> float:
-        out = model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            decoder_input_ids=batch.decoder_input_ids,
-            labels=batch.labels,
-            output_router_logits=True,
-        )
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            out = model(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                decoder_input_ids=batch.decoder_input_ids,
+                labels=batch.labels,
+                output_router_logits=True,
+            )
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -190,12 +201,13 @@ def one_process(args: argparse.Namespace, b: int, seq: int) -> dict[str, Any]:
     batch = make_batch(mc, b, seq)
     n = batch.input_ids.numel()
     capacity = 2 * -(-n // mc.num_experts)
+    dev = args.device
     sides = {
-        "ours": ours(base, batch, dropless=False),
-        "ours_buffer": ours(base, batch, dropless=False, grouped=False),
-        "ours_dropless": ours(base, batch, dropless=True),
-        "hf": hf(base, batch, capacity, fixed_combine=False),
-        "hf_4_57": hf(base, batch, capacity, fixed_combine=True),
+        "ours": ours(base, batch, dropless=False, device=dev),
+        "ours_buffer": ours(base, batch, dropless=False, grouped=False, device=dev),
+        "ours_dropless": ours(base, batch, dropless=True, device=dev),
+        "hf": hf(base, batch, capacity, fixed_combine=False, device=dev),
+        "hf_4_57": hf(base, batch, capacity, fixed_combine=True, device=dev),
     }
     for step in sides.values():
         for _ in range(args.warmup):
@@ -205,8 +217,9 @@ def one_process(args: argparse.Namespace, b: int, seq: int) -> dict[str, Any]:
     for _ in range(args.steps):
         for name, step in sides.items():
             t0, c0 = time.perf_counter(), time.process_time()
-            step()
-            times[name].append(time.process_time() - c0)
+            step()  # reads the loss back: on CUDA the step has ended when it returns
+            # CPU: process time (other jobs disturb it less); CUDA: wall time (the device's)
+            times[name].append(time.process_time() - c0 if dev == "cpu" else time.perf_counter() - t0)
             walls[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = {
@@ -226,6 +239,8 @@ def one_process(args: argparse.Namespace, b: int, seq: int) -> dict[str, Any]:
             "capacity": capacity,
             "parameters": mc.num_parameters(),
         },
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+        "precision": "bf16 autocast" if args.device == "cuda" else "fp32",
         "steps": args.steps,
         "step_s": med,
         "wall_step_s": {k: statistics.median(v) for k, v in walls.items()},
@@ -237,7 +252,7 @@ def one_process(args: argparse.Namespace, b: int, seq: int) -> dict[str, Any]:
 
 def report(results: list[dict[str, Any]], expert_parallel: dict[str, Any] | None = None) -> str:
     lines = [
-        "# NLLB-MoE speed, CPU",
+        f"# NLLB-MoE speed, {results[0].get('device', 'cpu') if results else 'cpu'}",
         "",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, torch {torch.__version__}. "
@@ -261,9 +276,14 @@ def _one_table(res: dict[str, Any]) -> list[str]:
         f"d_model {c['d_model']}, layers {c['layers']}, FFN {c['ffn']}, vocab {c['vocab']}, "
         f"**{c['num_experts']} experts** in {len(c['sparse_layers'])} sparse layers "
         f"({', '.join(c['sparse_layers'])}), {c['parameters'] / 1e6:.1f}M parameters; batch {c['batch']}; "
-        f"capacity {c['capacity']} on both sides; fp32, fused AdamW, dropout 0.1, EOM 0.2, aux loss on. "
-        f"Median of {res['steps']} alternating steps, process CPU seconds (load average during the run "
-        f"{res['load_average'][0]:.1f}).",
+        f"capacity {c['capacity']} on both sides; {res.get('precision', 'fp32')}, fused AdamW, dropout 0.1, "
+        f"EOM 0.2, aux loss on. Median of {res['steps']} alternating steps, "
+        + (
+            "process CPU seconds"
+            if res.get("device", "cpu") == "cpu"
+            else "wall seconds (the loss read back)"
+        )
+        + f" (load average during the run {res['load_average'][0]:.1f}).",
         "",
         "| side | s/step | / HF 5.x as shipped | / HF 4.57's SparseMLP |",
         "|---|---:|---:|---:|",
@@ -281,13 +301,13 @@ def _one_table(res: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _init_single_process_group() -> None:
+def _init_single_process_group(device: str = "cpu") -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -310,7 +330,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "memory per rank, all-to-all bytes). A part left out keeps its earlier results from PATH.json.",
     )
     ap.add_argument("--ep_skip_memory", action="store_true", help="ep part: the all-to-all bytes only")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cuda: both sides in bf16 autocast (ours: `bf16: true`), wall-clock step times (part one)",
+    )
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
     parts = set(args.parts.split(","))
     torch.manual_seed(0)
     earlier: dict[str, Any] = {}
@@ -321,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "expert_parallel" not in res and ep_file.is_file():
         res["expert_parallel"] = json.loads(ep_file.read_text())
     if "one" in parts:
-        _init_single_process_group()
+        _init_single_process_group(args.device)
         shapes = [tuple(int(v) for v in x.split("x")) for x in args.batches.split(",") if x]
         res["one_process"] = [one_process(args, b, seq) for b, seq in shapes]
     if "ep" in parts:

@@ -33,10 +33,13 @@ from models.moe.router import Routing
 
 def grouped_mm_runs(x: Tensor) -> bool:
     """Whether `torch._grouped_mm` runs for activations like `x`: CPUs (forward kernels, our
-    backward), CUDA sm90+ in bf16."""
+    backward), CUDA sm90+ in bf16. Traced by `torch.compile`, fp32 takes the buffer: the op's
+    meta function, which dynamo traces with, refuses anything but bf16 (the CPU kernel does not)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "cpu":
+        if x.dtype == torch.float32 and torch.compiler.is_compiling():
+            return False
         return x.dtype in (torch.float32, torch.bfloat16)
     return x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
 

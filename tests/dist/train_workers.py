@@ -59,6 +59,13 @@ def mesh_overrides(
 
 def train_cases(rank: int, world: int, base: dict[str, Any], cases: list[dict[str, Any]]) -> list[Any]:
     """Train each case (base + overrides); returns per case the logging rank's [(step, loss, grad_norm)]."""
+    return [hist for hist, _ in train_summaries(rank, world, base, cases)]
+
+
+def train_summaries(
+    rank: int, world: int, base: dict[str, Any], cases: list[dict[str, Any]]
+) -> list[tuple[Any, dict[str, Any]]]:
+    """`train_cases`, each case's history paired with its run summary (without `history`)."""
     import logging
 
     import datasets
@@ -74,6 +81,50 @@ def train_cases(rank: int, world: int, base: dict[str, Any], cases: list[dict[st
         values.setdefault("output_dir", base["output_dir"])
         values["output_dir"] = case.get("output_dir", f"{base['output_dir']}-{i}")
         summary = run(load_config_dict(values))
-        hist = summary.get("history") or []
-        out.append([(r["step"], r["loss"], r["grad_norm"]) for r in hist if "loss" in r] or None)
+        hist = summary.pop("history", None) or []
+        out.append(([(r["step"], r["loss"], r["grad_norm"]) for r in hist if "loss" in r] or None, summary))
     return out
+
+
+def tp_layer_graph_breaks(
+    rank: int, world: int, sequence_parallel: bool, dropout: float
+) -> dict[str, tuple[int, int]]:
+    """(graphs, graph breaks) dynamo captures of a tp=2 encoder and decoder layer: the layers' c10d
+    collectives inside autograd functions are traced (dynamo turns them into functional
+    collectives), not broken at; with dropout, each tp-split site draws its mask from a per-rank
+    generator fork (`parallel.tp.rng`) that dynamo does not trace."""
+    import torch
+
+    from models.config import ModelConfig
+    from models.m2m100 import M2M100Translation
+    from parallel.mesh import ParallelDims, build_mesh
+    from parallel.tp.apply import apply_tensor_parallel
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                      decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=dropout,
+                      attention_dropout=dropout, activation_dropout=dropout)  # fmt: skip
+    mesh = build_mesh(ParallelDims(pp=1, dp=world // 2, tp=2, world_size=world), "cpu")
+    model = M2M100Translation(cfg, seed=0)
+    apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=sequence_parallel)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    memory = torch.randn(2, 6, 32, requires_grad=True)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[0, 4:] = False
+    torch._dynamo.reset()
+    enc_layer, dec_layer = model.encoder.layers["0"], model.decoder.layers["0"]
+    # through a call of the module, as `Module.compile` traces it (its sequence-parallel hooks inlined)
+    enc = torch._dynamo.explain(lambda *a: enc_layer(*a))(memory, mask)
+    dec = torch._dynamo.explain(lambda *a: dec_layer(*a))(x, memory, mask)
+    return {
+        "encoder": (enc.graph_count, enc.graph_break_count),
+        "decoder": (dec.graph_count, dec.graph_break_count),
+    }
+
+
+def compile_group(
+    rank: int, world: int, base: dict[str, Any], cases: list[dict[str, Any]]
+) -> tuple[dict[str, Any], list[tuple[Any, dict[str, Any]]]]:
+    """One group for the compiled runs: tp=2 layers' graph breaks, then `train_summaries`."""
+    breaks = {f"sp={sp} dropout={p}": tp_layer_graph_breaks(rank, world, sp, p) for sp in (False, True)
+              for p in (0.0, 0.1)}  # fmt: skip
+    return breaks, train_summaries(rank, world, base, cases)

@@ -177,6 +177,28 @@ def test_moe_fields_that_would_do_nothing_are_refused_in_one_line(
     assert validate_early(load_config_dict({**base, **acting}), world=1).dp == 1
 
 
+def test_torch_compile_with_experts_over_ranks_is_refused_in_one_line() -> None:
+    """Compiled NLLB-MoE layers equal eager on one rank's experts; spread over ep (gradients off by
+    ~1e-4) or tp (dynamo fails on the capacity) they do not yet: refused before anything runs."""
+    from trainer.config.parse import load_config_dict
+    from trainer.run.preflight import validate_early
+
+    base = {"dataset_name": "builtin", "language_pairs": ["en-de", "de-en"], "torch_compile": True,
+            "num_experts": 4, "encoder_sparse_step": 2, "decoder_sparse_step": 2}  # fmt: skip
+    for mesh, got in (
+        ({"expert_parallel_size": 2}, r"\(got 2 and 1\)"),
+        ({"tensor_parallel_size": 2}, r"\(got 1 and 2\)"),
+    ):
+        with pytest.raises(
+            ConfigError, match=r"^torch_compile with an NLLB-MoE model \(num_experts=4\) needs " + ".*" + got
+        ):
+            validate_early(load_config_dict({**base, **mesh}), world=2)
+    assert validate_early(load_config_dict({**base, "data_parallel_size": 2}), world=2).dp == 2
+    assert validate_early(
+        load_config_dict({**base, "expert_parallel_size": 2, "torch_compile": False}), world=2
+    )
+
+
 def test_options_transformers_accepts_are_warned_about_naming_the_field() -> None:
     from trainer.config.parse import load_config_dict
     from trainer.run.preflight import idle_option_warnings

@@ -309,6 +309,13 @@ def test_batch_config_errors(data: TranslationData, tok: SentencePieceTokenizer)
         GlobalBatchSampler(data.train, BatchLayout(10_000), 0, 1, 2)
     with pytest.raises(DataError, match=r"max_tokens_per_microbatch=5 is below the longest example"):
         GlobalBatchSampler(data.train, BatchLayout(1, max_tokens_per_microbatch=5), 0, 1, 2)
+    lengths = np.maximum(column_array(data.train, "src_len"), column_array(data.train, "tgt_len"))
+    longest = int(lengths.max())  # a cap that fits the longest example but not its bucket
+    with pytest.raises(DataError, match=rf"padded to a multiple of pad_to_multiple_of={longest + 1}"):
+        layout = BatchLayout(1, max_tokens_per_microbatch=longest, pad_to_multiple_of=longest + 1)
+        GlobalBatchSampler(data.train, layout, 0, 1, 2)
+    with pytest.raises(DataError, match="pad_to_multiple_of=0 must be >= 1"):
+        BatchLayout(4, pad_to_multiple_of=0)
 
 
 # ---------------------------------------------------------------------------------------------- batches
@@ -316,8 +323,9 @@ def test_batch_config_errors(data: TranslationData, tok: SentencePieceTokenizer)
 MESHES = [(1, 4, 2), (2, 2, 2), (4, 1, 2)]  # (dp, m, gas), K = 8
 
 
-def _steps(data: TranslationData, dp: int, m: int, gas: int, n: int, max_tokens: int | None = None) -> list:
-    layout = BatchLayout(4, m, gas, dp, max_tokens_per_microbatch=max_tokens)
+def _steps(data: TranslationData, dp: int, m: int, gas: int, n: int, max_tokens: int | None = None,
+           pad: int = 1) -> list:  # fmt: skip
+    layout = BatchLayout(4, m, gas, dp, max_tokens_per_microbatch=max_tokens, pad_to_multiple_of=pad)
     sampler = GlobalBatchSampler(data.train, layout, seed=3, pad_id=1, decoder_start_id=2)
     return [next(sampler) for _ in range(n)]
 
@@ -329,9 +337,14 @@ def _rows(batch: object) -> list[tuple[int, ...]]:
             for s, t in zip(ids, labels)]  # fmt: skip
 
 
-@pytest.mark.parametrize("max_tokens", [None, 96])
-def test_global_batches_do_not_depend_on_the_mesh(data: TranslationData, max_tokens: int | None) -> None:
-    runs = {mesh: _steps(data, *mesh, n=6, max_tokens=max_tokens) for mesh in MESHES}
+@pytest.mark.parametrize("max_tokens,pad", [(None, 1), (96, 1), (None, 8), (96, 8)])
+def test_global_batches_do_not_depend_on_the_mesh(
+    data: TranslationData, max_tokens: int | None, pad: int
+) -> None:
+    """Every mesh with the same global batch serves the same examples, also with lengths padded to
+    buckets (`pad_to_multiple_of`): shapes are multiples of it, the token cap counts the padded
+    lengths, and the padding share counts the positions the micro-batches really hold."""
+    runs = {mesh: _steps(data, *mesh, n=6, max_tokens=max_tokens, pad=pad) for mesh in MESHES}
     for k in range(6):
         reference = runs[MESHES[0]][k]
         union_reference: Counter = Counter()
@@ -343,17 +356,23 @@ def test_global_batches_do_not_depend_on_the_mesh(data: TranslationData, max_tok
             assert gb.example_indices() == reference.example_indices()
             assert gb.num_tokens == reference.num_tokens == sum(data.train[gb.example_indices()]["tgt_len"])
             union: Counter = Counter()
+            positions = 0
             for rank in range(dp):
                 share = gb.shard(rank)
                 assert len(share) == gas and all(len(flush) == m for flush in share)  # same count everywhere
                 for flush in share:
                     for mb in flush:
                         union.update(_rows(mb))
+                        s_len, t_len = mb.input_ids.shape[1], mb.labels.shape[1]
+                        assert s_len % pad == 0 and t_len % pad == 0
+                        assert s_len - max(mb.src_lengths) < pad and t_len - max(mb.tgt_lengths) < pad
+                        positions += mb.size * (s_len + t_len)
                         if max_tokens:
                             assert mb.size * max(mb.input_ids.shape[1], mb.labels.shape[1]) <= max_tokens
                         else:
                             assert mb.size == 4
             assert union == union_reference
+            assert positions == gb.padded_tokens
 
 
 def test_microbatches_are_length_sorted_and_trimmed(data: TranslationData) -> None:
@@ -440,3 +459,44 @@ def test_setup_logs_only_the_nonzero_skip_counts(tmp_path: Path, caplog: pytest.
         f"model: {size} parameters; data skipped: {{'train': {{'missing_side': 3}}}}",
         f"model: {size} parameters",
     ]
+
+
+@pytest.mark.parametrize("experts", [0, 4], ids=["dense", "nllb-moe-dropless"])
+def test_padding_to_buckets_leaves_the_loss_unchanged(data: TranslationData, tok: SentencePieceTokenizer,
+                                                      experts: int) -> None:  # fmt: skip
+    """`pad_to_multiple_of` adds positions that are masked keys and ignored labels: the loss and
+    every gradient equal the unpadded batch's (fp32), also where the model passes the key mask
+    when nothing is padded (`always_mask`, as a compiled model does). Capacity-limited expert
+    routing counts positions (as transformers' NllbMoe does), so the MoE case routes dropless."""
+    import torch
+
+    from models.config import ModelConfig
+    from models.m2m100 import M2M100Translation
+    from trainer.data.batching import collate
+
+    rows = data.train[list(range(8))]
+    special = tok.special_ids()
+    moe = {"num_experts": experts, "encoder_sparse_step": 2, "decoder_sparse_step": 2} if experts else {}
+    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, encoder_layers=2, decoder_layers=2,
+                      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                      decoder_ffn_dim=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                      moe_token_dropout=0.0, **moe)  # fmt: skip
+    model = M2M100Translation(cfg, seed=0)
+    model.moe.dropless = True
+
+    def loss_and_grads(pad: int, always_mask: bool) -> tuple[float, list[torch.Tensor]]:
+        batch = collate(rows["input_ids"], rows["labels"], tok.pad_id, special["decoder_start_token_id"], pad)
+        assert batch.input_ids.shape[1] % pad == 0 and batch.labels.shape[1] % pad == 0
+        model.zero_grad(set_to_none=True)
+        model.always_mask = always_mask
+        loss, n = model.loss(batch)
+        (loss / n).backward()
+        return loss.item(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    ref, ref_grads = loss_and_grads(1, False)
+    for pad, always in ((8, False), (16, True), (1, True)):
+        got, grads = loss_and_grads(pad, always)
+        assert abs(got - ref) <= 1e-6 * abs(ref), (pad, always, got, ref)
+        assert len(grads) == len(ref_grads)
+        for g, r in zip(grads, ref_grads):
+            assert torch.allclose(g, r, rtol=1e-5, atol=1e-7), (pad, always)

@@ -237,3 +237,41 @@ def test_demo_run_twice_keeps_the_first_run(tmp_path: Path) -> None:
     for named in (["--output_dir", "x"], ["--output-dir=x"], ["--overwrite_output_dir", "true"],
                   ["--resume_from_checkpoint", "latest"]):  # fmt: skip
         assert _run_demo(tmp_path, *named) == (named, ""), named  # the user's choice stands
+
+
+def _gpu_check(tmp_path: Path, budget: str) -> tuple[str, list[str]]:
+    """scripts/gpu_check.sh with `python` a recorder that has no CUDA (its CUDA probe exits 1)."""
+    record = tmp_path / "python.txt"
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        f'printf "%s\\n" "$*" >> {record}\n'
+        'case "$*" in *"0 if torch.cuda.is_available()"*) exit 1;; esac\n'
+    )
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "GPU_CHECK_BUDGET_S": budget}
+    out = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), str(tmp_path / "out")], env=env,
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return out, record.read_text().splitlines()
+
+
+def test_gpu_check_without_cuda_runs_its_cpu_parts_and_skips_each_gpu_part_in_one_line(
+    tmp_path: Path,
+) -> None:
+    out, calls = _gpu_check(tmp_path, "465")
+    lines = [line for line in out.splitlines() if line.startswith("gpu_check: ")]
+    gpu = ["tiny_compile", "bench_418m", "bench_418m_m8", "bench_1.2b", "bench_moe_32", "bench_moe_128"]
+    for part in gpu:
+        assert f"gpu_check: {part}: skipped: needs CUDA" in lines, out
+    cpu = [line for line in lines if not any(f": {p}:" in line for p in gpu)]
+    assert len(cpu) == 7 and all(": ok in " in line for line in cpu), out
+    assert any("trainer.train --config configs/tiny_moe.yaml" in c and "--max_steps 4" in c for c in calls)
+    assert any(c.startswith("scripts/gpu_report.py") for c in calls)
+    assert not any("bench.py" in c or "bench_moe.py" in c for c in calls)
+
+
+def test_gpu_check_skips_what_its_time_budget_leaves_no_room_for(tmp_path: Path) -> None:
+    out, calls = _gpu_check(tmp_path, "0")
+    lines = [line for line in out.splitlines() if line.startswith("gpu_check: ")]
+    assert len(lines) == 13 and all("skipped" in line for line in lines), out
+    assert not any("trainer" in c for c in calls)

@@ -193,12 +193,13 @@ def test_batches_are_the_same_for_any_worker_count_and_dp(
     tmp_path: Path, tok: SentencePieceTokenizer
 ) -> None:
     """The global batch sequence depends on the data and the seed only: in-process reading, two
-    worker processes, dp=1 or dp=2 with the same global batch give the same examples per step."""
+    worker processes, dp=1 or dp=2 with the same global batch give the same examples per step
+    (lengths padded to multiples of 8: `pad_to_multiple_of`)."""
     root = _corpus(tmp_path / "c", {"en-de": 400, "de-en": 300, "fr-en": 200}, multiway=30)
     args = _args(root, ["en-de", "de-en", "fr-en"])
     steps = 40
-    one = _served(_sampler(args, tok, BatchLayout(8, 2, 1, 1)), steps)
-    workers = _sampler(args, tok, BatchLayout(4, 2, 1, 2), workers=2)
+    one = _served(_sampler(args, tok, BatchLayout(8, 2, 1, 1, pad_to_multiple_of=8)), steps)
+    workers = _sampler(args, tok, BatchLayout(4, 2, 1, 2, pad_to_multiple_of=8), workers=2)
     try:
         assert _served(workers, steps, dp=2) == one
     finally:
@@ -310,6 +311,19 @@ def test_token_capped_windows(tmp_path: Path, tok: SentencePieceTokenizer) -> No
         assert 0.0 <= gb.padding_fraction < 0.5
         src, tgt = gb.example_lengths()  # what MFU counts FLOPs from
         assert len(src) == len(tgt) == sum(len(s) for s in gb.slots) and int(tgt.sum()) == gb.num_tokens
+    # lengths padded to multiples of 8 (`pad_to_multiple_of`): the cap counts the padded lengths,
+    # and the padding share the positions the micro-batches hold
+    sampler = _sampler(args, tok, BatchLayout(1, 2, 1, 2, 96, pad_to_multiple_of=8))
+    for _ in range(10):
+        gb = next(sampler)
+        positions = 0
+        for rank in range(2):
+            for mb in (mb for flush in gb.shard(rank) for mb in flush):
+                s_len, t_len = mb.input_ids.shape[1], mb.labels.shape[1]
+                assert s_len % 8 == 0 and t_len % 8 == 0 and mb.size * max(s_len, t_len) <= 96
+                positions += mb.size * (s_len + t_len)
+        assert positions == gb.padded_tokens
+        assert gb.padding_fraction == 1 - (gb.num_tokens + gb.num_src_tokens) / positions
 
 
 def test_tokenizer_sample_is_bounded_and_seeded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -101,6 +101,7 @@ MUST_MATCH: dict[str, tuple[str, ...]] = {
         "skip_long_examples",
         "streaming",  # a stream's data position is not a map-style sampler's
         "max_tokens_per_microbatch",
+        "pad_to_multiple_of",  # in token mode it decides which examples share a micro-batch
         "sampling_temperature",
         "sampling_weights",
     ),
@@ -299,6 +300,7 @@ def check_global_batch(
         cfg.training.gradient_accumulation_steps,
         dims.dp,
         cfg.data.max_tokens_per_microbatch,
+        cfg.data.pad_to_multiple_of,
     )
     mine = layout.signature()
     theirs = {k: state.get("data", {}).get(k) for k in mine}

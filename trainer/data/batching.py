@@ -36,15 +36,23 @@ from trainer.tokenizer.vocab import Tokenizer
 CHUNK_GLOBAL_BATCHES = 64  # a length-sorting chunk holds this many global batches
 
 
+def bucket(length: int, multiple: int) -> int:
+    """`length` rounded up to a multiple of `multiple` (`pad_to_multiple_of`; 1: unchanged)."""
+    return -(-length // multiple) * multiple
+
+
 def collate(input_ids: Sequence[Sequence[int]], labels: Sequence[Sequence[int]], pad_id: int,
-            decoder_start_id: int) -> Seq2SeqBatch:  # fmt: skip
-    """Right-pad examples into a `Seq2SeqBatch` trimmed to its own longest source / target.
+            decoder_start_id: int, pad_to_multiple_of: int = 1) -> Seq2SeqBatch:  # fmt: skip
+    """Right-pad examples into a `Seq2SeqBatch` trimmed to its own longest source / target, rounded
+    up to a multiple of `pad_to_multiple_of` (HF `DataCollatorForSeq2Seq`'s name): lengths fall in
+    buckets, so compiled stages meet a bounded set of shapes. Pads are masked keys and ignored
+    labels, so the loss does not change.
 
     decoder_input_ids = [decoder_start] + labels[:-1]  (M2M100: `</s> __tgt__ y`).
     """
     b = len(input_ids)
-    s_len = max(len(x) for x in input_ids)
-    t_len = max(len(y) for y in labels)
+    s_len = bucket(max(len(x) for x in input_ids), pad_to_multiple_of)
+    t_len = bucket(max(len(y) for y in labels), pad_to_multiple_of)
     src = torch.full((b, s_len), pad_id, dtype=torch.long)  # (B, S)
     mask = torch.zeros((b, s_len), dtype=torch.long)
     lab = torch.full((b, t_len), IGNORE_INDEX, dtype=torch.long)  # (B, T)
@@ -59,16 +67,21 @@ def collate(input_ids: Sequence[Sequence[int]], labels: Sequence[Sequence[int]],
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """How a global batch is cut: K = m * g * dp slots of B pairs (or <= T padded tokens)."""
+    """How a global batch is cut: K = m * g * dp slots of B pairs (or <= T padded tokens), each
+    padded to lengths that are multiples of `pad_to_multiple_of` (in token mode the cap counts
+    the padded lengths, so which examples share a slot depends on it)."""
 
     per_device_batch_size: int
     num_microbatches: int = 1
     gradient_accumulation_steps: int = 1
     dp_size: int = 1
     max_tokens_per_microbatch: int | None = None
+    pad_to_multiple_of: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("per_device_batch_size", "num_microbatches", "gradient_accumulation_steps", "dp_size"):
+        names = ("per_device_batch_size", "num_microbatches", "gradient_accumulation_steps", "dp_size",
+                 "pad_to_multiple_of")  # fmt: skip
+        for name in names:
             if getattr(self, name) < 1:
                 raise DataError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
@@ -89,8 +102,24 @@ class BatchLayout:
     def signature(self) -> dict[str, int]:
         """What the global batch sequence depends on (besides data and seed)."""
         if self.max_tokens_per_microbatch:
-            return {"max_tokens_per_microbatch": self.max_tokens_per_microbatch, "num_slots": self.num_slots}
+            pad = {"pad_to_multiple_of": self.pad_to_multiple_of} if self.pad_to_multiple_of > 1 else {}
+            return {"max_tokens_per_microbatch": self.max_tokens_per_microbatch, "num_slots": self.num_slots,
+                    **pad}  # fmt: skip
         return {"global_batch_size": int(self.per_device_batch_size * self.num_slots)}
+
+    def check_longest(self, longest: int) -> None:
+        """Raises: DataError: the token cap is below the longest example's padded length."""
+        cap, pad = self.max_tokens_per_microbatch, self.pad_to_multiple_of
+        if cap and bucket(longest, pad) > cap:
+            padded = (
+                f", {bucket(longest, pad)} padded to a multiple of pad_to_multiple_of={pad}"
+                if pad > 1
+                else ""
+            )
+            raise DataError(
+                f"max_tokens_per_microbatch={cap} is below the longest example ({longest} tokens{padded}); "
+                "raise it or lower max_source_length/max_target_length"
+            )
 
     def slot(self, dp_rank: int, flush: int, micro: int) -> int:
         """The slot of (replica, flush, micro-batch): replicas interleave over the length order,
@@ -173,9 +202,12 @@ def direction_ids(ds: Any) -> tuple[list[str], np.ndarray]:
     return names, np.asarray(codes.to_numpy(zero_copy_only=False), dtype=np.int64)
 
 
-def padded_positions(slots: Sequence[np.ndarray], src_len: np.ndarray, tgt_len: np.ndarray) -> int:
-    """Source + target positions of the slots' micro-batches, each padded to its own longest."""
-    return int(sum(len(s) * (int(src_len[s].max()) + int(tgt_len[s].max())) for s in slots if len(s)))
+def padded_positions(slots: Sequence[np.ndarray], src_len: np.ndarray, tgt_len: np.ndarray,
+                     multiple: int = 1) -> int:  # fmt: skip
+    """Source + target positions of the slots' micro-batches, each padded to its own longest
+    rounded up to `multiple` (`collate`'s shapes)."""
+    return int(sum(len(s) * (bucket(int(src_len[s].max()), multiple) + bucket(int(tgt_len[s].max()), multiple))
+                   for s in slots if len(s)))  # fmt: skip
 
 
 def _sentence_slots(order: np.ndarray, lengths: np.ndarray, layout: BatchLayout) -> list[list[np.ndarray]]:
@@ -191,15 +223,16 @@ def _sentence_slots(order: np.ndarray, lengths: np.ndarray, layout: BatchLayout)
 def _token_slots(
     order: np.ndarray, lengths: np.ndarray, layout: BatchLayout, complete_last: bool = False
 ) -> list[list[np.ndarray]]:
-    """Greedy token-capped slots in `order`, K to a global batch. The trailing partial global batch
-    is dropped, or with `complete_last` (a stream's window) made whole by halving its fullest
-    slots while it has at least K examples (a halved slot stays under the cap)."""
-    cap, k = layout.max_tokens_per_microbatch or 0, layout.num_slots
+    """Greedy token-capped slots in `order`, K to a global batch (the cap counts padded lengths:
+    `pad_to_multiple_of`). The trailing partial global batch is dropped, or with `complete_last`
+    (a stream's window) made whole by halving its fullest slots while it has at least K examples
+    (a halved slot stays under the cap)."""
+    cap, k, pad = layout.max_tokens_per_microbatch or 0, layout.num_slots, layout.pad_to_multiple_of
     batches: list[list[np.ndarray]] = []
     slots: list[np.ndarray] = []
     start, longest = 0, 0
     for pos, length in enumerate(lengths[order].tolist()):
-        if pos > start and (pos - start + 1) * max(longest, length) > cap:
+        if pos > start and (pos - start + 1) * bucket(max(longest, length), pad) > cap:
             slots.append(order[start:pos])
             start, longest = pos, 0
             if len(slots) == k:
@@ -287,11 +320,8 @@ class GlobalBatchSampler:
 
     def _check_size(self) -> None:
         n, lay = len(self.lengths), self.layout
-        if lay.max_tokens_per_microbatch and n and int(self.lengths.max()) > lay.max_tokens_per_microbatch:
-            raise DataError(
-                f"max_tokens_per_microbatch={lay.max_tokens_per_microbatch} is below the longest example "
-                f"({int(self.lengths.max())} tokens); raise it or lower max_source_length/max_target_length"
-            )
+        if n:
+            lay.check_longest(int(self.lengths.max()))
         need = lay.global_batch_size or lay.num_slots
         if n < need:
             raise DataError(
@@ -325,7 +355,8 @@ class GlobalBatchSampler:
 
     def _fetch(self, indices: np.ndarray) -> Seq2SeqBatch:
         rows = self.train.select_columns(["input_ids", "labels"])[[int(i) for i in indices]]
-        return collate(rows["input_ids"], rows["labels"], self.pad_id, self.decoder_start_id)
+        return collate(rows["input_ids"], rows["labels"], self.pad_id, self.decoder_start_id,
+                       self.layout.pad_to_multiple_of)  # fmt: skip
 
     def __iter__(self) -> Iterator[GlobalBatch]:
         return self
@@ -338,7 +369,7 @@ class GlobalBatchSampler:
         slots = self._plan[self.position]
         num_tokens = int(sum(int(self.tgt_len[s].sum()) for s in slots))
         num_src = int(sum(int(self.src_len[s].sum()) for s in slots))
-        padded = padded_positions(slots, self.src_len, self.tgt_len)
+        padded = padded_positions(slots, self.src_len, self.tgt_len, self.layout.pad_to_multiple_of)
         batch = GlobalBatch(self.step, self.epoch, slots, num_tokens, num_src, self.layout, self._fetch,
                             self.src_len, self.tgt_len, padded)  # fmt: skip
         self.drawn += np.bincount(self.direction_of[np.concatenate(slots)], minlength=len(self.directions))

@@ -31,6 +31,7 @@ from trainer.data.batching import (
     GlobalBatch,
     _sentence_slots,
     _token_slots,
+    bucket,
     collate,
     padded_positions,
 )
@@ -63,7 +64,8 @@ def stream_geometry(layout: BatchLayout, max_length: int, lanes: int) -> tuple[i
     the longest length."""
     g = layout.global_batch_size
     if g is None:
-        per_slot = max(1, (layout.max_tokens_per_microbatch or 1) // max(1, max_length))
+        longest = bucket(max(1, max_length), layout.pad_to_multiple_of)
+        per_slot = max(1, (layout.max_tokens_per_microbatch or 1) // longest)
         g = per_slot * layout.num_slots
     cap = max(1, WINDOW_EXAMPLES_CAP // g)
     w0 = g * min(CHUNK_GLOBAL_BATCHES, cap)
@@ -201,11 +203,8 @@ class StreamSampler:
         rng = np.random.default_rng([self.seed, epoch, index])
         lengths = np.maximum(window.src_len, window.tgt_len)
         cap = self.layout.max_tokens_per_microbatch
-        if cap and len(lengths) and int(lengths.max()) > cap:
-            raise DataError(
-                f"max_tokens_per_microbatch={cap} is below the longest example ({int(lengths.max())} "
-                "tokens); raise it or lower max_source_length/max_target_length"
-            )
+        if len(lengths):
+            self.layout.check_longest(int(lengths.max()))
         order = rng.permutation(len(window))
         order = order[np.argsort(lengths[order], kind="stable")]
         if cap:
@@ -242,12 +241,12 @@ class StreamSampler:
         num_src = int(sum(int(src_len[s].sum()) for s in slots))
         return GlobalBatch(self.step, self.epoch, slots, num_tokens, num_src, self.layout,
                            self._fetcher(window), src_len, tgt_len,
-                           padded_positions(slots, src_len, tgt_len))  # fmt: skip
+                           padded_positions(slots, src_len, tgt_len, self.layout.pad_to_multiple_of))  # fmt: skip
 
     def _fetcher(self, window: Window):  # -> Callable[[np.ndarray], Seq2SeqBatch]
         def fetch(indices: np.ndarray) -> Seq2SeqBatch:
             src, tgt = window.rows(indices)
-            return collate(src, tgt, self.pad_id, self.decoder_start_id)
+            return collate(src, tgt, self.pad_id, self.decoder_start_id, self.layout.pad_to_multiple_of)
 
         return fetch
 

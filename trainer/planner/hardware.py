@@ -55,7 +55,7 @@ class DeviceSpec:
     efficiency: share of peak FLOP/s the blocks' matmuls reach; block_overhead_s: host time of
     one block's forward + backward on one micro-batch, the floor when kernels are small.
     Both are fitted (least squares on relative error) to the four single-H100 eager runs of
-    benchmarks/gpu_h100.md run 4: 1.2B 16 x 256 m=1 (0.189 s/step, predicted 0.179),
+    benchmarks/gpu_h100_runs/README.md run 4: 1.2B 16 x 256 m=1 (0.189 s/step, predicted 0.179),
     418M 32 x 256 m=1 (0.101 / 0.103), 418M 4 x 8 (0.317 / 0.339), 418M 8 x 4 (0.691 / 0.664).
     The other devices reuse the H100's fit with their own peak, memory and links.
     """

@@ -127,11 +127,12 @@ class CostSource:
 
         import numpy as np
 
-        from trainer.data.batching import BatchLayout, GlobalBatchSampler
+        from trainer.data.batching import BatchLayout, GlobalBatchSampler, bucket
 
         mb, m, g, dp, token_mode = key
         train, tok = self.sampler_data
-        layout = BatchLayout(1 if token_mode else mb, m, g, dp, mb if token_mode else None)
+        pad = self.cfg.data.pad_to_multiple_of
+        layout = BatchLayout(1 if token_mode else mb, m, g, dp, mb if token_mode else None, pad)
         sampler: Any
         if isinstance(train, tuple):  # streaming: (spec, expected shares)
             from trainer.data.streaming import build_stream_sampler
@@ -149,8 +150,8 @@ class CostSource:
             for flush in gb.replica_slots(0):
                 for idx in flush:
                     rows.append(len(idx))
-                    src.append(int(gb.src_len[idx].max()))
-                    tgt.append(int(gb.tgt_len[idx].max()))
+                    src.append(bucket(int(gb.src_len[idx].max()), pad))  # the collated shape
+                    tgt.append(bucket(int(gb.tgt_len[idx].max()), pad))
             t0 = time.perf_counter()
             gb.shard(0)
             fetch.append((time.perf_counter() - t0) / (m * g))

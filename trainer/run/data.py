@@ -160,6 +160,7 @@ def build_sampler(cfg: JobConfig, dp: int, run_data: RunData, log: bool = True) 
         cfg.training.gradient_accumulation_steps,
         dp,
         d.max_tokens_per_microbatch,
+        d.pad_to_multiple_of,
     )
     weights = d.direction_weights(d.sampling_weights)
     sampling = DirectionSampling(d.sampling_temperature, weights)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from parallel.compile import CompileCounts
 from parallel.parallelize import ParallelModel
 from trainer.checkpoint import dcp as ckpt
 from trainer.checkpoint.resume import TOKENIZER, find_resume
@@ -46,7 +47,7 @@ from trainer.run.setup import RunContext, setup_run
 from trainer.run.state import load_best_model, log_start, mesh_sizes, resume_state, save
 from trainer.run.step import LogWindow, StepStats, bubble_stats, train_step
 from trainer.run.strategies import interval_due, tracks_best
-from trainer.run.summary import LoopTotals, print_summary, run_summary
+from trainer.run.summary import LoopTotals, compile_summary, print_summary, run_summary
 from trainer.run.timeline import write_timeline
 from trainer.run.tracking import Tracker
 
@@ -167,6 +168,7 @@ def train_loop(
         log_now = step % args.logging_steps == 0 or step == args.max_steps
         waited = time.perf_counter()
         gb = next(ctx.sampler)  # streaming: may wait for its chunks to be read and tokenized
+        compiled = CompileCounts.now()
         start = time.perf_counter()
         st = train_step(
             pm,
@@ -182,8 +184,10 @@ def train_loop(
             scaler=ctx.loss_scale,
             distill=ctx.distill,
         )
+        seconds = time.perf_counter() - start
+        totals.count_compiles(CompileCounts.now() - compiled)
         flops = step_flops(ctx.mc, *gb.example_lengths()) if window.peak_flops else 0.0
-        window.add(st, time.perf_counter() - start, flops, start - waited, gb.padded_tokens)
+        window.add(st, seconds, flops, start - waited, gb.padded_tokens)
         tracker.advance()
         if log_now:
             shares = ctx.sampler.shares_since(drawn_mark)
@@ -349,6 +353,7 @@ def finish_run(
     summary = run_summary(ctx, totals, before, after)
     teacher = ctx.distill.teacher.parameter_bytes if ctx.distill is not None else -1
     summary["memory"] = gather_memory(ctx.startup_peak_host_bytes, train_host, ctx.pm.device, teacher)
+    summary["compile"] = compile_summary(totals, ctx.cfg.training.torch_compile, ctx.pm.device)
     summary["predict"] = {k: v for k, v in predicted.items() if k.startswith("predict_")}
     if ctx.is_logger:
         (ctx.out / "run_summary.json").write_text(json.dumps(summary, indent=1, default=str))

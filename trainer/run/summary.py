@@ -8,7 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
+from parallel.compile import CompileCounts
 from trainer.checkpoint import dcp as ckpt
 from trainer.run.memory import memory_lines
 from trainer.run.setup import RunContext
@@ -58,6 +61,19 @@ def data_skipped(ctx: RunContext) -> dict[str, dict[str, int]]:
     return out
 
 
+def compile_summary(totals: LoopTotals, torch_compile: bool, device: torch.device) -> dict[str, Any]:
+    """What dynamo compiled in the training steps, the max over ranks (collective): graphs in the
+    session's first step (the warm-up), graphs compiled in later steps (recompiles: after the
+    warm-up a run with varying lengths should have none) and graph breaks."""
+    first, later = totals.first_step_compiles or CompileCounts(), totals.later_compiles
+    mine = [first.graphs, later.graphs, first.graph_breaks + later.graph_breaks]
+    local = torch.tensor(mine, dtype=torch.int64, device=device)
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    warmup, recompiles, breaks = (int(x) for x in local.tolist())
+    return {"torch_compile": torch_compile, "graphs_warmup": warmup, "recompiles_after_warmup": recompiles,
+            "graph_breaks": breaks}  # fmt: skip
+
+
 def print_summary(s: dict[str, Any]) -> None:
     before, after = s.get("before", {}), s.get("after", {})
     lines = [
@@ -89,6 +105,12 @@ def print_summary(s: dict[str, Any]) -> None:
         )
         lines.append(f"timeline             {s['timeline_png']}")
     lines.extend(memory_lines(s.get("memory") or {}))
+    comp = s.get("compile") or {}
+    if comp.get("torch_compile"):
+        lines.append(
+            f"torch_compile        {comp['graphs_warmup']} graphs in the first step, "
+            f"{comp['recompiles_after_warmup']} recompiles after it, {comp['graph_breaks']} graph breaks"
+        )
     lines.append(f"wall time            {s['wall_time_s']:.1f} s over {s['steps']} steps")
     lines.append(f"output_dir           {s['output_dir']}")
     lines.append(f"last checkpoint      {s['last_checkpoint']}")
@@ -119,3 +141,12 @@ class LoopTotals:
     early_stopped: bool = False  # early_stopping_patience ended training before max_steps
     last_eval: tuple[int, dict[str, Any]] | None = None  # (step, metrics) of the latest evaluation
     last_save: int | None = None  # the step of the latest checkpoint written in the loop
+    first_step_compiles: CompileCounts | None = None  # dynamo's work in the session's first step
+    later_compiles: CompileCounts = field(default_factory=CompileCounts)  # ... in the steps after it
+
+    def count_compiles(self, step: CompileCounts) -> None:
+        """Add what dynamo compiled during one train step (the first one is the warm-up)."""
+        if self.first_step_compiles is None:
+            self.first_step_compiles = step
+        else:
+            self.later_compiles = self.later_compiles + step
