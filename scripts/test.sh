@@ -2,6 +2,9 @@
 # Create .venv if missing, install with test extras, then lint, type-check and run every test.
 #   scripts/test.sh                 # everything (CPU; gloo multi-process tests included)
 #   scripts/test.sh -m "not slow"   # quick tier (extra args go to pytest)
+# Tests run in TEST_WORKERS pytest-xdist workers (default 2, one module per worker at a time:
+# the suite's single-process phases run one thread each, OMP_NUM_THREADS=1); 0 runs them in
+# this process.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -11,4 +14,7 @@ bash scripts/_setup_env.sh test
 export HF_DATASETS_DISABLE_PROGRESS_BARS=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1 WANDB_MODE=disabled
 echo "== ruff"; ruff check . && ruff format --check models parallel trainer tests scripts
 echo "== mypy"; mypy
-echo "== pytest"; python -m pytest -q -p no:cacheprovider "$@"
+WORKERS="${TEST_WORKERS:-2}"
+XDIST=()
+[ "$WORKERS" != 0 ] && XDIST=(-n "$WORKERS" --dist loadfile)
+echo "== pytest"; python -m pytest -q -p no:cacheprovider "${XDIST[@]}" "$@"
