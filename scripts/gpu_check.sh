@@ -5,7 +5,8 @@
 #
 # On one H100 it ends within 8 minutes (a time budget skips what would not fit, each skip one
 # line) and writes benchmarks/gpu_<card>.md and .json: tests/gpu, the trainer's GPU paths
-# (NLLB-MoE bf16 with async saves, evaluation and export; fp16 loss scaling; torch_compile and
+# (NLLB-MoE bf16 with async saves, evaluation and export; word-level distillation from that
+# NLLB-MoE checkpoint into the tiny dense student; fp16 loss scaling; torch_compile and
 # its recompiles; streaming with 2 data workers per rank; trainer.evaluate on a checkpoint and
 # an export), scripts/bench.py on 418M, 1.2B and 418M m=8 (eager and compiled, against
 # transformers) and scripts/bench_moe.py on CUDA in bf16 against transformers' NllbMoe. Without
@@ -99,6 +100,8 @@ part tests_gpu cpu 240 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu
 part tiny_moe cpu 150 train tiny_moe configs/tiny_moe.yaml $PRECISION --max_steps "$STEPS" \
     --save_steps $((STEPS / 2)) --async_save true --eval_steps $((STEPS / 2))
 part tiny_moe_export cpu 60 $PY -m trainer.export --checkpoint "$OUT/tiny_moe/checkpoint-$STEPS" --output "$OUT/tiny_moe_export"
+part distill cpu 90 train distill configs/tiny.yaml $PRECISION --teacher_model_name_or_path "$OUT/tiny_moe/checkpoint-$STEPS" \
+    --distillation_alpha 0.5 --distillation_temperature 2 --max_steps "$STEPS" --do_eval false
 part tiny_fp16 cpu 90 train tiny_fp16 configs/tiny.yaml --fp16 true --max_steps "$STEPS" --do_eval false
 part tiny_compile gpu 180 compile_recompiles
 part streaming cpu 150 streaming

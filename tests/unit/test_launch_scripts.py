@@ -264,8 +264,9 @@ def test_gpu_check_without_cuda_runs_its_cpu_parts_and_skips_each_gpu_part_in_on
     for part in gpu:
         assert f"gpu_check: {part}: skipped: needs CUDA" in lines, out
     cpu = [line for line in lines if not any(f": {p}:" in line for p in gpu)]
-    assert len(cpu) == 7 and all(": ok in " in line for line in cpu), out
+    assert len(cpu) == 8 and all(": ok in " in line for line in cpu), out
     assert any("trainer.train --config configs/tiny_moe.yaml" in c and "--max_steps 4" in c for c in calls)
+    assert any("--teacher_model_name_or_path" in c and "tiny_moe/checkpoint-4" in c for c in calls)
     assert any(c.startswith("scripts/gpu_report.py") for c in calls)
     assert not any("bench.py" in c or "bench_moe.py" in c for c in calls)
 
@@ -273,5 +274,5 @@ def test_gpu_check_without_cuda_runs_its_cpu_parts_and_skips_each_gpu_part_in_on
 def test_gpu_check_skips_what_its_time_budget_leaves_no_room_for(tmp_path: Path) -> None:
     out, calls = _gpu_check(tmp_path, "0")
     lines = [line for line in out.splitlines() if line.startswith("gpu_check: ")]
-    assert len(lines) == 13 and all("skipped" in line for line in lines), out
+    assert len(lines) == 14 and all("skipped" in line for line in lines), out
     assert not any("trainer" in c for c in calls)
