@@ -69,12 +69,16 @@ _COMPILED: dict[str, Any] = {}
 
 def _kernels(device: torch.device) -> tuple[Any, Any]:
     """The chunk functions; on CUDA compiled by inductor into one fused kernel each (an eager
-    chunk makes about ten passes over its fp32 values, 20% of a 418M model's step)."""
+    chunk makes about ten passes over its fp32 values, 20% of a 418M model's step).
+
+    Dynamic rows from the first call, as the layers (`parallel.compile`): the last chunk's rows
+    change with every micro-batch's token count, and `dynamic=None` compiled both functions
+    again mid-run (4 graphs at step 15 of gpu_check.sh's 40-step tiny run on an H100)."""
     if device.type != "cuda":
         return _chunk_loss, _chunk_grad_eager_
     if not _COMPILED:
-        _COMPILED["loss"] = torch.compile(_chunk_loss, dynamic=None)
-        _COMPILED["grad"] = torch.compile(_chunk_grad_, dynamic=None)
+        _COMPILED["loss"] = torch.compile(_chunk_loss, dynamic=True)
+        _COMPILED["grad"] = torch.compile(_chunk_grad_, dynamic=True)
     return _COMPILED["loss"], _COMPILED["grad"]
 
 

@@ -48,6 +48,8 @@ def collect(out: Path) -> dict[str, Any]:
         if (out / "environment.log").is_file()
         else []
     )
+    if gpu is None and env and not env[-1].endswith("no CUDA"):  # no benchmark ran: the probe's device
+        gpu = env[-1].split(" ", 3)[-1]
     return {"parts": parts, "gpu_rows": rows, "gpu": gpu, "moe": moe, "summaries": summaries,
             "environment": env[-1] if env else platform.platform()}  # fmt: skip
 

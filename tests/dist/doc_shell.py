@@ -99,10 +99,17 @@ def _request(argv: list[str]) -> dict[str, Any] | None:
     """What the server should run for `python argv`, or None: exec the real interpreter (also when
     this environment would have imported torch or transformers differently from the server's)."""
     env = dict(os.environ)
-    if IMPORT_ENV in env and json.loads(env[IMPORT_ENV]) != import_env(env):
-        return None
     if argv[:1] == ["-u"]:
         argv = argv[1:]
+    # A checked launch only parses and validates (`check_launch`): served whatever the environment
+    # (a block's HF_HUB_OFFLINE=1 would otherwise send `torchrun --rdzv-endpoint node0:...` to a real
+    # torchrun).
+    launched = argv[1:2] if argv[:1] == ["-m"] else []
+    if launched == ["torch.distributed.run"]:
+        launched = argv[argv.index("-m", 2) + 1 :][:1] if "-m" in argv[2:] else []
+    checked = env.get(MODE_ENV) == "check" and bool(launched) and launched[0] in CHECKED
+    if IMPORT_ENV in env and json.loads(env[IMPORT_ENV]) != import_env(env) and not checked:
+        return None
     if len(argv) >= 2 and argv[0] == "-m" and argv[1].startswith(SERVED_PREFIXES):
         module, args = argv[1], argv[2:]
         if module == "torch.distributed.run":

@@ -24,7 +24,7 @@ def _one_step_of_each_side(rank: int, world_size: int) -> dict[str, Any]:
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    args = argparse.Namespace(experts=4, d_model=32, ffn=64, layers=2, vocab=300, steps=1, warmup=1)
+    args = argparse.Namespace(experts=4, d_model=32, ffn=64, layers=2, vocab=300, steps=1, warmup=1, device="cpu")
     return bench.one_process(args, 4, 12)
 
 
