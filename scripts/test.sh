@@ -2,9 +2,9 @@
 # Create .venv if missing, install with test extras, then lint, type-check and run every test.
 #   scripts/test.sh                 # everything (CPU; gloo multi-process tests included)
 #   scripts/test.sh -m "not slow"   # quick tier (extra args go to pytest)
-# Tests run in TEST_WORKERS pytest-xdist workers (default 2, one module per worker at a time:
-# the suite's single-process phases run one thread each, OMP_NUM_THREADS=1); 0 runs them in
-# this process.
+# Tests run in TEST_WORKERS pytest-xdist workers (default 2: the suite's single-process phases
+# run one thread each, OMP_NUM_THREADS=1); a module stays on one worker, the doc pages spread
+# (tests/conftest.py). TEST_WORKERS=0 runs them in this process.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -16,5 +16,5 @@ echo "== ruff"; ruff check . && ruff format --check models parallel trainer test
 echo "== mypy"; mypy
 WORKERS="${TEST_WORKERS:-2}"
 XDIST=()
-[ "$WORKERS" != 0 ] && XDIST=(-n "$WORKERS" --dist loadfile)
+[ "$WORKERS" != 0 ] && XDIST=(-n "$WORKERS" --dist loadgroup)
 echo "== pytest"; python -m pytest -q -p no:cacheprovider "${XDIST[@]}" "$@"
