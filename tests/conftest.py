@@ -20,11 +20,8 @@ from tests.served import Served, serve
 
 DIST = Path(__file__).parent / "dist"
 QUICK_DIST = {"test_tensor_parallel.py"}
-# Under pytest-xdist (`--dist loadgroup`, scripts/test.sh) a module runs on one worker, its
-# fixtures built once, except these, whose tests (one per page, each its own fixtures) spread.
-SPREAD = {"test_docs_commands.py"}
 # The longest modules (CPU seconds on the 2-core CI machine, docs/development.md) start first, so
-# that the short ones fill the end.
+# that under pytest-xdist (`--dist loadfile`, scripts/test.sh) the short ones fill the end.
 LONGEST_FIRST = ["test_precision_compile.py", "test_rehearsal.py", "test_docs_commands.py",
                  "test_training_parity.py", "test_fsdp.py", "test_evaluate_3d.py",
                  "test_expert_parallel.py", "test_plan_calibrate.py"]  # fmt: skip
@@ -35,8 +32,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.parent == DIST and item.path.name not in QUICK_DIST:
             item.add_marker(pytest.mark.slow)
-        group = item.nodeid if item.path.name in SPREAD else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: (item.path.parent != DIST, rank.get(item.path.name, len(rank))))  # stable
 
