@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from models.config import ModelConfig
+from models.m2m100 import block_specs
 from parallel.distill.loss import DistillSettings
 from parallel.distill.teacher import DistillationLoss, Teacher, meta_teacher
 from parallel.mesh import ParallelDims, ParallelMesh, check_ep_divides_model, check_tp_divides_model
@@ -135,7 +136,7 @@ def check_teacher(
             f"{student.vocab_size}: the KL term compares the two distributions id by id"
         )
     p, v = dims.pp, cfg.parallel.virtual_stages
-    blocks = teacher.encoder_layers + teacher.decoder_layers + 4
+    blocks = len(block_specs(teacher))
     if p * v > blocks:
         raise ConfigError(
             f"{FIELD}={source.name!r}: pipeline_parallel_size({p}) x virtual stages({v}) = {p * v} stages "
