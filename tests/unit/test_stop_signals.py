@@ -36,6 +36,7 @@ def _in_child(body: Callable[[], int], timeout: float = 20.0) -> tuple[int, str]
         status = 99
         try:
             os.dup2(w, 2)
+            _as_a_fresh_process()
             status = body()
         except SystemExit as e:
             status = int(e.code or 0)
@@ -54,6 +55,17 @@ def _in_child(body: Callable[[], int], timeout: float = 20.0) -> tuple[int, str]
     with os.fdopen(r, "rb") as f:
         err = f.read().decode()
     return os.waitstatus_to_exitcode(done[1]), err
+
+
+def _as_a_fresh_process() -> None:
+    """The signal state of a process a user starts from a terminal. pytest's need not be that: a suite
+    started in the background of a non-interactive shell (`pytest ... &` in a script) runs with
+    SIGINT ignored, which a fork inherits, and the Ctrl-C tests then hung or saw no signal."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(s, signal.SIG_DFL)
 
 
 def _block_forever() -> None:
