@@ -33,11 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.dist.doc_shell import IMPORT_ENV, import_env
+from tests.dist.harness import TRAINER_PRELOAD
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC_SHELL = ROOT / "tests" / "dist" / "doc_shell.py"
-# What the server imports once (tests/dist/harness.py's groups preload the same).
-PRELOAD = ("torch", "transformers", "trainer.run.loop", "trainer.config.parse")
 SERVER_START_S = 120
 # Launcher variables a surrounding job (or torchrun running pytest) could leak into the commands.
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
@@ -104,7 +103,7 @@ def serve(base: Path) -> Iterator[Served]:
     env[IMPORT_ENV] = json.dumps(import_env(env))
     with open(log_path, "wb") as log:
         server = subprocess.Popen(
-            [sys.executable, str(DOC_SHELL), "serve", str(sock), ",".join(PRELOAD)],
+            [sys.executable, str(DOC_SHELL), "serve", str(sock), ",".join(TRAINER_PRELOAD)],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         try:

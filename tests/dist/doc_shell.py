@@ -48,12 +48,13 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.
 CHECKED = ("trainer.train", "trainer.plan")  # what check mode validates instead of running
 SERVED_PREFIXES = ("trainer.", "torch.distributed.run", "scripts.", "tests.")
 IMPORT_ENV = "DOC_TEST_IMPORT_ENV"  # the server's import-time environment (JSON; see `import_env`)
-# Variables read when torch, transformers (and huggingface_hub, tqdm) are imported: a request whose
-# values differ from the server's is not served (the preloaded modules would carry the server's).
+# Variables read when the preloaded modules (torch, transformers, huggingface_hub, datasets, tqdm,
+# matplotlib) are imported: a request whose values differ from the server's is not served (the
+# preloaded modules would carry the server's).
 _IMPORT_NAMES = ("PYTHONPATH", "PYTHONHASHSEED", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_HOME",
                  "TORCH_LOGS", "TRANSFORMERS_CACHE", "TRANSFORMERS_OFFLINE", "TRANSFORMERS_VERBOSITY",
-                 "HUGGINGFACE_HUB_CACHE", "HF_HOME", "HF_ENDPOINT", "SACREBLEU")  # fmt: skip
-_IMPORT_PREFIXES = ("HF_HUB_", "TQDM_", "TORCHINDUCTOR_", "TORCHDYNAMO_")
+                 "HUGGINGFACE_HUB_CACHE", "HF_HOME", "HF_ENDPOINT", "SACREBLEU", "MPLBACKEND", "MPLCONFIGDIR")  # fmt: skip
+_IMPORT_PREFIXES = ("HF_HUB_", "HF_DATASETS_", "TQDM_", "TORCHINDUCTOR_", "TORCHDYNAMO_")
 
 
 def import_env(env: dict[str, str]) -> dict[str, str]:

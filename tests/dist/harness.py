@@ -8,7 +8,7 @@ once (`TRAINER_PRELOAD`), instead of fresh interpreters that each import them (s
 rank on 2 cores: an empty 8-rank group took 22 s, now 4 s); `preload=()` spawns fresh
 interpreters instead. The first forkserver of the process fixes its preload and its own
 environment, so each rank is handed the caller's environment at the call (plus `env`), as a
-spawned one would inherit it; preload only modules that start no thread.
+spawned one would inherit it; preload only modules whose threads (if any) survive a fork.
 
 Each rank gets WORLD_SIZE/RANK/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_* in its environment, an initialised gloo default group with a collective timeout,
 and its return value is sent back (must be picklable). A rank that raises makes
@@ -28,9 +28,15 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-# What a group running the trainer preloads (`preload=`): torch, transformers and the trainer,
-# none of which starts a thread at import (`datasets`, whose pyarrow does, is imported by each rank).
-TRAINER_PRELOAD = ("torch", "transformers", "trainer.run.loop", "trainer.config.parse")
+# What a group running the trainer preloads (`preload=`): torch, transformers, the trainer and what a
+# run imports on first use: `datasets` (with pandas and pyarrow), the built-in corpus's CLDR data,
+# matplotlib for curves.png; together two seconds of CPU per rank on 2 cores. Only pyarrow starts a
+# thread at import (jemalloc's background thread, fork-safe: datasets' own `map(num_proc=)` forks
+# with it). Then tests/dist/frozen.py freezes the collector's view of them. tests/served.py's server
+# preloads the same.
+TRAINER_PRELOAD = ("torch", "transformers", "trainer.run.loop", "trainer.config.parse", "datasets",
+                   "trainer.data.corpus", "matplotlib.figure", "matplotlib.backends.backend_agg",
+                   "tests.dist.frozen")  # fmt: skip
 
 
 def free_port() -> int:

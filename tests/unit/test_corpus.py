@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.data.corpus import CorpusError, build_builtin_corpus, split_of, to_hf_dataset
+from trainer.data.corpus import (
+    CorpusError,
+    build_builtin_corpus,
+    cached_builtin_corpus,
+    split_of,
+    to_hf_dataset,
+)
 
 LANGS = ["en", "de", "fr", "es", "it", "pt", "ru", "ja"]
 
@@ -66,3 +72,24 @@ def test_hf_format() -> None:
 def test_unsupported_language_is_named() -> None:
     with pytest.raises(CorpusError, match=r"\['xx'\].*supported"):
         build_builtin_corpus(["en", "xx"], 10, seed=0)
+
+
+def test_cached_corpus_is_the_built_one_read_back(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's ranks and later runs read the corpus back (trainer/data/sources.py keeps it in the
+    datasets cache); other arguments are another file, and a damaged file is rebuilt."""
+    from trainer.data import corpus as corpus_module
+
+    built = build_builtin_corpus(["en", "de"], 300, seed=3)
+    assert cached_builtin_corpus(["en", "de"], 300, 3, tmp_path) == built
+    [kept] = tmp_path.glob("builtin-*.json")
+    monkeypatch.setattr(
+        corpus_module, "build_builtin_corpus", lambda *a: pytest.fail("rebuilt a kept corpus")
+    )
+    assert cached_builtin_corpus(["en", "de"], 300, 3, tmp_path) == built
+    monkeypatch.undo()
+    assert cached_builtin_corpus(["en", "de"], 300, 4, tmp_path) != built  # another seed: another file
+    assert len(list(tmp_path.glob("builtin-*.json"))) == 2
+    kept.write_text('{"train": [')  # a damaged file (not written by this code, which renames whole files)
+    assert cached_builtin_corpus(["en", "de"], 300, 3, tmp_path) == built
+    assert cached_builtin_corpus(["en", "de"], 300, 3, None) == built  # no cache: built each time
+    assert not list(tmp_path.glob("*.tmp"))

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from trainer.progress import PROGRESS_LOGGER, Progress, format_duration
+from trainer.run import tracking
 from trainer.run.console import eval_line, predict_line, train_line
 from trainer.run.curves import read_rows, render_curves
 from trainer.run.tracking import Tracker
@@ -106,17 +107,22 @@ def test_curves_from_rows_with_missing_keys(tmp_path: Path) -> None:
     assert _check_png(png) == (990, 630)
 
 
-def test_tracker_draws_curves_from_metrics_jsonl(tmp_path: Path) -> None:
+def test_tracker_draws_curves_from_metrics_jsonl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "lo')  # a torn line
     t = Tracker(str(tmp_path), enabled=True, disable_tqdm=True, initial_step=1)  # keeps step 1
     sent: list[tuple[int, str, str]] = []
     t.log_image = lambda step, key, path: sent.append((step, key, path))  # type: ignore[method-assign]
     t.log({**TRAIN, "step": 2})
+    assert t.draw_curves(2) is None  # an evaluation within CURVES_EVERY_S of the start: not drawn
     t.log({**EVAL, "step": 2})
-    assert t.draw_curves(2) == str(tmp_path / "curves.png")
+    assert t.draw_curves(2, final=True) == str(tmp_path / "curves.png")  # the end: always
     assert sent == [(2, "curves", str(tmp_path / "curves.png"))]  # W&B: train/curves
     assert [r["step"] for r in read_rows(tmp_path / "metrics.jsonl")] == [1, 2, 2]
-    assert t.draw_curves(2) is None  # no new row: not redrawn
+    assert t.draw_curves(2, final=True) is None  # no new row: not redrawn
+    t.log({**EVAL, "step": 3})
+    assert t.draw_curves(3) is None  # within CURVES_EVERY_S of the last drawing
+    monkeypatch.setattr(tracking, "CURVES_EVERY_S", 0.0)
+    assert t.draw_curves(3) == str(tmp_path / "curves.png")  # past it
     t.close()
     _check_png(tmp_path / "curves.png")
     assert Tracker(str(tmp_path / "other"), enabled=False).draw_curves(1) is None

@@ -19,9 +19,13 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import hashlib
+import json
+import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
 
 import babel
 import babel.dates
@@ -284,6 +288,36 @@ def build_builtin_corpus(languages: Sequence[str], size: int, seed: int) -> dict
         seen_texts.add(texts)
         out[split_of(item.key)].append(record)
     return out
+
+
+def cached_builtin_corpus(
+    languages: Sequence[str], size: int, seed: int, cache_dir: Path | None
+) -> dict[str, list[Record]]:
+    """`build_builtin_corpus`, kept as JSON in `cache_dir` (None: not kept), as `datasets` keeps a
+    downloaded corpus: a run's ranks and later runs read it back instead of rendering it again (a
+    second of CPU per rank at 1,500 items). The key holds the arguments, this module's source and the
+    versions of the packages that render the texts, so a change of any of them builds anew; the file
+    appears whole (written aside, then renamed), so ranks building it at once cannot tear it."""
+    if cache_dir is None:
+        return build_builtin_corpus(languages, size, seed)
+    versions = [metadata.version(p) for p in ("num2words", "babel", "pycountry")]
+    key = json.dumps(
+        [list(languages), size, seed, versions, hashlib.sha256(Path(__file__).read_bytes()).hexdigest()]
+    )
+    path = cache_dir / f"builtin-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    try:
+        return dict(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        pass  # not there yet (or unreadable): build it
+    corpus = build_builtin_corpus(languages, size, seed)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(corpus, ensure_ascii=False), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache: the corpus is rebuilt next time
+    return corpus
 
 
 def to_hf_dataset(records: Sequence[Record]):  # -> datasets.Dataset (imported lazily)

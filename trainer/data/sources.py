@@ -73,10 +73,13 @@ def _builtin(
     splits: Sequence[str] = ("train", "validation"),
 ) -> list[Any]:
     """The builtin corpus's `splits` ("train", "validation", "test"), one column per language."""
-    from trainer.data.corpus import CorpusError, build_builtin_corpus, to_hf_dataset
+    import datasets
 
+    from trainer.data.corpus import CorpusError, cached_builtin_corpus, to_hf_dataset
+
+    cache = Path(datasets.config.HF_DATASETS_CACHE) / "trainer_builtin"
     try:
-        corpus = build_builtin_corpus(languages, data_args.builtin_size, seed)
+        corpus = cached_builtin_corpus(languages, data_args.builtin_size, seed, cache)
     except CorpusError as e:
         raise DataError(str(e)) from None
     return [flat_translation(to_hf_dataset(corpus[split]), languages, "builtin corpus") for split in splits]

@@ -2,7 +2,7 @@
 
 run              resume point (checked) -> validate -> claim output dir (lock, fresh-start
                  cleanup) -> setup_run -> resume_state -> tracker, evaluator -> ...
-                 (every evaluation row is logged to the console and redraws curves.png)
+                 (every evaluation row is logged to the console; curves.png redrawn once a minute at most)
 train_loop       per step: train_step (guarded) -> log_row -> timeline (once) -> preempted? save + exit
                  -> maybe_eval_and_save (eval/save strategies, best model, early stop: trainer.run.strategies)
 finish_run       final eval -> checkpoint -> best model loaded -> do_predict (trainer.eval.predict,
@@ -107,7 +107,7 @@ def _run(ctx: RunContext, cfg: JobConfig, launcher: ParentWatch | None) -> dict[
         try:
             totals = train_loop(ctx, tracker, evaluator, step, guard) if args.do_train else LoopTotals(step)
         except (Preempted, DivergenceError):  # agreed by every rank: the save in flight can finish
-            tracker.draw_curves(tracker.step)  # the curves up to the stop (a divergence shows there)
+            tracker.draw_curves(tracker.step, final=True)  # up to the stop (a divergence shows there)
             tracker.close()  # rows are already on disk; this ends the W&B run and the progress bar
             ctx.saver.wait()
             raise
@@ -360,7 +360,7 @@ def finish_run(
         print_summary(summary)
         logger.info("memory per rank: %s", "; ".join(memory_lines(summary["memory"])))
     summary["history"] = tracker.history
-    tracker.draw_curves(step)  # the last rows since the last evaluation (none drawn twice)
+    tracker.draw_curves(step, final=True)  # the last rows since the last drawing (none drawn twice)
     tracker.close()
     dist.barrier()
     return summary

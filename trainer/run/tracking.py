@@ -15,7 +15,8 @@ steps after the one this session starts from (a resumed run repeats them), atomi
 The console gets each row too (`trainer.run.console`): a line per training row when the
 progress bar is off (`disable_tqdm`: a SLURM log shows every logged step), a line per
 evaluation row always. `draw_curves` redraws `curves.png` from metrics.jsonl
-(`trainer.run.curves`) and sends it to W&B.
+(`trainer.run.curves`) and sends it to W&B: at an evaluation once `CURVES_EVERY_S` have passed
+since the last drawing (or the start), and always at the end or a stop.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 console = logging.getLogger(PROGRESS_LOGGER)
 
 BACKENDS = ("wandb", "tensorboard")
+CURVES_EVERY_S = 60.0  # curves.png at an evaluation at most this often (always at the end)
 
 
 def dashboard_key(key: str) -> str:
@@ -79,6 +81,7 @@ class Tracker:
         self.max_steps, self.step = max_steps, initial_step  # `step`: advanced by `advance`
         self._clock: tuple[float, int] | None = None  # (time, step) at the first advance: the ETA's origin
         self._drawn_rows = -1  # len(history) at the last draw_curves: no new row, no redraw
+        self._drawn_at = time.monotonic()  # the last drawing (or the start): see CURVES_EVERY_S
         if not enabled:
             return
         cut_metrics(self.path, initial_step)
@@ -157,12 +160,16 @@ class Tracker:
 
         self.wandb.log({dashboard_key(key): wandb.Image(path)}, step=step)
 
-    def draw_curves(self, step: int) -> str | None:
+    def draw_curves(self, step: int, final: bool = False) -> str | None:
         """Redraw `curves.png` beside metrics.jsonl from its rows (`trainer.run.curves`) and send it
-        to W&B as `train/curves`; returns its path. A drawing failure is a warning, never the run's end."""
+        to W&B as `train/curves`; returns its path, or None when not drawn: no new row, or (unless
+        `final`: the end of the run, a stop) less than `CURVES_EVERY_S` since the last drawing. A
+        drawing failure is a warning, never the run's end."""
         if not self.enabled or self._drawn_rows == len(self.history):
             return None
-        self._drawn_rows = len(self.history)
+        if not final and time.monotonic() - self._drawn_at < CURVES_EVERY_S:
+            return None  # a drawing costs ~0.4 s of CPU: not at each of a short run's evaluations
+        self._drawn_rows, self._drawn_at = len(self.history), time.monotonic()
         from trainer.run.curves import read_rows, render_curves
 
         png = self.path.with_name("curves.png")
