@@ -117,7 +117,8 @@ def test_torch_compile_equals_eager(one_process, tmp_path, inductor_env) -> None
         comp = summary["compile"]
         assert comp["torch_compile"] and comp["graphs_warmup"] > 0, (name, comp)
         assert comp["recompiles_after_warmup"] == 0, (name, comp)  # lengths vary from step to step
-    for breaks, _ in results:  # every rank: a tp=2 layer is one graph (dropout off), with and without sp
+    assert all(results[r][0] for r in (0, 1)) and not any(b for b, _ in results[2:]), "ranks 0-1 capture"
+    for breaks, _ in results[:2]:  # each rank of a tp pair: a tp=2 layer is one graph (dropout off), with and without sp
         for key, layers in breaks.items():
             if "dropout=0.0" in key:
                 assert all(v == (1, 0) for v in layers.values()), (key, layers)
