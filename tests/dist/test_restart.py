@@ -100,8 +100,12 @@ def test_killed_rank_restarts_resumes_and_matches_uninterrupted_run(served: Serv
     reference = _rows_by_step(outs["reference"])
     assert sorted(reference) == list(range(1, MAX_STEPS + 1)), jobs.report()
     log = jobs.output(1)
-    # The first attempt really died (SIGKILL = exit code -9) and the second resumed.
-    assert "exitcode: -9" in log, jobs.report()
+    # The first attempt really died and the second resumed. torchrun names the failure it dates first:
+    # rank 1's SIGKILL (exit code -9), or rank 0's, whose step-5 barrier lost its peer (its error file,
+    # written as it exits, can carry the earlier time).
+    assert "exitcode: -9" in log or f"barrier that starts step {KILL_STEP} over all ranks, then failed" in log, (
+        jobs.report()
+    )
     assert f"restart 1 of 1: resuming from {outs['killed'] / f'checkpoint-{SAVE_STEPS}'}" in log, log[-6000:]
     assert "connectFullMesh" not in log, log[-6000:]
     assert _rows_by_step(outs["killed"]) == reference
