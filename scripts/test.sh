@@ -4,7 +4,8 @@
 #   scripts/test.sh -m "not slow"   # quick tier (extra args go to pytest)
 # Tests run in TEST_WORKERS pytest-xdist workers (default 2: the suite's single-process phases
 # run one thread each, OMP_NUM_THREADS=1); a module stays on one worker, its fixtures built
-# once (docs/development.md has the times). TEST_WORKERS=0 runs them in this process.
+# once, the longest modules first (tests/conftest.py's order, which xdist's reorder by test count
+# would undo); docs/development.md has the times. TEST_WORKERS=0 runs them in this process.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -16,5 +17,5 @@ echo "== ruff"; ruff check . && ruff format --check models parallel trainer test
 echo "== mypy"; mypy
 WORKERS="${TEST_WORKERS:-2}"
 XDIST=()
-[ "$WORKERS" != 0 ] && XDIST=(-n "$WORKERS" --dist loadfile)
+[ "$WORKERS" != 0 ] && XDIST=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)
 echo "== pytest"; python -m pytest -q -p no:cacheprovider "${XDIST[@]}" "$@"
