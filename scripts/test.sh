@@ -4,8 +4,8 @@
 #   scripts/test.sh -m "not slow"   # quick tier (extra args go to pytest)
 # Tests run in TEST_WORKERS pytest-xdist workers (default 2: the suite's single-process phases
 # run one thread each, OMP_NUM_THREADS=1); a module stays on one worker, its fixtures built
-# once, the longest modules first (tests/conftest.py's order, which xdist's reorder by test count
-# would undo); docs/development.md has the times. TEST_WORKERS=0 runs them in this process.
+# once, in xdist's order (most tests first: the unit modules fill the cores while the group tests
+# wait; tests/conftest.py); docs/development.md has the times. TEST_WORKERS=0: in this process.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -17,5 +17,5 @@ echo "== ruff"; ruff check . && ruff format --check models parallel trainer test
 echo "== mypy"; mypy
 WORKERS="${TEST_WORKERS:-2}"
 XDIST=()
-[ "$WORKERS" != 0 ] && XDIST=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)
+[ "$WORKERS" != 0 ] && XDIST=(-n "$WORKERS" --dist loadfile)
 echo "== pytest"; python -m pytest -q -p no:cacheprovider "${XDIST[@]}" "$@"
