@@ -89,7 +89,8 @@ def test_cached_corpus_is_the_built_one_read_back(tmp_path, monkeypatch: pytest.
     monkeypatch.undo()
     assert cached_builtin_corpus(["en", "de"], 300, 4, tmp_path) != built  # another seed: another file
     assert len(list(tmp_path.glob("builtin-*.json"))) == 2
-    kept.write_text('{"train": [')  # a damaged file (not written by this code, which renames whole files)
-    assert cached_builtin_corpus(["en", "de"], 300, 3, tmp_path) == built
+    for damaged in ('{"train": [', '["train"]', '{"train": []}'):  # not this code's (it renames whole files)
+        kept.write_text(damaged)
+        assert cached_builtin_corpus(["en", "de"], 300, 3, tmp_path) == built
     assert cached_builtin_corpus(["en", "de"], 300, 3, None) == built  # no cache: built each time
     assert not list(tmp_path.glob("*.tmp"))

@@ -306,7 +306,9 @@ def cached_builtin_corpus(
     )
     path = cache_dir / f"builtin-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
     try:
-        return dict(json.loads(path.read_text(encoding="utf-8")))
+        kept = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(kept, dict) and all(isinstance(kept.get(s), list) for s in SPLITS):
+            return kept
     except (OSError, ValueError):
         pass  # not there yet (or unreadable): build it
     corpus = build_builtin_corpus(languages, size, seed)
