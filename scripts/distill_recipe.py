@@ -116,8 +116,10 @@ def write_data(args: argparse.Namespace, work: Path) -> dict[str, Path]:
 
 
 def run(cmd: list[str], log: Path, threads: int) -> float:
-    """Run a project command to `log`; its wall time. Raises on failure, with the log's tail."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+    """Run a project command to `log`; its wall time. Raises on failure, with the log's tail.
+    `python -m` in the clone (cwd) finds the project without a PYTHONPATH of its own (the caller's is
+    kept: a preloaded test interpreter serves only commands whose import environment is its own)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
            "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "WANDB_MODE": "disabled"}  # fmt: skip
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
@@ -180,7 +182,7 @@ def main() -> None:
     def job(name: str, flags: list[str], n: int, after: Path | None = None) -> None:
         if after is not None:  # the teacher's tokenizer (model_config.json: written after it)
             while not after.is_file():
-                time.sleep(5)
+                time.sleep(0.2)
         ckpts[name], walls[name] = train(
             name if name == "teacher" else f"student-{name}", flags, n, work, threads
         )

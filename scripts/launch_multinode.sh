@@ -93,11 +93,14 @@ if [[ $# -eq 0 ]]; then
 fi
 
 # Relative paths in the arguments stay relative to the caller's directory; the
-# trainer package is found through PYTHONPATH even when run from elsewhere.
-case ":${PYTHONPATH:-}:" in
-    *":$REPO_DIR:"*) ;;
-    *) export PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" ;;
-esac
+# trainer package is found through PYTHONPATH when run from elsewhere (from the
+# clone itself `python -m` finds it, and PYTHONPATH stays as the caller set it).
+if [[ "$(pwd -P)" != "$(cd "$REPO_DIR" && pwd -P)" ]]; then
+    case ":${PYTHONPATH:-}:" in
+        *":$REPO_DIR:"*) ;;
+        *) export PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" ;;
+    esac
+fi
 if [[ "$MAX_RESTARTS" != "0" ]]; then
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 fi
