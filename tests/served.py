@@ -98,7 +98,7 @@ def serve(base: Path) -> Iterator[Served]:
     env.update({
         "DOC_TEST_SOCKET": str(sock), "DOC_TEST_PYTHON": sys.executable,
         "DOC_TEST_CLIENT": str(shims / "doc-client"), "DOC_TEST_SHIMS": str(shims),
-        "TORCHRUN": str(shims / "torchrun"),
+        "TORCHRUN": str(shims / "torchrun"), "DOC_TEST_FALLBACKS": str(base / "fallbacks.jsonl"),
     })  # fmt: skip
     env[IMPORT_ENV] = json.dumps(import_env(env))
     with open(log_path, "wb") as log:

@@ -47,6 +47,7 @@ TRAIN_ARGS_ENV = "DOC_TEST_TRAIN_ARGS"
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 CHECKED = ("trainer.train", "trainer.plan")  # what check mode validates instead of running
 SERVED_PREFIXES = ("trainer.", "torch.distributed.run", "scripts.", "tests.")
+FALLBACKS_ENV = "DOC_TEST_FALLBACKS"  # a file that collects why commands ran unserved (`_note_fallback`)
 IMPORT_ENV = "DOC_TEST_IMPORT_ENV"  # the server's import-time environment (JSON; see `import_env`)
 # Variables read when the preloaded modules (torch, transformers, huggingface_hub, datasets, tqdm,
 # matplotlib) are imported: a request whose values differ from the server's is not served (the
@@ -156,10 +157,24 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return buf
 
 
+def _note_fallback(argv: list[str]) -> None:
+    """Append to `$DOC_TEST_FALLBACKS` (when set) why `argv` runs in a real interpreter: the import
+    variables that differ from the server's (a fallback costs seconds of imports; tests/served.py)."""
+    path = os.environ.get(FALLBACKS_ENV)
+    if not path:
+        return
+    served = json.loads(os.environ.get(IMPORT_ENV, "{}"))
+    mine = import_env(dict(os.environ))
+    differ = sorted(k for k in set(served) | set(mine) if served.get(k) != mine.get(k))
+    with open(path, "a") as f:
+        f.write(json.dumps({"argv": argv[:4], "cwd": os.getcwd(), "differ": differ}) + "\n")
+
+
 def client(argv: list[str]) -> int:
     req = _request(argv)
     if req is None:
         real = os.environ[PYTHON_ENV]
+        _note_fallback(argv)
         os.execv(real, [real, *argv])
     req["cwd"] = os.getcwd()
     if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform.startswith("linux"):
