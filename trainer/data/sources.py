@@ -229,13 +229,15 @@ def _to_pairs(
     return count_and_drop(pairs, split, skipped)
 
 
-def load_raw_datasets(data_args: DataArguments, seed: int) -> RawDatasets:
+def load_raw_datasets(data_args: DataArguments, seed: int, validation: bool = True) -> RawDatasets:
     """Load the run's parallel text as sentence pairs, one row per (record, direction).
 
     Args:
         data_args: where the data is (`train_file` / `validation_file` / `dataset_name`)
             and the run's directions.
         seed: seed of the builtin corpus.
+        validation: False: the validation records are read (a bad file is still an error) but not
+            made into pairs, as for a run that evaluates nothing (HF's eval_dataset without do_eval).
 
     Returns:
         `RawDatasets(train, validation, skipped)`: train mixes all directions; validation
@@ -251,12 +253,14 @@ def load_raw_datasets(data_args: DataArguments, seed: int) -> RawDatasets:
     directions = data_args.directions()
     languages = run_languages(data_args)
     train_flat, val_flat, unreadable = _load_flat(data_args, languages, seed)
+    if not validation:
+        val_flat = None
     skipped: dict[str, dict[str, int]] = {}
-    validation = _direction_pairs(
+    validation_pairs = _direction_pairs(
         val_flat, data_args, "validation", skipped, unreadable["validation"]
     ) if val_flat is not None else {}  # fmt: skip
     if train_flat is None:  # streaming: trainer.data.streaming reads the training shards
-        return RawDatasets(None, validation, skipped)
+        return RawDatasets(None, validation_pairs, skipped)
     if data_args.max_train_samples is not None:
         train_flat = train_flat.select(range(min(data_args.max_train_samples, len(train_flat))))
     _bucket(skipped, "train")[UNREADABLE] = unreadable["train"]
@@ -267,8 +271,8 @@ def load_raw_datasets(data_args: DataArguments, seed: int) -> RawDatasets:
             f"for {[direction_name(d) for d in directions]} (skipped: {skipped['train']})"
         )
     logger.info("data: %d training pairs over %d directions; validation %s", len(train), len(directions),
-                {k: len(v) for k, v in validation.items()})  # fmt: skip
-    return RawDatasets(train, validation, skipped)
+                {k: len(v) for k, v in validation_pairs.items()})  # fmt: skip
+    return RawDatasets(train, validation_pairs, skipped)
 
 
 def _direction_pairs(

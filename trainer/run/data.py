@@ -62,14 +62,14 @@ def setup_data(cfg: JobConfig, out: Path, rank: int, resume: ResumePoint | None)
         from trainer.data.streaming import open_corpus, sample_texts, stream_spec
 
         spec, expected = stream_spec(open_corpus(d), d, seed)
-        raw = load_raw_datasets(d, seed)  # validation only
+        raw = load_raw_datasets(d, seed, bool(evaluations_asked(cfg.training)))  # validation only
         require_eval_data(cfg, raw)
         test_raw = load_test_pairs(d, seed) if cfg.training.do_predict else None
         tok = setup_tokenizer(
             cfg, lambda: sample_texts(spec, expected, d.spm_input_sentence_size, seed), out, rank, resume
         )
         return RunData(tok, tokenize_datasets(raw, tok, d), test_raw, (spec, expected))
-    raw = load_raw_datasets(d, seed)
+    raw = load_raw_datasets(d, seed, bool(evaluations_asked(cfg.training)))  # no eval: no validation pairs
     require_eval_data(cfg, raw)
     test_raw = load_test_pairs(d, seed) if cfg.training.do_predict else None
     tok = setup_tokenizer(cfg, lambda: training_texts(raw.train), out, rank, resume)
