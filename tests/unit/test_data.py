@@ -106,6 +106,19 @@ def test_jsonl_and_parquet(tmp_path: Path, corpus: dict, fmt: str) -> None:
     assert len(raw.validation["en-fr"]) == 50
 
 
+def test_a_run_without_evaluation_reads_but_does_not_pair_validation(tmp_path: Path, corpus: dict) -> None:
+    """`validation=False` (trainer.run.data: no evaluation asked): no validation pairs to make or
+    tokenize, and a bad validation file is still an error."""
+    path = _write_jsonl(tmp_path / "train.jsonl", _records(corpus, 30, ["en", "de"]))
+    args = _args(train_file=str(path), validation_file=str(path), source_lang="en", target_lang="de")
+    raw = load_raw_datasets(args, 0, validation=False)
+    assert len(raw.train) == 30 and raw.validation == {}
+    assert len(load_raw_datasets(args, 0).validation["en-de"]) == 30
+    args.validation_file = str(tmp_path / "missing.jsonl")
+    with pytest.raises(DataError, match="missing.jsonl"):
+        load_raw_datasets(args, 0, validation=False)
+
+
 def test_dataset_directory_and_builtin(tmp_path: Path, corpus: dict) -> None:
     _write_jsonl(tmp_path / "train.jsonl", _records(corpus, 40, ["en", "de"]))
     _write_jsonl(tmp_path / "validation.jsonl", _records(corpus, 10, ["en", "de"]))
