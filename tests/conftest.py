@@ -22,9 +22,9 @@ DIST = Path(__file__).parent / "dist"
 QUICK_DIST = {"test_tensor_parallel.py"}
 # No order of modules is set here: under pytest-xdist (`--dist loadfile`, scripts/test.sh) xdist
 # starts the modules with the most tests first, which interleaves the unit modules' one-process work
-# with the group tests' waits (rendezvous, signals). Measured on 2 cores: 12 min 32 s that way,
-# 14 min 45 s with the longest modules first, 16 min 31 s with the compiled-parity
-# module first (docs/development.md).
+# with the group tests' waits (rendezvous, signals). Measured on 2 cores within one hour: 12 min 32 s
+# that way (an outlier: the same code took 16-18 min later), 14 min 45 s with the longest modules
+# first, 16 min 31 s with the compiled-parity module first (docs/development.md).
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
