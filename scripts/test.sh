@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv if missing, install with test extras, then lint, type-check and run every test.
+# Create .venv if missing, install with test extras, then lint, type-check (beside pytest) and run every test.
 #   scripts/test.sh                 # everything (CPU; gloo multi-process tests included)
 #   scripts/test.sh -m "not slow"   # quick tier (extra args go to pytest)
 # Tests run in TEST_WORKERS pytest-xdist workers (default 2: the suite's single-process phases
@@ -14,8 +14,19 @@ bash scripts/_setup_env.sh test
 . .venv/bin/activate
 export HF_DATASETS_DISABLE_PROGRESS_BARS=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1 WANDB_MODE=disabled
 echo "== ruff"; ruff check . && ruff format --check models parallel trainer tests scripts
-echo "== mypy"; mypy
+# mypy runs on one core for about 50 s: beside pytest (whose workers keep both cores busy), it
+# costs the suite half that. Its report and status come after pytest's; either failing fails.
+MYPY_LOG="$(mktemp)"
+mypy >"$MYPY_LOG" 2>&1 &
+MYPY_PID=$!
 WORKERS="${TEST_WORKERS:-2}"
 XDIST=()
 [ "$WORKERS" != 0 ] && XDIST=(-n "$WORKERS" --dist loadfile)
-echo "== pytest"; python -m pytest -q -p no:cacheprovider "${XDIST[@]}" "$@"
+PYTEST_RC=0
+echo "== pytest"; python -m pytest -q -p no:cacheprovider "${XDIST[@]}" "$@" || PYTEST_RC=$?
+MYPY_RC=0
+wait "$MYPY_PID" || MYPY_RC=$?
+echo "== mypy (ran beside pytest)"; cat "$MYPY_LOG"; rm -f "$MYPY_LOG"
+[ "$MYPY_RC" = 0 ] || echo "mypy failed (exit $MYPY_RC)" >&2
+[ "$PYTEST_RC" = 0 ] || exit "$PYTEST_RC"
+exit "$MYPY_RC"

@@ -30,13 +30,15 @@ import torch.multiprocessing as mp
 
 # What a group running the trainer preloads (`preload=`): torch, transformers, the trainer and what a
 # run imports on first use: `datasets` (with pandas and pyarrow), the built-in corpus's CLDR data,
-# matplotlib for curves.png; together two seconds of CPU per rank on 2 cores. Only pyarrow starts a
+# matplotlib for curves.png, `AutoTokenizer` for an HF tokenizer directory (transformers works out
+# its lazy import structure on first use: 0.7 CPU-s a process after the rest); together three
+# seconds of CPU per rank on 2 cores. Only pyarrow starts a
 # thread at import (jemalloc's background thread, fork-safe: datasets' own `map(num_proc=)` forks
 # with it). Then tests/dist/frozen.py freezes the collector's view of them. tests/served.py's server
 # preloads the same.
 TRAINER_PRELOAD = ("torch", "transformers", "trainer.run.loop", "trainer.config.parse", "datasets",
                    "trainer.data.corpus", "matplotlib.figure", "matplotlib.backends.backend_agg",
-                   "tests.dist.frozen")  # fmt: skip
+                   "transformers.models.auto.tokenization_auto", "tests.dist.frozen")  # fmt: skip
 
 
 def free_port() -> int:
