@@ -12,12 +12,12 @@
   recompiles after the first step (run_summary.json), and a tp=2 layer is one graph with
   dropout off (its collectives traced, not broken at); with dropout its tp-split sites break it.
 
-Compiling is the cost (dynamo and AOT autograd tracing with symbolic shapes, more than inductor's
-C++): each rank compiles its stage's layers, 25-35 CPU-s. The compiled mesh has no dp axis (pp and
+Compiling is the cost (dynamo and AOT autograd tracing with symbolic shapes, then inductor's
+codegen and g++): each rank compiles its stage's layers. The compiled mesh has no dp axis (pp and
 tp are what change the compiled regions: a stage's layers, the tp collectives traced in them);
-dp reduces gradients outside the layers, at the executor's actions, and a second replica would
-compile the same layers again on 4 more ranks (its tp group has another name, so the inductor
-cache misses): (2, 2, 2) cost 130 CPU-s more for nothing compile-specific. The runs share an
+dp reduces gradients outside the layers, at the executor's actions, and a second replica
+compiles the same layers again on 4 more ranks (its tp group has another name, so the inductor
+cache misses): the group took 161 CPU-s on (2, 2, 2), 107 on (2, 1, 2). The runs share an
 inductor cache directory, with few steps.
 """
 
