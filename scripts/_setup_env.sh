@@ -47,7 +47,11 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ "$LOCK" -nt "$STAMP
   NEED_TORCH=0
   python -c "import torch" 2>/dev/null || NEED_TORCH=1
   SPLIT="$(mktemp -d)"
-  awk -v dir="$SPLIT" 'BEGIN { n = -1 } /^[A-Za-z0-9]/ { n++ } n >= 0 { print > (dir "/half" (n % 2) ".txt") }' "$LOCK"
+  # Each entry (a name line and its hash lines) to one half; pip options (`--index-url`) to both.
+  awk -v dir="$SPLIT" 'BEGIN { n = -1 }
+    /^-/ { print > (dir "/half0.txt"); print > (dir "/half1.txt"); next }
+    /^[A-Za-z0-9]/ { n++ }
+    n >= 0 { print > (dir "/half" (n % 2) ".txt") }' "$LOCK"
   PIDS=()
   for half in "$SPLIT"/half*.txt; do
     python -m pip install -q --no-compile --require-hashes --no-deps -r "$half" &
