@@ -19,6 +19,7 @@ echo "== ruff"; ruff check . && ruff format --check models parallel trainer test
 MYPY_LOG="$(mktemp)"
 mypy >"$MYPY_LOG" 2>&1 &
 MYPY_PID=$!
+trap 'kill "$MYPY_PID" 2>/dev/null; rm -f "$MYPY_LOG"' EXIT  # also when pytest is interrupted
 WORKERS="${TEST_WORKERS:-2}"
 XDIST=()
 [ "$WORKERS" != 0 ] && XDIST=(-n "$WORKERS" --dist loadfile)
@@ -26,7 +27,7 @@ PYTEST_RC=0
 echo "== pytest"; python -m pytest -q -p no:cacheprovider "${XDIST[@]}" "$@" || PYTEST_RC=$?
 MYPY_RC=0
 wait "$MYPY_PID" || MYPY_RC=$?
-echo "== mypy (ran beside pytest)"; cat "$MYPY_LOG"; rm -f "$MYPY_LOG"
+echo "== mypy (ran beside pytest)"; cat "$MYPY_LOG"
 [ "$MYPY_RC" = 0 ] || echo "mypy failed (exit $MYPY_RC)" >&2
 [ "$PYTEST_RC" = 0 ] || exit "$PYTEST_RC"
 exit "$MYPY_RC"

@@ -97,7 +97,7 @@ def test_torch_compile_equals_eager(one_process, tmp_path, inductor_env) -> None
     runs, summaries, tok = one_process
     ref = runs["eager"]
     assert len(ref) == 5
-    three = base_config(str(tmp_path / "eight"), tok, max_steps=3)
+    three = base_config(str(tmp_path / "compiled"), tok, max_steps=3)
     cases = {
         "3d-2x1x2 selective": mesh(
             pp=2, dp=1, tp=2, m=2, torch_compile=True, activation_checkpointing="selective"
