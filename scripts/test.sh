@@ -19,7 +19,7 @@ echo "== ruff"; ruff check . && ruff format --check models parallel trainer test
 MYPY_LOG="$(mktemp)"
 mypy >"$MYPY_LOG" 2>&1 &
 MYPY_PID=$!
-trap 'kill "$MYPY_PID" 2>/dev/null; rm -f "$MYPY_LOG"' EXIT  # also when pytest is interrupted
+trap 'kill "$MYPY_PID" 2>/dev/null || true; rm -f "$MYPY_LOG"' EXIT  # also when pytest is interrupted
 WORKERS="${TEST_WORKERS:-2}"
 XDIST=()
 [ "$WORKERS" != 0 ] && XDIST=(-n "$WORKERS" --dist loadfile)
