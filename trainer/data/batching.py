@@ -300,6 +300,9 @@ class GlobalBatchSampler:
                 cap, or sampling weights that do not fit the data's directions.
         """
         self.train, self.layout, self.seed = train, layout, seed
+        # The fetched columns' view, made once: `select_columns` fingerprints its arguments with dill
+        # at each call (1.1 ms, against 0.3 ms for the rows themselves, per micro-batch).
+        self._rows = train.select_columns(["input_ids", "labels"])
         self.pad_id, self.decoder_start_id = pad_id, decoder_start_id
         self.src_len, self.tgt_len = column_array(train, "src_len"), column_array(train, "tgt_len")
         self.lengths = np.maximum(self.src_len, self.tgt_len)  # padded cost per row
@@ -354,7 +357,7 @@ class GlobalBatchSampler:
         return [batches[i] for i in rng.permutation(len(batches))]
 
     def _fetch(self, indices: np.ndarray) -> Seq2SeqBatch:
-        rows = self.train.select_columns(["input_ids", "labels"])[[int(i) for i in indices]]
+        rows = self._rows[[int(i) for i in indices]]
         return collate(rows["input_ids"], rows["labels"], self.pad_id, self.decoder_start_id,
                        self.layout.pad_to_multiple_of)  # fmt: skip
 
