@@ -14,7 +14,7 @@ bash scripts/_setup_env.sh test
 . .venv/bin/activate
 export HF_DATASETS_DISABLE_PROGRESS_BARS=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1 WANDB_MODE=disabled
 echo "== ruff"; ruff check . && ruff format --check models parallel trainer tests scripts
-# mypy runs on one core for about 50 s: beside pytest (whose workers keep both cores busy), it
+# mypy runs on one core for about 26 s: beside pytest (whose workers keep both cores busy), it
 # costs the suite half that. Its report and status come after pytest's; either failing fails.
 MYPY_LOG="$(mktemp)"
 mypy >"$MYPY_LOG" 2>&1 &
