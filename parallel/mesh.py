@@ -354,6 +354,7 @@ class ParallelMesh:
     coords: tuple[int, int, int]
     expert_mesh: DeviceMesh | None = None  # (pp, edp, ep, tp), when ep > 1
     _pp_subgroups: dict[tuple[int, ...], ProcessGroup] = field(default_factory=dict, repr=False)
+    _sub_meshes: dict[Axis | tuple[Axis, ...], DeviceMesh] = field(default_factory=dict, repr=False)
 
     @property
     def pp_rank(self) -> int:
@@ -382,10 +383,17 @@ class ParallelMesh:
         """This process's global rank."""
         return coords_to_rank(self.coords, self.dims.shape)
 
-    def __getitem__(self, axis: Axis) -> DeviceMesh:
-        """The 1-D sub-mesh of `axis` that holds this rank (torchtitan's `mesh["tp"]`); "edp" is
-        the dp sub-mesh when ep is 1; "ep" exists only when ep > 1."""
-        if axis in AXES:
+    def __getitem__(self, axis: Axis | tuple[Axis, ...]) -> DeviceMesh:
+        """The 1-D sub-mesh of `axis` that holds this rank (torchtitan's `mesh["tp"]`), or of several
+        (pp, dp, tp) axes (`mesh["dp", "tp"]`); "edp" is the dp sub-mesh when ep is 1; "ep" exists
+        only when ep > 1. Made once per key: DeviceMesh slices anew at each `[]` (1.7 ms on CPU; a
+        checkpoint wraps every tp-sharded tensor in one)."""
+        if axis not in self._sub_meshes:
+            self._sub_meshes[axis] = self._slice(axis)
+        return self._sub_meshes[axis]
+
+    def _slice(self, axis: Axis | tuple[Axis, ...]) -> DeviceMesh:
+        if isinstance(axis, tuple) or axis in AXES:
             return self.device_mesh[axis]
         if self.expert_mesh is not None:
             return self.expert_mesh[axis]

@@ -247,7 +247,7 @@ def logical(
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(
         piece,
-        mesh.device_mesh["dp", "tp"],
+        mesh["dp", "tp"],
         [dp_place, Shard(tp_dim)],
         run_check=False,
         shape=torch.Size(shape),

@@ -31,6 +31,7 @@ import torch
 from tests.dist.guard_workers import guard_cases
 from tests.dist.harness import run_distributed
 from tests.dist.train_workers import base_config, mesh_overrides
+from tests.served import Served
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
@@ -145,39 +146,40 @@ TORCHRUN_JOBS = ("usr1", "ctrl_c", "agent_killed")  # what is done to each 2-ran
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> dict[str, dict[str, Any]]:
+def launched(tmp_path_factory, served: Served) -> dict[str, dict[str, Any]]:
     """Five launches at once: `python -m trainer.train` with lr 1e6 (diverges); a torchrun job of 2
     ranks with a config error; and three torchrun jobs on 2 ranks (pp=2) that, once they log step 2,
     get: SIGUSR1 to their workers (SLURM `--signal=USR1@N`); Ctrl-C (SIGINT to torchrun's process
     group, as a terminal sends it); a SIGKILL of torchrun's agent alone. Per launch: its exit status
     (None where it is not ours to reap), its output, its output_dir, the worker pids and whether
-    they were gone in time. Real interpreters, not tests/served.py's: the tests look at the process
-    tree (the agent's children, a dead agent)."""
+    they were gone in time. The three signalled jobs run in real interpreters, not tests/served.py's:
+    their tests look at the process tree (the agent's children, a dead agent); the other two are
+    served (5 CPU-s of imports saved per interpreter)."""
     tmp = tmp_path_factory.mktemp("launched")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     procs: dict[str, subprocess.Popen[str]] = {}
     jobs: dict[str, dict[str, Any]] = {}
 
-    def start(name: str, cmd: list[str], **env: str) -> None:
+    def start(name: str, cmd: list[str], env: dict[str, str]) -> None:
         jobs[name] = {"out": tmp / name, "log": tmp / f"{name}.log", "workers": []}
         with jobs[name]["log"].open("w") as log:  # a file, not a pipe: no writer can block on it
             procs[name] = subprocess.Popen(
                 cmd,
                 cwd=ROOT,
-                env=_env(**env),
+                env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 text=True,
                 start_new_session=True,
             )
 
-    start("diverge", [sys.executable, *_train_args(tmp / "diverge", "--learning_rate", "1e6")])
+    start("diverge", served.cmd(*_train_args(tmp / "diverge", "--learning_rate", "1e6")), served.environ())
     # the grace covers ranks that reach the error far apart on a loaded host
-    start("bad", [*torchrun, *_train_args(tmp / "bad", "--max_steps", "0")], TRAINER_EXIT_GRACE_S="120")
+    bad = served.torchrun("--standalone", "--nproc-per-node", "2", *_train_args(tmp / "bad", "--max_steps", "0"))
+    start("bad", bad, served.environ(TRAINER_EXIT_GRACE_S="120"))
     for name in TORCHRUN_JOBS:
-        start(
-            name, [*torchrun, *_train_args(tmp / name, "--pipeline_parallel_size", "2", "--max_steps", "500")]
-        )
+        args = _train_args(tmp / name, "--pipeline_parallel_size", "2", "--max_steps", "500")
+        start(name, [*torchrun, *args], _env())
     try:
         waiting, deadline = list(TORCHRUN_JOBS), time.monotonic() + 240
         while waiting:
