@@ -354,7 +354,9 @@ class ParallelMesh:
     coords: tuple[int, int, int]
     expert_mesh: DeviceMesh | None = None  # (pp, edp, ep, tp), when ep > 1
     _pp_subgroups: dict[tuple[int, ...], ProcessGroup] = field(default_factory=dict, repr=False)
-    _sub_meshes: dict[Axis | tuple[Axis, ...], DeviceMesh] = field(default_factory=dict, repr=False)
+    _sub_meshes: dict[Axis | tuple[Axis, ...], DeviceMesh] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     @property
     def pp_rank(self) -> int:

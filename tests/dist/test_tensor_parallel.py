@@ -307,6 +307,8 @@ def _mesh_facts(mesh: ParallelMesh, rank: int) -> dict[str, Any]:
         "sizes": [mesh.size(a) for a in ("pp", "dp", "tp")],
         "first_last": int(t.item()),
         "tp_mesh": mesh["tp"].mesh.tolist(),
+        "dp_tp_mesh": mesh["dp", "tp"].mesh.tolist(),
+        "sub_meshes_made_once": mesh["tp"] is mesh["tp"] and mesh["dp", "tp"] is mesh["dp", "tp"],
     }
 
 
@@ -358,6 +360,8 @@ def test_mesh_coordinates_on_8_ranks(results: list[dict[str, Any]]) -> None:
         assert facts["sums"]["pp"] == sum(peers) == facts["first_last"]
         tp_ranks = [(pp_i * 2 + dp_i) * 2 + t for t in range(2)]
         assert facts["sums"]["tp"] == sum(tp_ranks) and facts["tp_mesh"] == tp_ranks
+        assert facts["dp_tp_mesh"] == [[(pp_i * 2 + d) * 2 + t for t in range(2)] for d in range(2)]
+        assert facts["sub_meshes_made_once"]
         assert facts["sums"]["dp"] == sum((pp_i * 2 + d) * 2 + tp_i for d in range(2))
         assert res["mesh4_coords"] == (rank // 4, 0, rank % 4)
 
