@@ -7,10 +7,11 @@
 - `torch_compile: true` (each encoder/decoder layer compiled by inductor, dynamic shapes,
   lengths in buckets of `pad_to_multiple_of`) gives the eager fp32 losses and grad norms
   within 1e-5 relative on (pp, dp, tp) = (2, 1, 2) with selective remat (against one eager
-  process), and an NLLB-MoE model (every layer sparse) gives its eager run's in one process (its experts over ep or
-  tp do not yet, and are refused: `trainer.run.preflight`). On varying lengths nothing
-  recompiles after the first step (run_summary.json), and a tp=2 layer is one graph with
-  dropout off (its collectives traced, not broken at); with dropout its tp-split sites break it.
+  process), and an NLLB-MoE model (every layer sparse) gives its eager run's in one process
+  (its experts over ep or tp do not yet, and are refused: `trainer.run.preflight`). On varying
+  lengths nothing recompiles after the first step (run_summary.json), and a tp=2 layer is one
+  graph with dropout off (its collectives traced, not broken at); with dropout its tp-split sites
+  break it.
 
 Compiling is the cost (dynamo and AOT autograd tracing with symbolic shapes, then inductor's
 codegen and g++): each rank compiles its stage's layers. The compiled mesh has no dp axis (pp and

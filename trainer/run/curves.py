@@ -83,7 +83,7 @@ def render_curves(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -
     _lines(axes[3], rows, [("lr", "lr")], legend=False)
     axes[3].ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
     for ax, name in zip(axes, titles):
-        ax.set_title(name, fontsize=10, y=1.0)
+        ax.set_title(name, fontsize=10, y=1.0)  # a set height: placing it measured every tick label
         ax.grid(alpha=0.3)
     for ax in axes[2:]:
         ax.set_xlabel("step")
