@@ -55,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 Axis = Literal["pp", "dp", "tp", "ep", "edp"]
 AXES: tuple[Axis, Axis, Axis] = ("pp", "dp", "tp")
+MeshKey = Axis | tuple[Axis, ...]  # mesh["tp"], mesh["dp", "tp"]
 
 
 # ----------------------------------------------------------------------------- sizes (pure)
@@ -354,9 +355,7 @@ class ParallelMesh:
     coords: tuple[int, int, int]
     expert_mesh: DeviceMesh | None = None  # (pp, edp, ep, tp), when ep > 1
     _pp_subgroups: dict[tuple[int, ...], ProcessGroup] = field(default_factory=dict, repr=False)
-    _sub_meshes: dict[Axis | tuple[Axis, ...], DeviceMesh] = field(
-        default_factory=dict, init=False, repr=False
-    )
+    _sub_meshes: dict[MeshKey, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def pp_rank(self) -> int:
@@ -385,16 +384,15 @@ class ParallelMesh:
         """This process's global rank."""
         return coords_to_rank(self.coords, self.dims.shape)
 
-    def __getitem__(self, axis: Axis | tuple[Axis, ...]) -> DeviceMesh:
-        """The 1-D sub-mesh of `axis` that holds this rank (torchtitan's `mesh["tp"]`), or of several
-        (pp, dp, tp) axes (`mesh["dp", "tp"]`); "edp" is the dp sub-mesh when ep is 1; "ep" exists
-        only when ep > 1. Made once per key: DeviceMesh slices anew at each `[]` (about 1.5 ms of
-        host time; a checkpoint wraps every tp-sharded tensor in one)."""
+    def __getitem__(self, axis: MeshKey) -> DeviceMesh:
+        """The sub-mesh of `axis` (or of several (pp, dp, tp) axes) that holds this rank; "edp" is the
+        dp sub-mesh when ep is 1; "ep" exists only when ep > 1. Made once per key: DeviceMesh slices
+        anew at each `[]` (~1.5 ms; a checkpoint wraps every tp-sharded tensor in one)."""
         if axis not in self._sub_meshes:
             self._sub_meshes[axis] = self._slice(axis)
         return self._sub_meshes[axis]
 
-    def _slice(self, axis: Axis | tuple[Axis, ...]) -> DeviceMesh:
+    def _slice(self, axis: MeshKey) -> DeviceMesh:
         if isinstance(axis, tuple) or axis in AXES:
             return self.device_mesh[axis]
         if self.expert_mesh is not None:
@@ -435,12 +433,11 @@ class ParallelMesh:
     def pp_subgroup(self, pp_ranks: Sequence[int]) -> ProcessGroup | None:
         """Group of the given pipeline ranks that share this rank's (dp, tp) coordinates.
 
-        Used for the tied embedding's all-reduce between the first and the last
-        stage. The first call for a given `pp_ranks` is **collective**: every rank
-        of the world must make it, in the same order, because `new_group` is
-        (each call creates the groups of all dp x tp columns). `build_mesh`
-        creates the first/last-stage group up front, so `pp_subgroup((0, pp - 1))`
-        is always local.
+        Used for the tied embedding's all-reduce between the first and the last stage. The first
+        call for a given `pp_ranks` is **collective**: every rank of the world must make it, in the
+        same order, because `new_group` is (each call creates the groups of all dp x tp columns).
+        `build_mesh` creates the first/last-stage group up front, so `pp_subgroup((0, pp - 1))` is
+        always local.
 
         Args:
             pp_ranks: pipeline coordinates, e.g. (0, pp - 1).
