@@ -123,14 +123,9 @@ def test_a_non_finite_parameter_is_never_saved(cases) -> None:
     assert not any((tmp / "run-refuse").glob("checkpoint-*"))
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {
-        **os.environ,
-        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-        **extra,
-    }
+def _env() -> dict[str, str]:
+    """A real interpreter's environment (the served launches take `served.environ()`)."""
+    env = {**os.environ, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     return env
