@@ -4,8 +4,8 @@ and the expert-load statistics it records."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -23,25 +23,42 @@ class MoERun:
 
     Attributes:
         dropless: route without capacity (no assignment ever dropped).
-        capacity_factor: f in C = ceil(f * 2 * ceil(N / E)) (training capacity).
+        capacity_factor: f in C = ceil(f * 2 * ceil(N / E)) (training capacity). Kept as its
+            decimal's ratio of integers (`capacity_ratio`, exact: in floats 1.1 * 50 rounds up to 56):
+            a float in the capacity's arithmetic is a symbolic float under torch.compile's dynamic
+            shapes, in every shape guard after it (an NLLB-MoE layer pair compiled in 60 CPU-s, 40
+            with the integers).
         aux_loss_coef: weight of the load-balancing loss (`router_aux_loss_coef`).
         seed, step: key the routing randomness together with the micro-batch and layer.
         loss_scale: what the step multiplies each micro-batch's loss sum by (1 / tokens of
             the global batch, or S / tokens under fp16): the aux loss's gradient follows it.
-            0 (the default): the aux loss reaches no gradient.
+            0 (the default): the aux loss reaches no gradient. Any other float is kept as a 0-d
+            float64 tensor.
         n_sparse_layers: sparse layers of the whole model (the aux loss is their mean).
     """
 
     dropless: bool = False
-    capacity_factor: float = 1.0
+    capacity_ratio: tuple[int, int] = (1, 1)
     aux_loss_coef: float = 0.0
     seed: int = 0
     step: int = 0
     loss_scale: float | Tensor = 0.0
     n_sparse_layers: int = 1
 
+    @property
+    def capacity_factor(self) -> float:
+        return self.capacity_ratio[0] / self.capacity_ratio[1]
+
+    @capacity_factor.setter
+    def capacity_factor(self, f: float) -> None:
+        self.capacity_ratio = Fraction(repr(f)).as_integer_ratio()  # the decimal as written: 1.1 = 11/10
+
     def begin_step(self, seed: int, step: int, loss_scale: float | Tensor) -> None:
         """Key this step's routing randomness and set the aux loss's gradient scale."""
+        if isinstance(loss_scale, float) and loss_scale != 0.0:
+            # A 0-d (host) tensor, not a float: a compiled layer would guard on the float's value
+            # and recompile every step (`parallel.compile` specializes floats).
+            loss_scale = torch.tensor(loss_scale, dtype=torch.float64)
         self.seed, self.step, self.loss_scale = seed, step, loss_scale
 
 
@@ -106,6 +123,10 @@ class SparseSettings:
     route_padding: bool = False  # `router_ignore_padding_tokens` (transformers' name: True routes padding)
     name: str = ""  # the layer's block name (keys its randomness)
     stats_enabled: bool = field(default=True)
+    eval_ratio: tuple[int, int] = field(init=False)  # eval_capacity_fraction exactly (see `MoERun`)
+
+    def __post_init__(self) -> None:
+        self.eval_ratio = Fraction(repr(self.eval_capacity_fraction)).as_integer_ratio()
 
 
 def build_sparse_ffn(c: ModelConfig, ffn_dim: int, name: str, run: MoERun, activation: Any) -> SparseFFN:
@@ -151,10 +172,11 @@ class SparseFFN(nn.Module):
         s = self.settings
         if self.run.dropless:
             return None
-        if not self.training and s.eval_capacity_fraction > 0:
-            c = math.ceil(s.eval_capacity_fraction * n)
+        if not self.training and s.eval_ratio[0] > 0:
+            c = -(-n * s.eval_ratio[0] // s.eval_ratio[1])  # ceil(fraction * n)
         else:
-            c = math.ceil(self.run.capacity_factor * 2 * math.ceil(n / s.num_experts))
+            num, den = self.run.capacity_ratio
+            c = -(-2 * num * -(-n // s.num_experts) // den)  # ceil(f * 2 * ceil(n / E)), in integers
         return None if c >= n else c  # an expert takes at most n assignments: C >= n drops nothing
 
     def forward(self, x: Tensor, call: MoECall | None = None) -> Tensor:  # (B, T, H) -> (B, T, H)

@@ -5,6 +5,7 @@ dispatcher, expert output masking, the aux loss's gradient, keyed init and the n
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -265,7 +266,8 @@ def sparse_ffn(
     ex = Experts(H, FF, E, F.relu)
     for p in ex.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    run = MoERun(dropless=dropless, capacity_factor=capacity_factor)
+    run = MoERun(dropless=dropless)
+    run.capacity_factor = capacity_factor
     ffn = SparseFFN(router(), ex, SparseSettings(E, token_dropout=token_dropout, name="l"), run)
     ffn.dispatcher = LocalDispatcher(grouped)
     return ffn
@@ -300,6 +302,22 @@ def test_sparse_ffn_equals_per_token_loop(dropless, grouped) -> None:
     assert int(routing.dropped) > 0 or dropless
     torch.testing.assert_close(out.reshape(-1, H), naive_ffn(ffn, flat, routing), rtol=1e-5, atol=1e-5)
     assert out.reshape(-1, H)[pad.reshape(-1)].abs().max() == 0  # padding gets no expert output
+
+
+@pytest.mark.parametrize("factor", [0.1, 0.5, 0.7, 1.0, 1.1, 1.25, 2.0])
+def test_capacity_is_computed_exactly_in_integers(factor) -> None:
+    """C = ceil(f * 2 * ceil(N / E)) in training and ceil(fraction * N) in evaluation, in integers (no
+    float for torch.compile to trace), exactly for the decimal written: in floats 1.1 * 50 is
+    55.00000000000001 and its ceiling 56."""
+    ffn = sparse_ffn(capacity_factor=factor)
+    ffn.settings = SparseSettings(E, eval_capacity_fraction=factor, name="l")
+    assert ffn.run.capacity_factor == factor
+    for n in range(1, 300):
+        exact = Fraction(repr(factor))
+        train = math.ceil(exact * 2 * math.ceil(n / E))
+        evaluation = math.ceil(exact * n)
+        assert ffn.train().capacity(n) == (None if train >= n else train), (n, train)
+        assert ffn.eval().capacity(n) == (None if evaluation >= n else evaluation), (n, evaluation)
 
 
 def test_experts_that_override_forward_get_the_buffer() -> None:
