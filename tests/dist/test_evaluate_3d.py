@@ -62,7 +62,7 @@ def setup(served: Served, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
              "--max_steps", str(STEPS), "--learning_rate", "5e-3", "--warmup_steps", "40",
              "--per_device_train_batch_size", "32",
              "--dropout", "0", "--attention_dropout", "0", "--activation_dropout", "0", "--do_eval", "false",
-             "--logging_steps", "100", "--output_dir", str(run)]  # fmt: skip
+             "--plots", "false", "--logging_steps", "100", "--output_dir", str(run)]  # fmt: skip
     proc = subprocess.run(train, capture_output=True, text=True, cwd=ROOT, env=served.environ(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ckpt = run / f"checkpoint-{STEPS}"

@@ -101,6 +101,7 @@ def base(tmp: Path, **extra: Any) -> dict[str, Any]:
         generation_num_beams=1,
         learning_rate=3e-3,
         warmup_steps=1,
+        plots=False,
         output_dir=str(tmp / "run"),
     )
     values.update(extra)

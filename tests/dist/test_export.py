@@ -60,6 +60,7 @@ def _values(output_dir: Path, **extra: Any) -> dict[str, Any]:
         overwrite_output_dir=True,
         disable_tqdm=True,
         report_to="none",
+        plots=False,
         builtin_size=400,
         max_eval_samples=16,
         generation_max_length=8,

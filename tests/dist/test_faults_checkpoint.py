@@ -141,7 +141,7 @@ def fault_story(rank: int, world: int, base: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def story(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("faults")
-    base = base_config(str(tmp), tokenizer_dir=str(tmp / "tok"), builtin_size=300)
+    base = base_config(str(tmp), tokenizer_dir=str(tmp / "tok"), builtin_size=300, plots=True)
     env = {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
     results = run_distributed(fault_story, 2, args=(base,), timeout=240, env=env, collective_timeout=60)
     return Path(base["output_dir"]), results

@@ -133,7 +133,7 @@ def _env() -> dict[str, str]:
 
 def _train_args(out: Path, *extra: str) -> list[str]:
     small = [str(x) for kv in SMALL_DATA.items() for x in (f"--{kv[0]}", kv[1])]
-    return ["-m", "trainer.train", "--config", "configs/tiny.yaml", "--do_eval", "false", *small,
+    return ["-m", "trainer.train", "--config", "configs/tiny.yaml", "--do_eval", "false", "--plots", "false", *small,
             "--output_dir", str(out), *extra]  # fmt: skip
 
 

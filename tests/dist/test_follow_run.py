@@ -72,3 +72,5 @@ def test_the_logging_rank_speaks_where_it_is_not_rank_0(served: Served, tmp_path
     log = proc.stdout + proc.stderr
     steps = re.findall(r"trainer\.progress: (step \d/2) \| loss .* \| bubble \d+\.\d% \| eta", log)
     assert steps == ["step 1/2", "step 2/2"], log[-3000:]
+    for png in ("curves.png", "timeline.png"):  # drawn on the logging rank (`plots`, the default)
+        assert (tmp_path / "run" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png

@@ -41,6 +41,8 @@ TRAINER_ARGS = [
     "200",
     "--do_eval",
     "false",
+    "--plots",
+    "false",
     "--pipeline_parallel_size",
     "2",
     "--max_steps",

@@ -116,7 +116,7 @@ def test_killed_rank_resumes_the_stream_exactly(served: Served, tmp_path: Path, 
     resumes the stream from checkpoint-3 and logs the uninterrupted run's steps exactly."""
     args = ["--config", "configs/tiny.yaml", "--dataset_name", "null", "--train_file", corpus,
             "--streaming", "true", "--language_pairs", *PAIRS, "--spm_input_sentence_size", "4000",
-            "--dataloader_num_workers", "1", "--do_eval", "false", "--data_parallel_size", "2",
+            "--dataloader_num_workers", "1", "--do_eval", "false", "--plots", "false", "--data_parallel_size", "2",
             "--per_device_train_batch_size", "4", "--max_steps", "7", "--save_steps", "3",
             "--resume_from_checkpoint", "latest", "--dropout", "0", "--attention_dropout", "0",
             "--activation_dropout", "0"]  # fmt: skip

@@ -17,7 +17,8 @@ GLOBAL_BATCH = 16
 
 
 def base_config(tmp: str, tokenizer_dir: str | None = None, **extra: Any) -> dict[str, Any]:
-    """configs/tiny.yaml, deterministic (dropout 0), small data, no eval, 5 steps."""
+    """configs/tiny.yaml, deterministic (dropout 0), small data, no eval, 5 steps, no plots (the
+    PNGs cost the logging rank ~0.7 CPU-s a run; tests/dist/test_follow_run.py checks them)."""
     cfg = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
     cfg.update(
         dropout=0.0,
@@ -28,6 +29,7 @@ def base_config(tmp: str, tokenizer_dir: str | None = None, **extra: Any) -> dic
         do_eval=False,
         logging_steps=1,
         report_to="none",
+        plots=False,
         disable_tqdm=True,
         overwrite_output_dir=True,
         output_dir=os.path.join(tmp, "run"),

@@ -126,6 +126,11 @@ def test_tracker_draws_curves_from_metrics_jsonl(tmp_path: Path, monkeypatch: py
     t.close()
     _check_png(tmp_path / "curves.png")
     assert Tracker(str(tmp_path / "other"), enabled=False).draw_curves(1) is None
+    (tmp_path / "off").mkdir()
+    off = Tracker(str(tmp_path / "off"), enabled=True, disable_tqdm=True, plots=False)  # `plots: false`
+    off.log({**TRAIN, "step": 1})
+    assert off.draw_curves(1, final=True) is None and not (tmp_path / "off" / "curves.png").exists()
+    off.close()
 
 
 def test_progress_bar_goes_to_stderr(capsys: pytest.CaptureFixture[str]) -> None:

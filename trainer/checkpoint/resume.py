@@ -173,6 +173,7 @@ MAY_CHANGE = (
     "run_name",
     "wandb_project",
     "disable_tqdm",
+    "plots",
     # run_translation / Seq2SeqTrainingArguments names (trainer/run/strategies.py, trainer/eval/predict.py)
     "num_train_epochs",  # like max_steps: the lr decay stretches to the new end
     "eval_strategy",

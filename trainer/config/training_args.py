@@ -235,6 +235,14 @@ class TrainingArguments:
     run_name: str | None = field(default=None, metadata={"help": "Run name for tracking."})
     wandb_project: str = field(default="polyglot3d", metadata={"help": "W&B project."})
     disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
+    plots: bool = field(
+        default=True,
+        metadata={
+            "help": "Draw curves.png (from metrics.jsonl) and, under a pipeline, timeline.png in output_dir "
+            "with matplotlib (a few hundred ms of CPU each, on the logging rank); false: neither "
+            "(timeline_trace.json is still written)."
+        },
+    )
 
     def __post_init__(self) -> None:
         self.resume_from_checkpoint = resume_spec(self.resume_from_checkpoint)

@@ -133,6 +133,7 @@ def build_tracker(ctx: RunContext, step: int) -> Tracker:
         args.max_steps,
         args.disable_tqdm,
         initial_step=step,
+        plots=args.plots,
     )
 
 
@@ -196,7 +197,7 @@ def train_loop(
             if pp > 1:
                 totals.bubbles.append(row["bubble_fraction"])
         if step == timeline_step and pp > 1:
-            png = write_timeline(pm, st.flushes, ctx.out, ctx.is_logger, step)
+            png = write_timeline(pm, st.flushes, ctx.out, ctx.is_logger, step, draw=args.plots)
             if png:
                 tracker.log_image(step, "pipeline_timeline", png)
         if st.preempt_signal:

@@ -43,7 +43,7 @@ def run_summary(
         if totals.time_in_steps
         else 0.0,
         "bubble_fraction": float(np.mean(totals.bubbles)) if totals.bubbles else None,
-        "timeline_png": str(out / "timeline.png") if pp > 1 else None,
+        "timeline_png": str(out / "timeline.png") if pp > 1 and ctx.cfg.training.plots else None,
         "timeline_trace": str(out / "timeline_trace.json") if pp > 1 else None,
         "data_skipped": data_skipped(ctx),
         "direction_shares": ctx.sampler.shares(),
@@ -103,7 +103,7 @@ def print_summary(s: dict[str, Any]) -> None:
             f"bubble               measured {s['bubble_fraction']:.3f}   theory "
             f"{s['bubble_fraction_theory']:.3f}"
         )
-        lines.append(f"timeline             {s['timeline_png']}")
+        lines.append(f"timeline             {s['timeline_png'] or s['timeline_trace']}")
     lines.extend(memory_lines(s.get("memory") or {}))
     comp = s.get("compile") or {}
     if comp.get("torch_compile"):

@@ -109,17 +109,20 @@ def chrome_trace(rows: list[Row]) -> dict[str, object]:
 
 
 def write_timeline(
-    pm: ParallelModel, flushes: list[FlushResult], out: Path, is_logger: bool, step: int
+    pm: ParallelModel, flushes: list[FlushResult], out: Path, is_logger: bool, step: int, draw: bool = True
 ) -> str | None:
-    """Collective. Writes timeline.png and timeline_trace.json on the logging rank; returns the PNG path there."""
+    """Collective. Writes timeline_trace.json and (`draw`: the `plots` option) timeline.png on the
+    logging rank; returns the PNG's path there, if drawn."""
     dst = _logger_rank(pm)
     rows = gather_rows(pm, flushes, dst)
     if not is_logger or rows is None:
         return None
+    (out / "timeline_trace.json").write_text(json.dumps(chrome_trace(rows)))
+    if not draw:
+        return None
     png = out / "timeline.png"
     plan = pm.plan
     render_png(rows, png, f"step {step}: {plan.schedule_name}, p={plan.p}, m={plan.m}, v={plan.v}")
-    (out / "timeline_trace.json").write_text(json.dumps(chrome_trace(rows)))
     return str(png)
 
 

@@ -71,8 +71,9 @@ class Tracker:
         max_steps: int = 0,
         disable_tqdm: bool = False,
         initial_step: int = 0,
+        plots: bool = True,
     ) -> None:
-        self.enabled = enabled
+        self.enabled, self.plots = enabled, plots
         self.history: list[dict[str, Any]] = []
         self.path = Path(output_dir) / "metrics.jsonl"
         self.wandb: Any = None
@@ -162,10 +163,10 @@ class Tracker:
 
     def draw_curves(self, step: int, final: bool = False) -> str | None:
         """Redraw `curves.png` beside metrics.jsonl from its rows (`trainer.run.curves`) and send it
-        to W&B as `train/curves`; returns its path, or None when not drawn: no new row, or (unless
+        to W&B as `train/curves`; returns its path, or None when not drawn: `plots` off, no new row, or (unless
         `final`: the end of the run, a stop) less than `CURVES_EVERY_S` since the last drawing. A
         drawing failure is a warning, never the run's end."""
-        if not self.enabled or self._drawn_rows == len(self.history):
+        if not (self.enabled and self.plots) or self._drawn_rows == len(self.history):
             return None
         if not final and time.monotonic() - self._drawn_at < CURVES_EVERY_S:
             return None  # a drawing costs ~0.4 s of CPU: not at each of a short run's evaluations
