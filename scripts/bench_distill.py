@@ -67,7 +67,7 @@ def student_config(work: Path, world: int) -> list[str]:
             "--tensor_parallel_size", "2", "--data_parallel_size", str(dp), "--expert_parallel_size", str(dp),
             "--num_microbatches", "4", "--per_device_train_batch_size", str(32 // (4 * dp)), "--builtin_size", "800",
             "--dropout", "0", "--attention_dropout", "0", "--do_eval", "false", "--max_steps", "1000",
-            "--report_to", "none", "--disable_tqdm", "true", "--logging_steps", "1000"]  # fmt: skip
+            "--report_to", "none", "--disable_tqdm", "true", "--plots", "false", "--logging_steps", "1000"]  # fmt: skip
 
 
 def write_teacher(work: Path, world: int) -> None:

@@ -228,7 +228,7 @@ def _run_once(args: list[str], world: int, out_dir: Path, opts: PlanOptions) -> 
     cmd = [*(launcher if world > 1 else [sys.executable]), "-m", "trainer.train", *args,
            "--output_dir", str(out_dir), "--overwrite_output_dir", "true",
            "--max_steps", str(opts.validate_steps), "--logging_steps", "1", "--do_eval", "false",
-           "--save_steps", "0", "--report_to", "none", "--disable_tqdm", "true"]  # fmt: skip
+           "--save_steps", "0", "--report_to", "none", "--disable_tqdm", "true", "--plots", "false"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=opts.validate_timeout)
