@@ -16,6 +16,11 @@ from models.moe.experts import Experts, GroupedRows, LocalDispatcher
 from models.moe.router import Routing, Top2Router, keyed_generator
 
 
+def decimal_ratio(f: float) -> tuple[int, int]:
+    """`f` as the exact ratio of integers of the decimal it was written as (1.1 -> (11, 10))."""
+    return Fraction(repr(f)).as_integer_ratio()
+
+
 @dataclass
 class MoERun:
     """What every sparse layer of one model reads besides its inputs: the run's options and
@@ -51,7 +56,7 @@ class MoERun:
 
     @capacity_factor.setter
     def capacity_factor(self, f: float) -> None:
-        self.capacity_ratio = Fraction(repr(f)).as_integer_ratio()  # the decimal as written: 1.1 = 11/10
+        self.capacity_ratio = decimal_ratio(f)
 
     def begin_step(self, seed: int, step: int, loss_scale: float | Tensor) -> None:
         """Key this step's routing randomness and set the aux loss's gradient scale."""
@@ -126,7 +131,7 @@ class SparseSettings:
     eval_ratio: tuple[int, int] = field(init=False)  # eval_capacity_fraction exactly (see `MoERun`)
 
     def __post_init__(self) -> None:
-        self.eval_ratio = Fraction(repr(self.eval_capacity_fraction)).as_integer_ratio()
+        self.eval_ratio = decimal_ratio(self.eval_capacity_fraction)
 
 
 def build_sparse_ffn(c: ModelConfig, ffn_dim: int, name: str, run: MoERun, activation: Any) -> SparseFFN:

@@ -312,8 +312,8 @@ def test_capacity_is_computed_exactly_in_integers(factor) -> None:
     ffn = sparse_ffn(capacity_factor=factor)
     ffn.settings = SparseSettings(E, eval_capacity_fraction=factor, name="l")
     assert ffn.run.capacity_factor == factor
+    exact = Fraction(repr(factor))
     for n in range(1, 300):
-        exact = Fraction(repr(factor))
         train = math.ceil(exact * 2 * math.ceil(n / E))
         evaluation = math.ceil(exact * n)
         assert ffn.train().capacity(n) == (None if train >= n else train), (n, train)
