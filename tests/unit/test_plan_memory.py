@@ -179,6 +179,25 @@ def test_wide_models_activation_bytes_extrapolate_exactly_from_two_narrow_copies
         blocks.narrow_config(mc, 3)
 
 
+def test_a_model_the_narrow_factors_do_not_divide_is_measured_as_it_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Up to DIRECT_MAX_PARAMS a one-layer copy whose widths the factors do not divide (FFN 200: not
+    a multiple of 16) is built and measured, not refused; above it, refused, naming the width."""
+    mc = replace(MC, d_model=128, encoder_ffn_dim=200, decoder_ffn_dim=200, vocab_size=1600)
+    shape = Shape(1, 9, 7)
+    direct = measure_kind_costs(mc, shape, "none", bf16=False, timed=False)
+    monkeypatch.setattr(blocks, "WIDE_ONE_LAYER_PARAMS", 0)
+    assert not blocks._narrows(mc) and blocks._narrows(replace(mc, encoder_ffn_dim=256, decoder_ffn_dim=256))
+    got = blocks.activation_kind_costs(mc, shape, "none")
+    assert {k: p.activation_bytes for k, p in got.items()} == {
+        k: p.activation_bytes for k, p in direct.items()
+    }
+    monkeypatch.setattr(blocks, "DIRECT_MAX_PARAMS", 0)
+    with pytest.raises(ConfigError, match="encoder_ffn_dim=200 is not a multiple of 16"):
+        blocks.activation_kind_costs(mc, shape, "none")
+
+
 def test_a_wide_moe_models_narrow_copies_keep_their_sparse_layers(monkeypatch: pytest.MonkeyPatch) -> None:
     """NLLB-MoE-54B's device-table costs come from narrow one-layer copies: a sparse step above 1
     must not leave them without the sparse kinds (the planner raised KeyError 'enc_layer+moe')."""

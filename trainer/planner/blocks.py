@@ -116,8 +116,12 @@ def measure_kind_costs(
     return out
 
 
-# A one-layer copy above this many parameters is not built: its activation bytes come from two narrow copies
-WIDE_ONE_LAYER_PARAMS = 200_000_000
+# A one-layer copy above WIDE_ONE_LAYER_PARAMS is not built where two narrow copies can stand in
+# (`activation_kind_costs`): M2M100-1.2B's (171M parameters) took 1.4 CPU-s to build and run per
+# (remat, tp), its narrow copies 0.03; its plan on 4 x 8 H100 went from 13.4 to 6.3 CPU-s, the
+# same plan. Above DIRECT_MAX_PARAMS it is never built: a model the factors do not divide is refused.
+WIDE_ONE_LAYER_PARAMS = 50_000_000
+DIRECT_MAX_PARAMS = 200_000_000
 NARROW_FACTORS = (8, 16)
 
 
@@ -140,11 +144,23 @@ def narrow_config(mc: ModelConfig, k: int) -> ModelConfig:
     )  # fmt: skip  (NLLB's 256206: off by < 1e-5)
 
 
+def _narrows(mc: ModelConfig) -> bool:
+    """Whether `narrow_config` makes both narrow copies of `mc` (its widths divide by the factors,
+    its heads the narrowed d_model)."""
+    try:
+        for k in NARROW_FACTORS:
+            narrow_config(mc, k)
+    except (ConfigError, ValueError):
+        return False
+    return True
+
+
 def activation_kind_costs(
     mc: ModelConfig, shape: Shape, remat: str, tp: int = 1, sequence_parallel: bool = False
 ) -> KindCosts:
     """Activation bytes per block kind on a tp rank (times left 0), from the one-layer copy, or for
-    a wide model (`WIDE_ONE_LAYER_PARAMS`) extrapolated from two narrow copies (`narrow_config`).
+    a wide model (`WIDE_ONE_LAYER_PARAMS`, where its widths allow) extrapolated from two narrow
+    copies (`narrow_config`).
 
     Every saved tensor is either as wide as d_model, an FFN or the vocabulary (linear outputs,
     logits) or of no width (ids, masks, attention probabilities over the kept heads), so each
@@ -157,7 +173,7 @@ def activation_kind_costs(
         measure_kind_costs, remat=remat, bf16=False, timed=False, tp=tp, sequence_parallel=sequence_parallel
     )
     widest = max(one_layer_config(mc, sparse).num_parameters() for sparse in (False, mc.is_moe))
-    if widest <= WIDE_ONE_LAYER_PARAMS:
+    if widest <= WIDE_ONE_LAYER_PARAMS or (widest <= DIRECT_MAX_PARAMS and not _narrows(mc)):
         return measure(mc, shape)
     k1, k2 = NARROW_FACTORS
     mc = padded_vocab_config(mc, math.lcm(k1, k2))
