@@ -136,3 +136,31 @@ def test_bad_input_is_one_line(corpus, tmp_path, capsys, change, says) -> None:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("trainer.distill_data: error:") and says in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("blank", ["some", "all"])
+def test_empty_translations_are_left_out_and_named(corpus, tmp_path, monkeypatch, capsys, blank) -> None:
+    """An untrained teacher says nothing (EOS first): the trainer would skip those pairs as empty, and
+    a shard of nothing but them would stop its reader. They are left out and counted; when every
+    translation is empty nothing is written and the run fails in one line."""
+    import trainer.eval.runner as runner
+
+    original = runner.translate_on_mesh
+
+    def silent(*args, **kwargs):  # type: ignore[no-untyped-def]
+        hyps = original(*args, **kwargs)
+        return [h if blank == "some" and i % 2 else "" for i, h in enumerate(hyps)]
+
+    monkeypatch.setattr(runner, "translate_on_mesh", silent)
+    out = tmp_path / "out"
+    if blank == "all":
+        assert main(_args(corpus, out)) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert len(err) == 1 and "all 12 of the teacher's translations are empty" in err[0], err
+        assert not any(p.is_file() for p in out.iterdir())
+        return
+    assert main(_args(corpus, out)) == 0
+    err = capsys.readouterr().err
+    assert "7 of the teacher's translations were empty and are left out" in err, err  # 4 of 7, 3 of 5
+    got = _records(out / "train-a.jsonl") + _records(out / "train-b.jsonl.gz")
+    assert len(got) == 5 and all(r["de"] for r in got)

@@ -20,7 +20,10 @@ unfinished shard and a rerun of a finished one does nothing; a half-written temp
 overwritten. A record yields one pair per direction whose two languages it holds (a record
 {en, de} under `--directions en-de de-en` gives en -> de' and de -> en'); unreadable lines are
 skipped and counted (`trainer.data.shards.PieceReader`), records without a direction's source
-or target skipped (the target marks the pairs the corpus has for that direction).
+or target skipped (the target marks the pairs the corpus has for that direction). An empty
+translation (an untrained teacher's end-of-sentence first) is left out and counted, as training
+would skip the pair; a shard none of whose translations holds text is not written, and a run
+that wrote nothing but empty translations fails in one line.
 """
 
 from __future__ import annotations
@@ -184,15 +187,16 @@ def write_shard(path: Path, pairs: list[tuple[str, str, str, str]]) -> None:
 
 def distill_shard(
     pm: ParallelModel, plan: Plan, args: DistillDataArguments, shard: Shard, bar: Progress
-) -> tuple[list[tuple[str, str, str, str]] | None, int]:
-    """One shard decoded on the mesh (collective): its pairs on rank 0 (None elsewhere), and the
-    records no direction could use."""
+) -> tuple[list[tuple[str, str, str, str]] | None, int, int]:
+    """One shard decoded on the mesh (collective): its pairs on rank 0 (None elsewhere), the
+    records no direction could use, and the empty translations left out (rank 0's count)."""
     from trainer.eval.runner import translate_on_mesh
 
     records = read_records(shard, args.max_bad_record_fraction)
     pairs: list[tuple[str, str, str, str]] = []
     used = [False] * len(records)
     mine = True
+    empty = 0
     for src, tgt in plan.directions:
         rows = [i for i, r in enumerate(records) if _text(r, src) and _text(r, tgt)]
         sources = [_text(records[i], src) for i in rows]
@@ -205,8 +209,10 @@ def distill_shard(
         if hyps is None:
             mine = False
             continue
-        pairs += [(src, tgt, s, h.strip()) for s, h in zip(sources, hyps)]
-    return (pairs if mine else None), used.count(False)
+        got = [(src, tgt, s, h.strip()) for s, h in zip(sources, hyps)]
+        pairs += [p for p in got if p[3]]
+        empty += len(got) - sum(1 for p in got if p[3])
+    return (pairs if mine else None), used.count(False), empty
 
 
 def _text(record: dict[str, Any], lang: str) -> str:
@@ -232,6 +238,8 @@ def distill_corpus(
         "done_before": len(shards) - len(todo[0]),
         "pairs": 0,
         "unused_records": 0,
+        "empty_translations": 0,
+        "shards_not_written": 0,
     }
     if rank == 0:
         print(
@@ -244,11 +252,20 @@ def distill_corpus(
     total = sum(shards[i].records for i in todo[0]) * len(plan.directions)
     with Progress(total, "distill", "pair", enabled=rank == 0, bar=not args.disable_tqdm) as bar:
         for i in todo[0]:
-            pairs, unused = distill_shard(pm, plan, args, shards[i], bar)
+            pairs, unused, empty = distill_shard(pm, plan, args, shards[i], bar)
             counts["unused_records"] += unused
-            if pairs is not None:
+            counts["empty_translations"] += empty
+            if pairs:
                 write_shard(output_path(out, shards[i]), pairs)
                 counts["pairs"] += len(pairs)
+            elif pairs is not None:  # nothing to train on: an empty shard would stop the trainer's reader
+                counts["shards_not_written"] += 1
+    if rank == 0 and todo[0] and not counts["pairs"] and counts["empty_translations"]:
+        raise DistillDataError(
+            f"--model {args.model!r}: all {counts['empty_translations']} of the teacher's translations "
+            "are empty, nothing was written: is it a trained teacher (its checkpoint, with the tokenizer "
+            "it was trained with)?"
+        )
     return counts
 
 
