@@ -50,11 +50,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{counts['unused_records']} record(s) held no direction's pair",
             file=sys.stderr,
         )
-        if counts["empty_translations"]:
+        if counts["empty_translations"] or counts["shards_not_written"]:
             print(
                 f"trainer.distill_data: warning: {counts['empty_translations']} of the teacher's translations "
                 f"were empty and are left out (training would skip them); "
-                f"{counts['shards_not_written']} shard(s) had no other and were not written",
+                f"{counts['shards_not_written']} shard(s) held no pair and were not written",
                 file=sys.stderr,
             )
     return 0

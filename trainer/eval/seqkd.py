@@ -22,7 +22,7 @@ overwritten. A record yields one pair per direction whose two languages it holds
 skipped and counted (`trainer.data.shards.PieceReader`), records without a direction's source
 or target skipped (the target marks the pairs the corpus has for that direction). An empty
 translation (an untrained teacher's end-of-sentence first) is left out and counted, as training
-would skip the pair; a shard none of whose translations holds text is not written, and a run
+would skip the pair; a shard left with no pair is not written, and a run
 that wrote nothing but empty translations fails in one line.
 """
 
@@ -209,9 +209,9 @@ def distill_shard(
         if hyps is None:
             mine = False
             continue
-        got = [(src, tgt, s, h.strip()) for s, h in zip(sources, hyps)]
-        pairs += [p for p in got if p[3]]
-        empty += len(got) - sum(1 for p in got if p[3])
+        kept = [(src, tgt, s, h.strip()) for s, h in zip(sources, hyps) if h.strip()]
+        pairs += kept
+        empty += len(sources) - len(kept)
     return (pairs if mine else None), used.count(False), empty
 
 
@@ -258,7 +258,7 @@ def distill_corpus(
             if pairs:
                 write_shard(output_path(out, shards[i]), pairs)
                 counts["pairs"] += len(pairs)
-            elif pairs is not None:  # nothing to train on: an empty shard would stop the trainer's reader
+            elif pairs is not None:  # no pair: an empty shard would stop the trainer's reader
                 counts["shards_not_written"] += 1
     if rank == 0 and todo[0] and not counts["pairs"] and counts["empty_translations"]:
         raise DistillDataError(
